@@ -1,0 +1,28 @@
+"""ckpt_ext: fast activation checkpointing for PyTorch.
+
+    import ckpt_ext
+    y = ckpt_ext.checkpoint(block, x)            # drop-in for torch.utils.checkpoint.checkpoint
+    ckpt_ext.enable_checkpointing(model)         # checkpoint every layer of a layer-stack model
+"""
+from ._extension import load as _load
+
+_C = _load()
+
+from .checkpoint import checkpoint, checkpoint_sequential, is_recomputing  # noqa: E402
+from .integration import disable_checkpointing, enable_checkpointing  # noqa: E402
+from .pool import empty_pool, is_pooled, pool_stats, record_stream, reset_peak_stats, set_pool_chunk_bytes  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = [
+    "checkpoint",
+    "checkpoint_sequential",
+    "is_recomputing",
+    "enable_checkpointing",
+    "disable_checkpointing",
+    "pool_stats",
+    "reset_peak_stats",
+    "empty_pool",
+    "set_pool_chunk_bytes",
+    "is_pooled",
+    "record_stream",
+]

@@ -1,0 +1,67 @@
+"""Statistics and control of the BoundaryPool: one arena per device holding checkpoint boundaries."""
+from typing import Dict, Optional, Union
+
+import torch
+
+from ._extension import load
+
+_C = load()
+
+DeviceLike = Union[str, int, torch.device, None]
+
+
+def _device(device: DeviceLike) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise TypeError(f"expected a device such as 'cpu', 'cuda:0' or torch.device, got {device!r}") from e
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def pool_stats(device: DeviceLike = None) -> Dict[str, int]:
+    """Counters of the device's pool: ``reserved_bytes`` (held in chunks), ``in_use_bytes`` (live
+    slots), ``peak_in_use_bytes``, ``live_slots``, ``grows`` (chunks ever added), ``chunks``,
+    ``allocations`` and ``stream_fences``. Default device: the current CUDA device, else CPU."""
+    return dict(_C.pool_stats(_device(device)))
+
+
+def reset_peak_stats(device: DeviceLike = None) -> None:
+    """Sets ``peak_in_use_bytes`` of the device's pool to its current ``in_use_bytes``."""
+    _C.reset_peak_stats(_device(device))
+
+
+def empty_pool(device: DeviceLike = None) -> int:
+    """Returns the pool's chunks that hold no live slot to PyTorch's allocator; returns the bytes freed."""
+    return int(_C.empty_pool(_device(device)))
+
+
+def set_pool_chunk_bytes(nbytes: int, device: DeviceLike = None) -> None:
+    """Size of the chunks the device's arena grows by (default 64 MiB on GPUs, 4 MiB on CPU; the
+    environment variable CKPT_EXT_POOL_CHUNK_MB sets the default). Affects later growth only."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 256:
+        raise ValueError(f"nbytes must be an integer of at least 256, got {nbytes!r}")
+    _C.set_pool_chunk_bytes(_device(device), nbytes)
+
+
+def is_pooled(tensor: torch.Tensor) -> bool:
+    """True when the tensor's storage is a slot of a ckpt_ext pool."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a Tensor, got {type(tensor).__name__}")
+    return bool(_C.is_pooled(tensor))
+
+
+def record_stream(tensor: torch.Tensor, stream: torch.Stream) -> None:
+    """Pooled counterpart of ``Tensor.record_stream``: the tensor is used on ``stream``, so its slot is
+    reused only after the work queued there. (``Tensor.record_stream`` only knows PyTorch's caching
+    allocator and has no effect on pooled tensors.)"""
+    if not isinstance(stream, torch.Stream):
+        raise TypeError(f"expected a torch.Stream (e.g. torch.cuda.Stream), got {type(stream).__name__}")
+    _C.record_stream(tensor, stream.stream_id, stream.device_index, stream.device_type)
