@@ -289,16 +289,16 @@ def _check_options(use_reentrant, determinism_check, debug, preserve_rng_state):
         raise TypeError(f"preserve_rng_state must be True or False, got {preserve_rng_state!r}")
 
 
-def _checkpoint(function, args: tuple, kwargs: dict, *, params: Optional[Sequence[_Tensor]] = None,
+def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] = None,
                 preserve_rng_state: bool = True, determinism_check: str = "default", debug: bool = False):
+    """checkpoint() without argument checks. `found`: the parameters and BatchNorm modules the function
+    uses, when the caller knows them (otherwise they are discovered)."""
     if not torch.is_grad_enabled():  # no_grad and inference_mode: nothing to save
         return function(*args, **kwargs)
     tensors, plan = _split_call(args, kwargs)
-    if params is None:
+    if found is None:
         found = _discover(function, plan.leaves, {id(t) for t in tensors})
-        params, batchnorms = found.params, found.batchnorms
-    else:
-        batchnorms = []
+    params, batchnorms = found.params, found.batchnorms
     if not any(t.requires_grad for t in tensors) and not any(p.requires_grad for p in params):
         return function(*args, **kwargs)
     runner = _Runner(function, plan, batchnorms, debug)
@@ -376,7 +376,6 @@ def checkpoint_sequential(functions, segments: int, input, use_reentrant: Option
         found = _Found()
         for f in functions[start:end + 1]:
             _collect(f, found, 0)
-        params = None if found.batchnorms else found.params  # let discovery handle BatchNorm restore
-        input = _checkpoint(run, (input,), {}, params=params, preserve_rng_state=preserve,
+        input = _checkpoint(run, (input,), {}, found=found, preserve_rng_state=preserve,
                             determinism_check=determinism_check, debug=debug)
     return _run_range(functions, end + 1, len(functions) - 1)(input)
