@@ -188,8 +188,9 @@ def enable_checkpointing(model: nn.Module, every: int = 1, layers: Optional[Sequ
     if getattr(model, "is_gradient_checkpointing", False) or any(
             getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise ValueError("this model has Hugging Face gradient checkpointing enabled; call "
-                         "model.gradient_checkpointing_disable() before ckpt_ext.enable_checkpointing(model), "
-                         "or the layers would be checkpointed twice")
+                         "model.activation_checkpointing_disable() (gradient_checkpointing_disable() before "
+                         "transformers 5.x renamed it) before ckpt_ext.enable_checkpointing(model), or the "
+                         "layers would be checkpointed twice")
     if layers is not None:
         if isinstance(layers, (nn.ModuleList, nn.Sequential)):
             stacks = [("layers", layers)]

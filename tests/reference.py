@@ -20,6 +20,7 @@ __all__ = [
     "chain",
     "leaf_inputs",
     "StepResult",
+    "loss_of",
     "run_step",
     "assert_grads_close",
 ]
