@@ -23,7 +23,7 @@ build: venv
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 test: build check-cuda
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: build
 	$(PY) benchmarks/bench_checkpoint.py

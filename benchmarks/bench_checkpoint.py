@@ -1,0 +1,284 @@
+"""Side-by-side benchmark of checkpointing tools (``make bench``).
+
+Variants: no checkpointing, torch.utils.checkpoint (non-reentrant and reentrant), ckpt_ext.checkpoint.
+Two workloads on the best device present (CUDA if available, else CPU):
+  * per-call cost: a stack of many tiny blocks, every block checkpointed -- what a checkpointed call
+    costs beyond the computation it replays;
+  * a small BERT encoder (Hugging Face, random weights): median step time and the bytes held from
+    forward to backward (CPU: saved tensors plus the ckpt_ext pool; CUDA: peak allocated/reserved).
+Timings are medians over interleaved rounds (each round runs every variant once), with 20th/80th
+percentiles. Results: a markdown table on stdout and benchmarks/results/<device>/engine.{md,json}.
+"""
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+import ckpt_ext
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+VARIANTS = {
+    "none": None,
+    "torch.utils.checkpoint (non-reentrant)": functools.partial(torch_checkpoint, use_reentrant=False),
+    "torch.utils.checkpoint (reentrant)": functools.partial(torch_checkpoint, use_reentrant=True),
+    "ckpt_ext.checkpoint": ckpt_ext.checkpoint,
+}
+
+
+# ----------------------------------------------------------------------------------------------- timing
+class Timer:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def quantiles(xs):
+    xs = sorted(xs)
+    q = lambda f: xs[min(len(xs) - 1, int(round(f * (len(xs) - 1))))]  # noqa: E731
+    return {"median": statistics.median(xs), "p20": q(0.2), "p80": q(0.8)}
+
+
+def interleaved(steps: dict, device, rounds: int, warmup: int, setup=None):
+    """steps: name -> step function. setup(name), if given, runs untimed before each step."""
+    timer = Timer(device)
+    for _ in range(warmup):
+        for k, fn in steps.items():
+            if setup:
+                setup(k)
+            fn()
+    times = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, fn in steps.items():
+            if setup:
+                setup(k)
+            times[k].append(timer(fn))
+    return {k: quantiles(v) for k, v in times.items()}
+
+
+# ------------------------------------------------------------------------------------------ accounting
+def held_bytes(step_forward, params, device):
+    """Bytes that live from forward to backward: unique storages saved for backward (parameters
+    excluded) plus ckpt_ext's pool, measured on CPU with saved-tensor hooks; peak allocated on CUDA."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = step_forward()
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base
+        loss.backward()
+        torch.cuda.synchronize()
+        return {"held_bytes": held, "peak_allocated": torch.cuda.max_memory_allocated() - base,
+                "peak_reserved": torch.cuda.max_memory_reserved()}
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in param_ptrs and not ckpt_ext.is_pooled(t):
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    pool_before = ckpt_ext.pool_stats("cpu")["in_use_bytes"]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step_forward()
+    pool = ckpt_ext.pool_stats("cpu")["in_use_bytes"] - pool_before
+    loss.backward()
+    return {"held_bytes": sum(storages.values()) + pool, "saved_bytes": sum(storages.values()), "pool_bytes": pool}
+
+
+# ------------------------------------------------------------------------------------------- workloads
+class Tiny(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+def bench_per_call(device, n_blocks, width, rounds):
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Tiny(width) for _ in range(n_blocks)).to(device)
+    x = torch.randn(4, width, device=device, requires_grad=True)
+
+    def step(ckpt):
+        def run():
+            h = x
+            for b in blocks:
+                h = b(h) if ckpt is None else ckpt(b, h)
+            h.sum().backward()
+        return run
+
+    stats = interleaved({k: step(v) for k, v in VARIANTS.items()}, device, rounds, warmup=5)
+    base = stats["none"]["median"]
+    rows = []
+    for k, s in stats.items():
+        rows.append({"variant": k, "step_s": s, "per_call_us": (s["median"] - base) / n_blocks * 1e6 if k != "none" else 0.0})
+    return rows
+
+
+def bench_bert(device, layers, hidden, heads, seq, batch, rounds, dtype):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=4 * hidden, max_position_embeddings=max(512, seq), vocab_size=1000)
+    model = BertModel(cfg, add_pooling_layer=False).to(device).train()
+    ids = torch.randint(0, 1000, (batch, seq), device=device)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def configure(variant):
+        ckpt_ext.disable_checkpointing(model)
+        if hasattr(model, "activation_checkpointing_disable"):
+            model.activation_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_disable()
+        if variant == "ckpt_ext.checkpoint":
+            ckpt_ext.enable_checkpointing(model)
+        elif variant != "none":
+            kw = {"use_reentrant": "non-reentrant" not in variant}
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+
+    def forward():
+        with autocast:
+            return model(input_ids=ids).last_hidden_state.float().pow(2).mean()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        forward().backward()
+
+    stats = interleaved({k: step for k in VARIANTS}, device, rounds, warmup=2, setup=configure)
+    rows = []
+    for k in VARIANTS:
+        configure(k)
+        model.zero_grad(set_to_none=True)
+        mem = held_bytes(forward, list(model.parameters()), device)
+        rows.append({"variant": k, "step_s": stats[k], **mem})
+    configure("none")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- output
+def env_info(device):
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    return {"device": str(device), "device_name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "ckpt_ext": ckpt_ext.__version__, "git_commit": commit, "threads": torch.get_num_threads(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version()}
+
+
+def mib(b):
+    return f"{b / 2**20:.2f}"
+
+
+def ms(s):
+    return f"{s['median'] * 1e3:.2f} ({s['p20'] * 1e3:.2f}-{s['p80'] * 1e3:.2f})"
+
+
+def to_markdown(info, per_call, per_call_cfg, bert, bert_cfg):
+    lines = [f"# ckpt_ext engine benchmark — {info['device_name']} ({info['device']})", "",
+             f"{info['date']}, torch {info['torch']}, CUDA {info['cuda']}, commit {info['git_commit']}, "
+             f"{info['threads']} threads", "",
+             f"## Per-call cost: {per_call_cfg['blocks']} tiny blocks (Linear {per_call_cfg['width']} + tanh, batch 4), "
+             "every block checkpointed", "",
+             "| variant | step ms, median (p20-p80) | per-call overhead µs | vs torch non-reentrant |",
+             "|---|---|---|---|"]
+    ref = next(r for r in per_call if "non-reentrant" in r["variant"])["per_call_us"]
+    for r in per_call:
+        ratio = f"{r['per_call_us'] / ref:.2f}x" if r["variant"] != "none" and ref > 0 else "-"
+        lines.append(f"| {r['variant']} | {ms(r['step_s'])} | {r['per_call_us']:.1f} | {ratio} |")
+    lines += ["", f"## BERT encoder: {bert_cfg['layers']} layers, hidden {bert_cfg['hidden']}, {bert_cfg['heads']} heads, "
+              f"seq {bert_cfg['seq']}, batch {bert_cfg['batch']}, {bert_cfg['dtype']}", ""]
+    cuda = info["device"].startswith("cuda")
+    if cuda:
+        lines += ["| variant | step ms, median (p20-p80) | vs none | held fwd→bwd MiB | peak allocated MiB | peak reserved MiB |",
+                  "|---|---|---|---|---|---|"]
+    else:
+        lines += ["| variant | step ms, median (p20-p80) | vs none | held fwd→bwd MiB (saved + pool) |", "|---|---|---|---|"]
+    base = bert[0]["step_s"]["median"]
+    for r in bert:
+        row = f"| {r['variant']} | {ms(r['step_s'])} | {r['step_s']['median'] / base:.2f}x | "
+        if cuda:
+            row += f"{mib(r['held_bytes'])} | {mib(r['peak_allocated'])} | {mib(r['peak_reserved'])} |"
+        else:
+            row += f"{mib(r['held_bytes'])} ({mib(r['saved_bytes'])} + {mib(r['pool_bytes'])}) |"
+        lines.append(row)
+    lines += ["", "per-call overhead = (step time of the variant − step time without checkpointing) / blocks.",
+              "held fwd→bwd: bytes kept alive between forward and backward (parameters excluded)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--blocks", type=int, default=64)
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default: 60 CPU / 100 CUDA for per-call)")
+    p.add_argument("--bert-layers", type=int, default=None)
+    p.add_argument("--bert-hidden", type=int, default=None)
+    p.add_argument("--bert-seq", type=int, default=None)
+    p.add_argument("--bert-batch", type=int, default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out", default=None, help="directory for engine.md/json (default benchmarks/results/<device>)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    rounds = args.rounds or (100 if cuda else 60)
+    bert_cfg = {"layers": args.bert_layers or (12 if cuda else 6), "hidden": args.bert_hidden or (768 if cuda else 256),
+                "seq": args.bert_seq or (512 if cuda else 128), "batch": args.bert_batch or (16 if cuda else 4),
+                "dtype": args.dtype or ("bfloat16" if cuda else "float32")}
+    bert_cfg["heads"] = max(1, bert_cfg["hidden"] // 64)
+    per_call_cfg = {"blocks": args.blocks, "width": args.width}
+
+    print(f"per-call benchmark: {args.blocks} blocks, {rounds} rounds on {device} ...", file=sys.stderr)
+    per_call = bench_per_call(device, args.blocks, args.width, rounds)
+    print(f"BERT benchmark: {bert_cfg} ...", file=sys.stderr)
+    bert = bench_bert(device, bert_cfg["layers"], bert_cfg["hidden"], bert_cfg["heads"], bert_cfg["seq"],
+                      bert_cfg["batch"], max(5, rounds // 6), getattr(torch, bert_cfg["dtype"]))
+    info = env_info(device)
+    md = to_markdown(info, per_call, per_call_cfg, bert, bert_cfg)
+    print(md)
+    dev_name = "cuda-" + info["device_name"].replace(" ", "_") if cuda else "cpu"
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", dev_name)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "engine.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out, "engine.json"), "w") as f:
+        json.dump({"env": info, "per_call": {"config": per_call_cfg, "rows": per_call},
+                   "bert": {"config": bert_cfg, "rows": bert}}, f, indent=2)
+    print(f"wrote {out}/engine.md and engine.json", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
