@@ -19,10 +19,10 @@ except ImportError:  # pragma: no cover - message for users
         "    pip install torch && pip install --no-build-isolation ."
     )
 
-from packaging.version import Version
+from torch.torch_version import TorchVersion  # compares as versions, not strings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MIN_TORCH = Version("2.4")
+MIN_TORCH = "2.4"
 
 
 def log(msg):
@@ -33,8 +33,7 @@ def sources(pattern):
     return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "**", pattern), recursive=True))
 
 
-torch_version = Version(torch.__version__.split("+")[0])
-if torch_version < MIN_TORCH:
+if TorchVersion(torch.__version__) < MIN_TORCH:
     sys.exit(f"ckpt_ext needs torch >= {MIN_TORCH}, found {torch.__version__}")
 
 cuda_home = cpp_extension.CUDA_HOME
@@ -87,6 +86,5 @@ setup(
     ext_modules=[ext],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
-    install_requires=["packaging"],
     zip_safe=False,
 )

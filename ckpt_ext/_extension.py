@@ -15,10 +15,12 @@ def _build_info():
 
 
 def _same_minor(a: str, b: str) -> bool:
-    from packaging.version import Version
+    """Same major.minor release (the C++ ABI of torch changes between minor releases)."""
+    def major_minor(v: str):
+        parts = v.split("+")[0].split(".")
+        return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts[:2])
 
-    va, vb = Version(a.split("+")[0]), Version(b.split("+")[0])
-    return (va.major, va.minor) == (vb.major, vb.minor)
+    return major_minor(a) == major_minor(b)
 
 
 def load():

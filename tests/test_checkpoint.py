@@ -372,6 +372,7 @@ def _replay_error(fn, **options):
     _TOGGLE.calls = 0
     x, = leaf_inputs((BATCH, DIM), seed=14)
     y = ckpt(fn, x, **options)
+    y = y[0] if isinstance(y, tuple) else y
     with pytest.raises(RuntimeError) as info:
         y.sum().backward()
     return str(info.value)
