@@ -86,12 +86,15 @@ def held_bytes(step_forward, params, device):
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+        pool_before = ckpt_ext.pool_stats(device)["in_use_bytes"]
         loss = step_forward()
         torch.cuda.synchronize()
-        held = torch.cuda.memory_allocated() - base
+        # Pool chunks were reserved during warm-up and are part of `base`: count the slots in use.
+        pool = ckpt_ext.pool_stats(device)["in_use_bytes"] - pool_before
+        held = torch.cuda.memory_allocated() - base + pool
         loss.backward()
         torch.cuda.synchronize()
-        return {"held_bytes": held, "peak_allocated": torch.cuda.max_memory_allocated() - base,
+        return {"held_bytes": held, "pool_bytes": pool, "peak_allocated": torch.cuda.max_memory_allocated() - base,
                 "peak_reserved": torch.cuda.max_memory_reserved()}
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     storages = {}
