@@ -32,6 +32,11 @@ struct ReplayState : torch::CustomClassHolder {
   std::string name;
   CheckpointOptions options;
   size_t num_inputs = 0;
+  std::vector<bool> input_requires_grad;
+  // Parameters are held here rather than saved for backward: saved-tensor hooks (save_on_cpu, an
+  // enclosing torch.utils.checkpoint) would copy or detach them. Their versions are checked instead.
+  std::vector<at::Tensor> params;
+  std::vector<uint32_t> param_versions;
   ExecutionSnapshot snapshot;
   std::vector<OutputMeta> outputs;
 
@@ -91,22 +96,37 @@ void check_replay(const ReplayState& st, const std::vector<at::Tensor>& outs) {
 }
 
 // Leaves that the replay reaches but that were not passed to the node (a parameter the wrapper could
-// not discover). Walks the replay graph from its outputs, stopping at the node's own inputs.
-variable_list undiscovered_leaves(const variable_list& outs, const variable_list& targets) {
+// not discover). Walks the replay graph from its outputs, stopping at the node's own inputs. Inputs
+// are recognised by their TensorImpl (leaves) or grad_fn (non-leaves); no grad accumulator is created.
+variable_list undiscovered_leaves(const variable_list& outs, const variable_list& known) {
+  std::unordered_set<const c10::TensorImpl*> known_leaves;
   std::unordered_set<const Node*> stop;
-  for (const auto& t : targets) stop.insert(torch::autograd::impl::gradient_edge(t).function.get());
+  for (const auto& t : known) {
+    if (auto fn = t.grad_fn())
+      stop.insert(fn.get());
+    else
+      known_leaves.insert(t.unsafeGetTensorImpl());
+  }
+  variable_list found;
+  std::unordered_set<const c10::TensorImpl*> found_set;
+  auto leaf = [&](const at::Tensor& v) {
+    if (v.defined() && !known_leaves.count(v.unsafeGetTensorImpl()) && found_set.insert(v.unsafeGetTensorImpl()).second)
+      found.push_back(v);
+  };
   std::unordered_set<const Node*> seen;
   std::vector<Node*> stack;
   for (const auto& o : outs) {
-    if (auto fn = torch::autograd::impl::gradient_edge(o).function) stack.push_back(fn.get());
+    if (auto fn = o.grad_fn())
+      stack.push_back(fn.get());
+    else
+      leaf(o);  // an output that is itself a leaf
   }
-  variable_list found;
   while (!stack.empty()) {
     Node* node = stack.back();
     stack.pop_back();
     if (stop.count(node) || !seen.insert(node).second) continue;
     if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
-      found.push_back(acc->variable);
+      leaf(acc->variable);
       continue;
     }
     for (const auto& e : node->next_edges())
@@ -167,7 +187,11 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
         non_differentiable.push_back(pooled);
       result.push_back(std::move(pooled));
     }
-    ctx->save_for_backward(tensors.vec());
+    st->input_requires_grad.reserve(n_in);
+    for (const auto& t : inputs) st->input_requires_grad.push_back(t.requires_grad());
+    st->params.assign(tensors.begin() + static_cast<std::ptrdiff_t>(n_in), tensors.end());
+    for (const auto& p : st->params) st->param_versions.push_back(p._version());
+    ctx->save_for_backward(inputs);
     if (!non_differentiable.empty()) ctx->mark_non_differentiable(non_differentiable);
     ctx->set_materialize_grads(false);
     ctx->saved_data["state"] = at::IValue::make_capsule(st);
@@ -178,29 +202,36 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     auto st = c10::static_intrusive_pointer_cast<ReplayState>(ctx->saved_data.at("state").toCapsule());
     variable_list saved = ctx->get_saved_variables();  // version checks, second-backward check
     const size_t n_in = st->num_inputs;
-    const size_t n_all = saved.size();
+    const size_t n_all = n_in + st->params.size();
     variable_list result(1 + n_all);  // slot 0: the state argument
+    for (size_t j = 0; j < st->params.size(); ++j) {
+      TORCH_CHECK(st->params[j]._version() == st->param_versions[j], "ckpt_ext.checkpoint: a parameter of `",
+                  st->name, "` (shape ", st->params[j].sizes(), ") was modified in place between forward and "
+                  "backward (for example by optimizer.step()); the replay would use the new values. Run "
+                  "backward before updating parameters.");
+    }
 
     std::vector<size_t> wanted;  // which of the node's tensor inputs need a gradient now
     for (size_t i = 0; i < n_all; ++i)
-      if (ctx->needs_input_grad(i) && saved[i].requires_grad()) wanted.push_back(i);
+      if (ctx->needs_input_grad(i)) wanted.push_back(i);
     bool any_grad_output = false;
     for (const auto& g : grad_outputs) any_grad_output = any_grad_output || g.defined();
     if (wanted.empty() || !any_grad_output) return result;
 
+    // Double backward (create_graph): the replay must hang off the real inputs so that the gradients
+    // it produces are differentiable with respect to them. Otherwise it runs on detached inputs, so
+    // that the replay's backward stops at this node.
+    const bool create_graph = at::GradMode::is_enabled();
     variable_list detached(n_in);
     for (size_t i = 0; i < n_in; ++i) {
+      if (create_graph && saved[i].requires_grad()) {
+        detached[i] = saved[i];
+        continue;
+      }
       detached[i] = saved[i].detach();
-      if (saved[i].requires_grad()) detached[i].requires_grad_(true);
+      if (st->input_requires_grad[i]) detached[i].requires_grad_(true);
     }
 
-    std::vector<at::Tensor> outputs;
-    {
-      ReplayGuard guard(st->snapshot);
-      at::AutoGradMode grad_mode(true);
-      py::gil_scoped_acquire gil;
-      outputs = call_runner(st->runner, "replay", detached);
-    }
     // Restores side effects of the replay (BatchNorm statistics) however backward ends.
     struct FinishHook {
       ReplayState* st;
@@ -215,6 +246,14 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
       }
     } finish{st.get()};
 
+    std::vector<at::Tensor> outputs;
+    {
+      ReplayGuard guard(st->snapshot);
+      at::AutoGradMode grad_mode(true);
+      py::gil_scoped_acquire gil;
+      outputs = call_runner(st->runner, "replay", detached);
+    }
+
     if (st->options.determinism_check) check_replay(*st, outputs);
 
     variable_list outs, gouts;
@@ -228,14 +267,21 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
 
     variable_list targets;
     targets.reserve(wanted.size());
-    for (size_t i : wanted) targets.push_back(i < n_in ? detached[i] : saved[i]);
-    variable_list extra = undiscovered_leaves(outs, targets);
+    for (size_t i : wanted) targets.push_back(i < n_in ? detached[i] : st->params[i - n_in]);
+    // Every tensor input of the node is known, wanted now or not (torch.autograd.grad may ask for a
+    // subset); only leaves outside that set were missed by the wrapper.
+    variable_list known;
+    known.reserve(n_all);
+    for (size_t i = 0; i < n_all; ++i) {
+      const at::Tensor& t = i < n_in ? detached[i] : st->params[i - n_in];
+      if (t.requires_grad()) known.push_back(t);
+    }
+    variable_list extra = undiscovered_leaves(outs, known);
     if (!extra.empty()) {
       warn_undiscovered_once(st->name, extra);
       targets.insert(targets.end(), extra.begin(), extra.end());
     }
 
-    const bool create_graph = at::GradMode::is_enabled();  // double backward
     variable_list grads = torch::autograd::grad(outs, targets, gouts, /*retain_graph=*/create_graph,
                                                 create_graph, /*allow_unused=*/true);
     for (size_t j = 0; j < wanted.size(); ++j) result[1 + wanted[j]] = grads[j];

@@ -146,8 +146,8 @@ std::pair<BoundaryPool::Chunk*, size_t> BoundaryPool::reserve(size_t bytes) {
       return {active_, offset};
     }
   }
-  // Grow by a large chunk (or one just big enough for an outsize request).
-  size_t capacity = std::max(chunk_bytes_, align_up(bytes, 2 * kMiB));
+  // Grow by a chunk of the configured size, or by one just big enough for an outsize request.
+  size_t capacity = std::max(chunk_bytes_, bytes);
   auto chunk = std::make_unique<Chunk>();
   chunk->buffer = at::empty({static_cast<int64_t>(capacity + kAlignment)},
                             at::TensorOptions().dtype(at::kByte).device(device_));
