@@ -153,7 +153,8 @@ Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& re
   if (present(bias)) check_vector(op, "bias", *bias, x.size(-1), "x", x);
   const Tensor xc = x.contiguous(), rc = residual.contiguous(), bc = contiguous_or_undefined(bias);
   Tensor out = at::empty_like(xc);
-  if (xc.numel() > 0) CKPT_EXT_LAUNCH(x.device(), bias_dropout_add_forward, xc, bc, rc, DropoutArgs{p, seed, offset}, out);
+  if (xc.numel() > 0)
+    CKPT_EXT_LAUNCH(x.device(), bias_dropout_add_forward, xc, bc, rc, DropoutArgs{p, seed, offset}, out);
   return out;
 }
 
@@ -404,20 +405,20 @@ TORCH_LIBRARY(ckpt_ext, m) {
 }
 
 // The same checked entry points serve both backends; CKPT_EXT_LAUNCH picks the kernel by device.
-#define CKPT_EXT_IMPL_ALL(m)                                                              \
-  m.impl("bias_gelu", &ckpt_ext::bias_gelu);                                              \
-  m.impl("bias_gelu_backward", &ckpt_ext::bias_gelu_backward);                            \
-  m.impl("bias_dropout_add", &ckpt_ext::bias_dropout_add);                                \
-  m.impl("dropout_backward", &ckpt_ext::dropout_backward);                                \
-  m.impl("bias_dropout_add_layer_norm", &ckpt_ext::bias_dropout_add_layer_norm);          \
+#define CKPT_EXT_IMPL_ALL(m)                                                                       \
+  m.impl("bias_gelu", &ckpt_ext::bias_gelu);                                                       \
+  m.impl("bias_gelu_backward", &ckpt_ext::bias_gelu_backward);                                     \
+  m.impl("bias_dropout_add", &ckpt_ext::bias_dropout_add);                                         \
+  m.impl("dropout_backward", &ckpt_ext::dropout_backward);                                         \
+  m.impl("bias_dropout_add_layer_norm", &ckpt_ext::bias_dropout_add_layer_norm);                   \
   m.impl("bias_dropout_add_layer_norm_backward", &ckpt_ext::bias_dropout_add_layer_norm_backward); \
-  m.impl("add_layer_norm", &ckpt_ext::add_layer_norm);                                    \
-  m.impl("add_layer_norm_backward", &ckpt_ext::add_layer_norm_backward);                  \
-  m.impl("add_rms_norm", &ckpt_ext::add_rms_norm);                                        \
-  m.impl("add_rms_norm_backward", &ckpt_ext::add_rms_norm_backward);                      \
-  m.impl("swiglu", &ckpt_ext::swiglu);                                                    \
-  m.impl("swiglu_backward", &ckpt_ext::swiglu_backward);                                  \
-  m.impl("rotary", &ckpt_ext::rotary);                                                    \
+  m.impl("add_layer_norm", &ckpt_ext::add_layer_norm);                                             \
+  m.impl("add_layer_norm_backward", &ckpt_ext::add_layer_norm_backward);                           \
+  m.impl("add_rms_norm", &ckpt_ext::add_rms_norm);                                                 \
+  m.impl("add_rms_norm_backward", &ckpt_ext::add_rms_norm_backward);                               \
+  m.impl("swiglu", &ckpt_ext::swiglu);                                                             \
+  m.impl("swiglu_backward", &ckpt_ext::swiglu_backward);                                           \
+  m.impl("rotary", &ckpt_ext::rotary);                                                             \
   m.impl("rotary_backward", &ckpt_ext::rotary_backward)
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) { CKPT_EXT_IMPL_ALL(m); }

@@ -313,7 +313,8 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
                          const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
                          const DropoutArgs& dropout, const at::Tensor& grad_pre, const at::Tensor& grad_x,
                          const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, pre_norm.scalar_type(), "ckpt_ext::layer_norm_backward", [&] {
+  const auto dtype = pre_norm.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "ckpt_ext::layer_norm_backward", [&] {
     using A = at::opmath_type<scalar_t>;
     const int64_t hidden = weight.numel();
     const int64_t rows = pre_norm.numel() / hidden;
