@@ -11,6 +11,7 @@ _C = _load()
 from .checkpoint import checkpoint, checkpoint_sequential, is_recomputing  # noqa: E402
 from .integration import disable_checkpointing, enable_checkpointing  # noqa: E402
 from .pool import empty_pool, is_pooled, pool_stats, record_stream, reset_peak_stats, set_pool_chunk_bytes  # noqa: E402
+from . import ops  # noqa: E402  (torch.ops.ckpt_ext: fake kernels, autograd, documented wrappers)
 
 __version__ = "0.1.0"
 __all__ = [

@@ -1,0 +1,330 @@
+// CUDA elementwise kernels: bias+GELU, bias+dropout+residual, dropout backward and mask, SwiGLU, rotary.
+//
+// Each thread owns groups of four consecutive elements (grid-stride loop): one vector load/store per
+// tensor when the pointers allow it, and one Philox call for the four dropout flags (the mask of element
+// i is keep4(i / 4)[i % 4], the same stream the CPU kernels walk). All arithmetic is float.
+#include <cmath>
+
+#include "common.cuh"
+
+namespace ckpt_ext {
+namespace kernels {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T, int N>
+struct ConstPtrs {
+  const T* p[N];
+};
+
+template <typename T, int N>
+struct MutPtrs {
+  T* p[N];
+};
+
+// in[i] / out[o]: four values of input i / output o for elements base .. base+count-1.
+template <typename T, int NIn, int NOut, typename Op>
+__global__ void elementwise4_kernel(ConstPtrs<T, NIn> in, MutPtrs<T, NOut> out, int64_t n, bool vec, Op op) {
+  const int64_t groups = (n + 3) / 4;
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t base = g * 4;
+    const int count = static_cast<int>(min(static_cast<int64_t>(4), n - base));
+    float a[NIn][4];
+    float b[NOut][4];
+#pragma unroll
+    for (int i = 0; i < NIn; ++i) load4(in.p[i], base, count, vec, a[i]);
+    op(g, base, count, a, b);
+#pragma unroll
+    for (int o = 0; o < NOut; ++o) store4(out.p[o], base, count, vec, b[o]);
+  }
+}
+
+template <typename T, int NIn, int NOut, typename Op>
+void launch_elementwise4(c10::Device device, const ConstPtrs<T, NIn>& in, const MutPtrs<T, NOut>& out, int64_t n,
+                         const Op& op) {
+  bool vec = true;
+  for (int i = 0; i < NIn; ++i) vec = vec && pack4_aligned<T>(in.p[i]);
+  for (int o = 0; o < NOut; ++o) vec = vec && pack4_aligned<T>(out.p[o]);
+  const int64_t groups = (n + 3) / 4;
+  elementwise4_kernel<T, NIn, NOut, Op>
+      <<<grid_for(groups, kThreads), kThreads, 0, current_stream(device)>>>(in, out, n, vec, op);
+  CKPT_EXT_CUDA_LAUNCH_CHECK();
+}
+
+// Bias broadcast over the last dim (`hidden`); `vec`: hidden % 4 == 0 and the bias is Pack4-aligned, so
+// a group of four never wraps a row.
+template <typename T>
+struct RowBias {
+  const T* bias;
+  int64_t hidden;
+  bool vec;
+
+  __device__ __forceinline__ void load(int64_t base, int count, float (&out)[4]) const {
+    if (bias == nullptr) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) out[k] = 0.f;
+    } else if (vec) {
+      load4(bias, base % hidden, count, true, out);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) out[k] = k < count ? static_cast<float>(bias[(base + k) % hidden]) : 0.f;
+    }
+  }
+};
+
+template <typename T>
+RowBias<T> row_bias(const at::Tensor& bias, int64_t hidden) {
+  const T* p = ptr_or_null<T>(bias);
+  return RowBias<T>{p, hidden, p != nullptr && hidden % 4 == 0 && pack4_aligned<T>(p)};
+}
+
+__device__ __forceinline__ float gelu(float x, bool tanh_approx) {
+  if (tanh_approx) {
+    const float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.f + tanhf(kBeta * (x + 0.044715f * x * x * x)));
+  }
+  return 0.5f * x * (1.f + erff(x * 0.7071067811865476f));
+}
+
+__device__ __forceinline__ float gelu_derivative(float x, bool tanh_approx) {
+  if (tanh_approx) {
+    const float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+    const float t = tanhf(kBeta * (x + kKappa * x * x * x));
+    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * kBeta * (1.f + 3.f * kKappa * x * x);
+  }
+  const float cdf = 0.5f * (1.f + erff(x * 0.7071067811865476f));
+  const float pdf = expf(-0.5f * x * x) * 0.3989422804014327f;  // 1 / sqrt(2 pi)
+  return cdf + x * pdf;
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+template <typename T>
+struct BiasGeluForward {
+  RowBias<T> bias;
+  bool tanh;
+  __device__ void operator()(int64_t, int64_t base, int count, const float (&in)[1][4], float (&out)[1][4]) const {
+    float b[4];
+    bias.load(base, count, b);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out[0][k] = gelu(in[0][k] + b[k], tanh);
+  }
+};
+
+template <typename T>
+struct BiasGeluBackward {  // in: grad, x
+  RowBias<T> bias;
+  bool tanh;
+  __device__ void operator()(int64_t, int64_t base, int count, const float (&in)[2][4], float (&out)[1][4]) const {
+    float b[4];
+    bias.load(base, count, b);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out[0][k] = in[0][k] * gelu_derivative(in[1][k] + b[k], tanh);
+  }
+};
+
+template <typename T>
+struct BiasDropoutAdd {  // in: x, residual
+  RowBias<T> bias;
+  philox::Dropout dropout;
+  bool drop;
+  __device__ void operator()(int64_t group, int64_t base, int count, const float (&in)[2][4],
+                             float (&out)[1][4]) const {
+    float b[4];
+    bias.load(base, count, b);
+    bool keep[4] = {true, true, true, true};
+    if (drop) dropout.keep4(static_cast<uint64_t>(group), keep);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float v = in[0][k] + b[k];
+      out[0][k] = in[1][k] + (drop ? (keep[k] ? v * dropout.scale : 0.f) : v);
+    }
+  }
+};
+
+struct DropoutBackward {  // in: grad
+  philox::Dropout dropout;
+  __device__ void operator()(int64_t group, int64_t, int, const float (&in)[1][4], float (&out)[1][4]) const {
+    bool keep[4];
+    dropout.keep4(static_cast<uint64_t>(group), keep);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out[0][k] = keep[k] ? in[0][k] * dropout.scale : 0.f;
+  }
+};
+
+struct SwigluForward {  // in: gate, up
+  __device__ void operator()(int64_t, int64_t, int, const float (&in)[2][4], float (&out)[1][4]) const {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out[0][k] = in[0][k] * sigmoid(in[0][k]) * in[1][k];
+  }
+};
+
+struct SwigluBackward {  // in: grad, gate, up; out: grad_gate, grad_up
+  __device__ void operator()(int64_t, int64_t, int, const float (&in)[3][4], float (&out)[2][4]) const {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float d = in[0][k], g = in[1][k], u = in[2][k], s = sigmoid(g);
+      out[0][k] = d * u * s * (1.f + g * (1.f - s));
+      out[1][k] = d * g * s;
+    }
+  }
+};
+
+__global__ void dropout_mask_kernel(bool* mask, int64_t n, philox::Dropout dropout) {
+  const int64_t groups = (n + 3) / 4;
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    bool keep[4];
+    dropout.keep4(static_cast<uint64_t>(g), keep);
+    const int64_t base = g * 4;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (base + k < n) mask[base + k] = keep[k];
+  }
+}
+
+// One thread per (row, j < D/2) pair: it reads x[j], x[j + D/2] and writes both outputs.
+struct RotaryShape {
+  int64_t heads, seq, half, head_dim;
+  int64_t x_stride[3], out_stride[3];  // batch, head, seq (the last dim is contiguous)
+  int64_t table_batch_stride;         // 0 when cos/sin broadcast over the batch
+};
+
+template <typename T, bool kBackward>
+__global__ void rotary_kernel(const T* x, const T* cos, const T* sin, T* out, RotaryShape s, int64_t total) {
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = idx % s.half, row = idx / s.half;
+    const int64_t q = row % s.seq, h = (row / s.seq) % s.heads, b = row / (s.seq * s.heads);
+    const T* xr = x + b * s.x_stride[0] + h * s.x_stride[1] + q * s.x_stride[2];
+    T* yr = out + b * s.out_stride[0] + h * s.out_stride[1] + q * s.out_stride[2];
+    const int64_t t = b * s.table_batch_stride + q * s.head_dim;
+    const float x1 = static_cast<float>(xr[j]), x2 = static_cast<float>(xr[j + s.half]);
+    const float c1 = static_cast<float>(cos[t + j]), c2 = static_cast<float>(cos[t + j + s.half]);
+    const float s1 = static_cast<float>(sin[t + j]), s2 = static_cast<float>(sin[t + j + s.half]);
+    if (!kBackward) {  // x * cos + [-x2, x1] * sin
+      yr[j] = static_cast<T>(x1 * c1 - x2 * s1);
+      yr[j + s.half] = static_cast<T>(x2 * c2 + x1 * s2);
+    } else {  // transpose: g * cos + [g2 * s2, -g1 * s1]
+      yr[j] = static_cast<T>(x1 * c1 + x2 * s2);
+      yr[j + s.half] = static_cast<T>(x2 * c2 - x1 * s1);
+    }
+  }
+}
+
+}  // namespace
+
+void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, const at::Tensor& out) {
+  const c10::DeviceGuard guard(x.device());
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_gelu", [&] {
+    launch_elementwise4(x.device(), ConstPtrs<scalar_t, 1>{{x.const_data_ptr<scalar_t>()}},
+                        MutPtrs<scalar_t, 1>{{out.mutable_data_ptr<scalar_t>()}}, x.numel(),
+                        BiasGeluForward<scalar_t>{row_bias<scalar_t>(bias, x.size(-1)), tanh});
+  });
+}
+
+void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,
+                        const at::Tensor& grad_x) {
+  const c10::DeviceGuard guard(x.device());
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_gelu_backward", [&] {
+    launch_elementwise4(x.device(),
+                        ConstPtrs<scalar_t, 2>{{grad.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>()}},
+                        MutPtrs<scalar_t, 1>{{grad_x.mutable_data_ptr<scalar_t>()}}, x.numel(),
+                        BiasGeluBackward<scalar_t>{row_bias<scalar_t>(bias, x.size(-1)), tanh});
+  });
+}
+
+void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+                              const DropoutArgs& dropout, const at::Tensor& out) {
+  const c10::DeviceGuard guard(x.device());
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_dropout_add", [&] {
+    launch_elementwise4(
+        x.device(),
+        ConstPtrs<scalar_t, 2>{{x.const_data_ptr<scalar_t>(), residual.const_data_ptr<scalar_t>()}},
+        MutPtrs<scalar_t, 1>{{out.mutable_data_ptr<scalar_t>()}}, x.numel(),
+        BiasDropoutAdd<scalar_t>{row_bias<scalar_t>(bias, x.size(-1)), dropout.philox(), dropout.enabled()});
+  });
+}
+
+void dropout_backward(const at::Tensor& grad, const DropoutArgs& dropout, const at::Tensor& grad_x) {
+  const c10::DeviceGuard guard(grad.device());
+  if (!dropout.enabled()) {
+    grad_x.copy_(grad);
+    return;
+  }
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(grad.scalar_type(), "ckpt_ext::dropout_backward", [&] {
+    launch_elementwise4(grad.device(), ConstPtrs<scalar_t, 1>{{grad.const_data_ptr<scalar_t>()}},
+                        MutPtrs<scalar_t, 1>{{grad_x.mutable_data_ptr<scalar_t>()}}, grad.numel(),
+                        DropoutBackward{dropout.philox()});
+  });
+}
+
+void dropout_mask(const DropoutArgs& dropout, const at::Tensor& mask) {
+  const c10::DeviceGuard guard(mask.device());
+  if (!dropout.enabled()) {
+    mask.fill_(true);
+    return;
+  }
+  const int64_t n = mask.numel();
+  dropout_mask_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads, 0, current_stream(mask.device())>>>(
+      mask.mutable_data_ptr<bool>(), n, dropout.philox());
+  CKPT_EXT_CUDA_LAUNCH_CHECK();
+}
+
+void swiglu_forward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out) {
+  const c10::DeviceGuard guard(gate.device());
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(gate.scalar_type(), "ckpt_ext::swiglu", [&] {
+    launch_elementwise4(gate.device(),
+                        ConstPtrs<scalar_t, 2>{{gate.const_data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>()}},
+                        MutPtrs<scalar_t, 1>{{out.mutable_data_ptr<scalar_t>()}}, gate.numel(), SwigluForward{});
+  });
+}
+
+void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
+                     const at::Tensor& grad_gate, const at::Tensor& grad_up) {
+  const c10::DeviceGuard guard(gate.device());
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(gate.scalar_type(), "ckpt_ext::swiglu_backward", [&] {
+    launch_elementwise4(
+        gate.device(),
+        ConstPtrs<scalar_t, 3>{
+            {grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>()}},
+        MutPtrs<scalar_t, 2>{{grad_gate.mutable_data_ptr<scalar_t>(), grad_up.mutable_data_ptr<scalar_t>()}},
+        gate.numel(), SwigluBackward{});
+  });
+}
+
+void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,
+            const at::Tensor& out) {
+  const c10::DeviceGuard guard(x.device());
+  RotaryShape s;
+  s.heads = x.size(1);
+  s.seq = x.size(2);
+  s.head_dim = x.size(3);
+  s.half = s.head_dim / 2;
+  for (int d = 0; d < 3; ++d) {
+    s.x_stride[d] = x.stride(d);
+    s.out_stride[d] = out.stride(d);
+  }
+  s.table_batch_stride = cos.size(0) == 1 ? 0 : s.seq * s.head_dim;
+  const int64_t total = x.size(0) * s.heads * s.seq * s.half;
+  const cudaStream_t stream = current_stream(x.device());
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::rotary", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* cp = cos.const_data_ptr<scalar_t>();
+    const scalar_t* sp = sin.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    if (backward) {
+      rotary_kernel<scalar_t, true><<<grid_for(total, kThreads), kThreads, 0, stream>>>(xp, cp, sp, op, s, total);
+    } else {
+      rotary_kernel<scalar_t, false><<<grid_for(total, kThreads), kThreads, 0, stream>>>(xp, cp, sp, op, s, total);
+    }
+    CKPT_EXT_CUDA_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace cuda
+}  // namespace kernels
+}  // namespace ckpt_ext

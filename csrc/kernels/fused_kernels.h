@@ -1,0 +1,81 @@
+// Kernel entry points of the fused-layer building blocks, one set per backend (kernels::cpu in
+// kernels/cpu/fused_cpu.cpp, kernels::cuda in kernels/cuda/*.cu).
+//
+// Contract (enforced by csrc/ops/fused_ops.cpp, the only caller): every tensor is on the same device,
+// has the dtype of the op's main input (mean/rstd: float32, or float64 for float64 inputs) and is
+// contiguous, except rotary's x/out/grad, which need only a contiguous last dimension. Outputs are
+// allocated by the caller. An optional tensor that is absent is passed as an undefined at::Tensor.
+// Row-wise kernels see their input as [rows, hidden] with hidden = size(-1).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "philox.h"
+
+namespace ckpt_ext {
+namespace kernels {
+
+// Dropout as passed to the kernels: p == 0 means no dropout (no Philox work at all).
+struct DropoutArgs {
+  double p = 0.0;
+  int64_t seed = 0;
+  int64_t offset = 0;
+
+  bool enabled() const { return p > 0.0; }
+  philox::Dropout philox() const {
+    return philox::Dropout{static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), static_cast<float>(p),
+                           p < 1.0 ? static_cast<float>(1.0 / (1.0 - p)) : 0.0f};
+  }
+};
+
+#define CKPT_EXT_FUSED_KERNEL_DECLS                                                                           \
+  /* out = gelu(x + bias) */                                                                                  \
+  void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, const at::Tensor& out);      \
+  void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,     \
+                          const at::Tensor& grad_x);                                                          \
+  /* out = residual + dropout(x + bias) */                                                                    \
+  void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,      \
+                                const DropoutArgs& dropout, const at::Tensor& out);                           \
+  /* grad_x = grad * mask * scale */                                                                          \
+  void dropout_backward(const at::Tensor& grad, const DropoutArgs& dropout, const at::Tensor& grad_x);        \
+  /* mask (bool) = keep flags of elements 0 .. numel-1 */                                                     \
+  void dropout_mask(const DropoutArgs& dropout, const at::Tensor& mask);                                      \
+  /* pre_norm = residual + dropout(x + bias); out = layer_norm(pre_norm) * weight + ln_bias */               \
+  void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,            \
+                          const DropoutArgs& dropout, const at::Tensor& weight, const at::Tensor& ln_bias,    \
+                          double eps, const at::Tensor& out, const at::Tensor& pre_norm,                      \
+                          const at::Tensor& mean, const at::Tensor& rstd);                                    \
+  /* grad_pre = d(out)/d(pre_norm)^T grad_out (+ grad_pre_norm); grad_x = grad_pre * mask * scale if       */ \
+  /* grad_x is defined; grad_weight/grad_ln_bias summed over rows in float                                  */ \
+  void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_norm,                      \
+                           const at::Tensor& pre_norm, const at::Tensor& weight, const at::Tensor& mean,      \
+                           const at::Tensor& rstd, const DropoutArgs& dropout, const at::Tensor& grad_pre,    \
+                           const at::Tensor& grad_x, const at::Tensor& grad_weight,                           \
+                           const at::Tensor& grad_ln_bias);                                                   \
+  /* sum = x + residual; out = weight * to_dtype(float(sum) * rstd) (Hugging Face LlamaRMSNorm) */           \
+  void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,           \
+                        double eps, const at::Tensor& out, const at::Tensor& sum, const at::Tensor& rstd);    \
+  void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, const at::Tensor& sum,      \
+                         const at::Tensor& weight, const at::Tensor& rstd, const at::Tensor& grad_input,      \
+                         const at::Tensor& grad_weight);                                                      \
+  /* out = silu(gate) * up */                                                                                 \
+  void swiglu_forward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out);                  \
+  void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,                 \
+                       const at::Tensor& grad_gate, const at::Tensor& grad_up);                               \
+  /* x, out: [B, H, S, D] with any strides but a contiguous last dim; cos, sin: [B or 1, S, D] contiguous. */ \
+  /* forward: out = x * cos + rotate_half(x) * sin; backward: its transpose applied to x (= grad).        */ \
+  void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,              \
+              const at::Tensor& out);
+
+namespace cpu {
+CKPT_EXT_FUSED_KERNEL_DECLS
+}  // namespace cpu
+
+namespace cuda {
+CKPT_EXT_FUSED_KERNEL_DECLS
+}  // namespace cuda
+
+}  // namespace kernels
+}  // namespace ckpt_ext

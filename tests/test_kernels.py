@@ -1,0 +1,686 @@
+"""Tests of the fused-layer kernels (torch.ops.ckpt_ext, wrapped by ckpt_ext.ops).
+
+Every op is compared, forward and backward (through its registered autograd, which calls the
+``*_backward`` op), with a plain-PyTorch reference below, on odd shapes and in float32, bfloat16 and
+float16:
+
+* float32: against a float64 reference, to about 1e-5 relative to the output's magnitude;
+* bfloat16 / float16 (flash-attention's scheme): the kernel's max error against a float64 reference
+  computed from the same low-precision inputs must be at most 2x (outputs) or 3x (gradients) the max
+  error of PyTorch running the reference in that low precision, plus a tiny atol.
+
+Dropout is tested for its rate, determinism, prefix property, agreement with an independent Philox
+implementation written here, and for forward and backward using the same mask. ``opcheck`` and float64
+``gradcheck`` run on every op. CUDA tests are the same tests on device "cuda" (skipped without a GPU),
+plus CPU == CUDA for the dropout masks and the outputs.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ckpt_ext
+from ckpt_ext import ops
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (rows..., hidden): odd sizes on purpose, hidden from 1 to 1000, one 3-D input.
+ROW_SHAPES = [(1, 1), (37, 72), (3, 129), (129, 3), (1000, 72), (2, 1000), (2, 5, 72)]
+ROW_SHAPE_IDS = ["x".join(map(str, s)) for s in ROW_SHAPES]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def test_ops_come_from_this_checkout():
+    import os
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert os.path.dirname(os.path.dirname(os.path.abspath(ckpt_ext.__file__))) == here
+
+
+# ---- plain-PyTorch references ---------------------------------------------------------------------------------
+
+
+def _acc(t):
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def ref_bias_gelu(x, bias, approximate):
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)
+
+
+def ref_dropout(h, mask, p):
+    return h * mask.to(h.dtype) * (1.0 / (1.0 - p)) if p < 1 else h * 0
+
+
+def ref_bias_dropout_add(x, bias, residual, mask, p):
+    return residual + ref_dropout(x if bias is None else x + bias, mask, p)
+
+
+def ref_row_stats(s, eps):
+    h = s.to(_acc(s))
+    return h.mean(-1), torch.rsqrt(h.var(-1, unbiased=False) + eps)
+
+
+def ref_add_layer_norm(x, residual, weight, bias, eps):
+    s = x if residual is None else x + residual
+    out = F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
+    return (out, s, *ref_row_stats(s.detach(), eps))
+
+
+def ref_bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, mask, p, eps):
+    s = ref_bias_dropout_add(x, bias, residual, mask, p)
+    out = F.layer_norm(s, (s.shape[-1],), weight, ln_bias, eps)
+    return (out, s, *ref_row_stats(s.detach(), eps))
+
+
+def ref_rms_norm(x, residual, weight, eps):
+    """Hugging Face LlamaRMSNorm after a residual add."""
+    s = x if residual is None else x + residual
+    h = s.to(_acc(s))
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (h * rstd).to(s.dtype), s, rstd.squeeze(-1).detach()
+
+
+def ref_swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def ref_rotary(x, cos, sin):
+    """Hugging Face apply_rotary_pos_emb with unsqueeze_dim=1."""
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+# ---- independent Philox4x32-10 (int64 torch arithmetic), the specification of the dropout mask -----------------
+
+_M0, _M1, _W0, _W1, _MASK32 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
+
+
+def _mulhilo(a, b):
+    """(lo32, hi32) of a * b for a python int a < 2^32 and an int64 tensor b of values < 2^32, without overflow."""
+    t1 = a * (b & 0xFFFF)
+    t2 = a * (b >> 16)
+    lo_part = t1 + ((t2 & 0xFFFF) << 16)
+    return lo_part & _MASK32, ((t2 >> 16) + (lo_part >> 32)) & _MASK32
+
+
+def philox4x32_10(counter, key):
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(10):
+        lo0, hi0 = _mulhilo(_M0, c0)
+        lo1, hi1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def reference_dropout_mask(numel, p, seed, offset):
+    seed, offset = seed % 2**64, offset % 2**64
+    group = torch.arange((numel + 3) // 4, dtype=torch.int64)
+    lo, hi = torch.full_like(group, offset & _MASK32), torch.full_like(group, offset >> 32)
+    counter = (group & _MASK32, group >> 32, lo, hi)
+    words = torch.stack(philox4x32_10(counter, (seed & _MASK32, seed >> 32)), dim=1).reshape(-1)[:numel]
+    u = (words >> 8).to(torch.float32) * 2.0**-24
+    return u >= torch.tensor(p, dtype=torch.float32)
+
+
+# ---- comparison harness ------------------------------------------------------------------------------------
+
+
+def _as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _forward_backward(fn, inputs, grad_outputs):
+    """fn(*inputs) and the gradients of sum(out_k * grad_outputs[k]) wrt the inputs that require grad."""
+    outs = _as_tuple(fn(*inputs))
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None]
+    grads = ()
+    if leaves:
+        grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+    return [o.detach() for o in outs], list(grads)
+
+
+def _clone_inputs(inputs, dtype=None):
+    out = []
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            c = t.detach().to(dtype) if dtype is not None else t.detach().clone()
+            out.append(c.requires_grad_(t.requires_grad))
+        else:
+            out.append(t)
+    return out
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_matches_reference(kernel_fn, ref_fn, inputs, grad_outputs, what):
+    """Runs kernel_fn and ref_fn on copies of `inputs` (leaves keep their requires_grad) and compares the
+    outputs and the input gradients with the dtype's scheme (see the module docstring)."""
+    dtype = next(t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point())
+    got, got_grads = _forward_backward(kernel_fn, _clone_inputs(inputs), grad_outputs)
+    ref64, ref64_grads = _forward_backward(
+        ref_fn, _clone_inputs(inputs, torch.float64), [None if g is None else g.double() for g in grad_outputs]
+    )
+    assert len(got) == len(ref64) and len(got_grads) == len(ref64_grads)
+    if dtype == torch.float32:
+        for name, a, r in _named(what, got, ref64, got_grads, ref64_grads):
+            assert a.shape == r.shape, f"{name}: shape {tuple(a.shape)} != {tuple(r.shape)}"
+            assert_close_fp32(name, a, r)
+        return
+    lowp, lowp_grads = _forward_backward(ref_fn, _clone_inputs(inputs), grad_outputs)
+    named_lowp = [r for _, _, r in _named(what, got, lowp, got_grads, lowp_grads)]
+    for (name, a, r), pt in zip(_named(what, got, ref64, got_grads, ref64_grads), named_lowp):
+        assert a.shape == r.shape, f"{name}: shape {tuple(a.shape)} != {tuple(r.shape)}"
+        assert a.dtype == pt.dtype, f"{name}: dtype {a.dtype} != PyTorch's {pt.dtype}"
+        factor = 3.0 if name.startswith("grad") else 2.0
+        atol = 1e-5 * (1.0 + (r.abs().max().item() if r.numel() else 0.0))
+        err, pt_err = _max_err(a, r), _max_err(pt, r)
+        assert err <= factor * pt_err + atol, (
+            f"{name} ({dtype}): kernel max error {err:.3g} > {factor:g} x PyTorch's {pt_err:.3g} + {atol:.1e}"
+        )
+
+
+def assert_close_fp32(name, got, ref, rtol=1e-5):
+    """|got - ref| <= rtol * |ref| + atol elementwise, atol = rtol * (1 + max |ref|) (torch.isclose is slow here)."""
+    assert got.dtype == torch.float32, f"{name}: dtype {got.dtype}"
+    if not got.numel():
+        return
+    err = (got.double() - ref).abs()
+    atol = rtol * (1.0 + ref.abs().max().item())
+    excess = (err - (rtol * ref.abs() + atol)).max().item()
+    assert excess <= 0, f"{name}: max error {err.max().item():.3g} exceeds rtol={rtol:g}, atol={atol:.2g}"
+
+
+def _named(what, outs, ref_outs, grads, ref_grads):
+    out_names, grad_names = what
+    assert len(out_names) == len(outs) and len(grad_names) == len(grads)
+    for n, a, r in zip(out_names, outs, ref_outs):
+        yield n, a, r
+    for n, a, r in zip(grad_names, grads, ref_grads):
+        yield "grad " + n, a, r
+
+
+def _randn(*shape, dtype, device, requires_grad=True, scale=1.0):
+    t = (torch.randn(*shape, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+    return t.requires_grad_(requires_grad)
+
+
+# ---- dropout -----------------------------------------------------------------------------------------------
+
+
+def test_philox_reference_known_answers():
+    """The test's Philox is the Random123 one (its known-answer vectors), so it can specify the kernels' masks."""
+    kat = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((_MASK32,) * 4, (_MASK32, _MASK32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
+    ]
+    for counter, key, want in kat:
+        got = philox4x32_10(tuple(torch.tensor([c]) for c in counter), key)
+        assert tuple(int(w) for w in got) == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed,offset", [(0, 0), (1234, 5), (2**40 + 7, 2**33 + 1), (-1, 3), (7, -2)])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.93])
+def test_dropout_mask_matches_specification(device, seed, offset, p):
+    mask = ops.dropout_mask(1001, p, seed, offset, device)
+    assert mask.dtype == torch.bool and mask.shape == (1001,) and mask.device.type == device
+    assert torch.equal(mask.cpu(), reference_dropout_mask(1001, p, seed, offset))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_mask_rate(device, p):
+    n = 1 << 20
+    for seed, offset in [(0, 0), (17, 3)]:
+        rate = 1.0 - ops.dropout_mask(n, p, seed, offset, device).double().mean().item()
+        assert abs(rate - p) <= 5 * math.sqrt(p * (1 - p) / n), f"drop rate {rate} for p={p}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_mask_determinism_and_prefix(device):
+    m = ops.dropout_mask(4099, 0.5, 42, 7, device)
+    assert torch.equal(m, ops.dropout_mask(4099, 0.5, 42, 7, device))
+    assert not torch.equal(m, ops.dropout_mask(4099, 0.5, 42, 8, device))
+    assert not torch.equal(m, ops.dropout_mask(4099, 0.5, 43, 7, device))
+    for n in (1, 3, 37, 1000, 4098):  # element i's flag does not depend on numel
+        assert torch.equal(ops.dropout_mask(n, 0.5, 42, 7, device), m[:n])
+    assert ops.dropout_mask(0, 0.5, 42, 7, device).shape == (0,)
+    assert bool(ops.dropout_mask(100, 0.0, 1, 2, device).all())
+    assert not bool(ops.dropout_mask(100, 1.0, 1, 2, device).any())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 72), (3, 129), (5, 1)])
+def test_dropout_forward_and_backward_use_the_same_mask(device, dtype, shape):
+    p, seed, offset = 0.3, 99, 12
+    numel = math.prod(shape)
+    mask = ops.dropout_mask(numel, p, seed, offset, device).reshape(shape)
+    ones = torch.ones(shape, dtype=dtype, device=device)
+    zeros = torch.zeros(shape, dtype=dtype, device=device)
+    scale = torch.tensor(1 / (1 - p), dtype=dtype).item()
+    fwd = ops.bias_dropout_add(ones, None, zeros, p, seed, offset)
+    assert torch.equal(fwd != 0, mask)
+    assert torch.all(fwd[mask] == scale)
+    bwd = ops.dropout_backward(ones, p, seed, offset)
+    assert torch.equal(bwd, fwd)
+    # The same mask through autograd of bias_dropout_add, and inside the fused LayerNorm.
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    ops.bias_dropout_add(x, None, zeros, p, seed, offset).backward(ones)
+    assert torch.equal(x.grad, fwd)
+    w = torch.randn(shape[-1], dtype=dtype, device=device)
+    out, pre, mean, rstd = ops.bias_dropout_add_layer_norm(ones, None, zeros, w, None, p, 1e-5, seed, offset)
+    assert torch.equal(pre, fwd)
+    g = torch.randn(shape, dtype=dtype, device=device)
+    grad_x, grad_res, _, _ = ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, p, seed, offset)
+    assert torch.equal(grad_x == 0, ~mask | (grad_res == 0))
+    rtol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(grad_x, ref_dropout(grad_res, mask, p), rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_p_zero_and_one(device):
+    x = torch.randn(7, 9, device=device)
+    r = torch.randn(7, 9, device=device)
+    torch.testing.assert_close(ops.bias_dropout_add(x, None, r, 0.0, 1, 2), x + r)
+    torch.testing.assert_close(ops.bias_dropout_add(x, None, r, 1.0, 1, 2), r)
+    assert torch.equal(ops.dropout_backward(x, 0.0, 1, 2), x)
+    assert torch.equal(ops.dropout_backward(x, 1.0, 1, 2), torch.zeros_like(x))
+
+
+# ---- elementwise ops ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ROW_SHAPE_IDS)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_gelu(device, dtype, shape, approximate, with_bias):
+    x = _randn(*shape, dtype=dtype, device=device, scale=2.0)
+    bias = _randn(shape[-1], dtype=dtype, device=device) if with_bias else None
+    g = _randn(*shape, dtype=dtype, device=device, requires_grad=False)
+    assert_matches_reference(
+        lambda x, b: ops.bias_gelu(x, b, approximate),
+        lambda x, b: ref_bias_gelu(x, b, approximate),
+        [x, bias],
+        [g],
+        (["out"], ["x", "bias"] if with_bias else ["x"]),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ROW_SHAPE_IDS)
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
+def test_bias_dropout_add(device, dtype, shape, p):
+    seed, offset = 2024, 3
+    x = _randn(*shape, dtype=dtype, device=device)
+    bias = _randn(shape[-1], dtype=dtype, device=device)
+    residual = _randn(*shape, dtype=dtype, device=device)
+    mask = ops.dropout_mask(math.prod(shape), p, seed, offset, device).reshape(shape)
+    g = _randn(*shape, dtype=dtype, device=device, requires_grad=False)
+    assert_matches_reference(
+        lambda x, b, r: ops.bias_dropout_add(x, b, r, p, seed, offset),
+        lambda x, b, r: ref_bias_dropout_add(x, b, r, mask, p),
+        [x, bias, residual],
+        [g],
+        (["out"], ["x", "bias", "residual"]),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROW_SHAPES + [(4, 3, 1000)], ids=ROW_SHAPE_IDS + ["4x3x1000"])
+def test_swiglu(device, dtype, shape):
+    gate = _randn(*shape, dtype=dtype, device=device, scale=2.0)
+    up = _randn(*shape, dtype=dtype, device=device)
+    g = _randn(*shape, dtype=dtype, device=device, requires_grad=False)
+    assert_matches_reference(ops.swiglu, ref_swiglu, [gate, up], [g], (["out"], ["gate", "up"]))
+
+
+ROTARY_CASES = [
+    # (B, H, S, D), cos batch (1, B or None for [S, D]), x given as a transposed [B, S, H, D] view?
+    ((1, 1, 1, 2), 1, False),
+    ((2, 3, 37, 72), 2, False),
+    ((2, 3, 37, 72), 1, True),
+    ((3, 2, 129, 16), None, True),
+    ((1, 4, 5, 128), 1, False),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ROTARY_CASES, ids=lambda c: f"{'x'.join(map(str, c[0]))}-cos{c[1]}-{c[2]}")
+def test_rotary(device, dtype, case):
+    (B, H, S, D), cos_batch, transposed = case
+    if transposed:  # q = q_proj(h).view(B, S, H, D).transpose(1, 2), as in Llama attention
+        x = _randn(B, S, H, D, dtype=dtype, device=device, requires_grad=False).transpose(1, 2).requires_grad_()
+    else:
+        x = _randn(B, H, S, D, dtype=dtype, device=device)
+    pos = torch.arange(S, dtype=torch.float32)[:, None] * (1e-2 ** (torch.arange(D // 2) / (D // 2)))[None]
+    emb = torch.cat((pos, pos), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if cos_batch is not None:
+        cos, sin = cos.expand(cos_batch, S, D) + 0, sin.expand(cos_batch, S, D) + 0
+    cos, sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+    g = _randn(B, H, S, D, dtype=dtype, device=device, requires_grad=False)
+    assert_matches_reference(ops.rotary, ref_rotary, [x, cos, sin], [g], (["out"], ["x"]))
+    out = ops.rotary(x.detach(), cos, sin)
+    assert out.stride() == torch.empty_like(x).stride()  # laid out like x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_general_tables_and_their_gradients(device, dtype):
+    """Random cos/sin whose halves differ: catches a backward written as forward(-sin), which is exact
+    only for Hugging Face tables (cos[j] == cos[j + D/2])."""
+    x = _randn(2, 3, 5, 8, dtype=dtype, device=device)
+    cos = _randn(1, 5, 8, dtype=dtype, device=device)
+    sin = _randn(1, 5, 8, dtype=dtype, device=device)
+    g = _randn(2, 3, 5, 8, dtype=dtype, device=device, requires_grad=False)
+    assert_matches_reference(ops.rotary, ref_rotary, [x, cos, sin], [g], (["out"], ["x", "cos", "sin"]))
+
+
+# ---- row-wise norms -----------------------------------------------------------------------------------------
+
+def assert_row_stats_match(x, mean, rstd, eps):
+    """mean/rstd must be the statistics of the pre-norm tensor the kernel stored (backward relies on it).
+
+    Compared with x itself rather than with a float64 reference: in low precision the statistics of a
+    few rounded values are ill-conditioned (hidden=3), and what matters is that they describe x."""
+    ref_mean, ref_rstd = ref_row_stats(x.double(), eps) if mean is not None else (None, None)
+    if mean is None:  # RMSNorm
+        ref_rstd = torch.rsqrt(x.double().pow(2).mean(-1) + eps)
+    else:
+        assert mean.dtype == _acc(x) and mean.shape == x.shape[:-1]
+        torch.testing.assert_close(mean.double(), ref_mean, rtol=1e-5, atol=1e-6 * (1 + x.abs().max().item()))
+    assert rstd.dtype == _acc(x) and rstd.shape == x.shape[:-1]
+    torch.testing.assert_close(rstd.double(), ref_rstd, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ROW_SHAPE_IDS)
+@pytest.mark.parametrize("p,with_biases", [(0.1, True), (0.0, False)])
+def test_bias_dropout_add_layer_norm(device, dtype, shape, p, with_biases):
+    seed, offset, eps = 11, 2**35 + 1, 1e-5
+    hidden = shape[-1]
+    x = _randn(*shape, dtype=dtype, device=device)
+    bias = _randn(hidden, dtype=dtype, device=device) if with_biases else None
+    residual = _randn(*shape, dtype=dtype, device=device, scale=2.0)
+    weight = _randn(hidden, dtype=dtype, device=device)
+    ln_bias = _randn(hidden, dtype=dtype, device=device) if with_biases else None
+    mask = ops.dropout_mask(math.prod(shape), p, seed, offset, device).reshape(shape)
+    grads = [_randn(*shape, dtype=dtype, device=device, requires_grad=False) for _ in range(2)]
+    grad_names = ["x", "bias", "residual", "weight", "ln_bias"] if with_biases else ["x", "residual", "weight"]
+    assert_matches_reference(
+        lambda x, b, r, w, lb: ops.bias_dropout_add_layer_norm(x, b, r, w, lb, p, eps, seed, offset)[:2],
+        lambda x, b, r, w, lb: ref_bias_dropout_add_layer_norm(x, b, r, w, lb, mask, p, eps)[:2],
+        [x, bias, residual, weight, ln_bias],
+        grads,
+        (["out", "pre_norm"], grad_names),
+    )
+    _, pre_norm, mean, rstd = ops.bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p, eps, seed, offset)
+    assert_row_stats_match(pre_norm, mean, rstd, eps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ROW_SHAPE_IDS)
+@pytest.mark.parametrize("with_residual,with_bias", [(True, True), (False, False)])
+def test_add_layer_norm(device, dtype, shape, with_residual, with_bias):
+    hidden, eps = shape[-1], 1e-5
+    x = _randn(*shape, dtype=dtype, device=device, scale=3.0)
+    residual = _randn(*shape, dtype=dtype, device=device) if with_residual else None
+    weight = _randn(hidden, dtype=dtype, device=device)
+    bias = _randn(hidden, dtype=dtype, device=device) if with_bias else None
+    grads = [_randn(*shape, dtype=dtype, device=device, requires_grad=False) for _ in range(2)]
+    grad_names = ["x"] + (["residual"] if with_residual else []) + ["weight"] + (["bias"] if with_bias else [])
+    assert_matches_reference(
+        lambda x, r, w, b: ops.add_layer_norm(x, r, w, b, eps)[:2],
+        lambda x, r, w, b: ref_add_layer_norm(x, r, w, b, eps)[:2],
+        [x, residual, weight, bias],
+        grads,
+        (["out", "sum"], grad_names),
+    )
+    _, s, mean, rstd = ops.add_layer_norm(x, residual, weight, bias, eps)
+    assert_row_stats_match(s, mean, rstd, eps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROW_SHAPES, ids=ROW_SHAPE_IDS)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm(device, dtype, shape, with_residual):
+    hidden, eps = shape[-1], 1e-6
+    x = _randn(*shape, dtype=dtype, device=device, scale=3.0)
+    residual = _randn(*shape, dtype=dtype, device=device) if with_residual else None
+    weight = _randn(hidden, dtype=dtype, device=device)
+    grads = [_randn(*shape, dtype=dtype, device=device, requires_grad=False) for _ in range(2)]
+    grad_names = ["x"] + (["residual"] if with_residual else []) + ["weight"]
+    assert_matches_reference(
+        lambda x, r, w: ops.add_rms_norm(x, r, w, eps)[:2],
+        lambda x, r, w: ref_rms_norm(x, r, w, eps)[:2],
+        [x, residual, weight],
+        grads,
+        (["out", "sum"], grad_names),
+    )
+    _, s, rstd = ops.add_rms_norm(x, residual, weight, eps)
+    assert_row_stats_match(s, None, rstd, eps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_outputs_used_alone(device):
+    """Gradients flow when only `out` or only `sum` is used (the other output's gradient is None)."""
+    x = torch.randn(6, 10, device=device, requires_grad=True)
+    w = torch.randn(10, device=device, requires_grad=True)
+    out, s, _ = ops.add_rms_norm(x, None, w, 1e-6)
+    s.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones_like(x))
+    assert w.grad is None or torch.all(w.grad == 0)
+    x.grad = None
+    out, s, mean, rstd = ops.add_layer_norm(x, None, w, None, 1e-5)
+    assert not mean.requires_grad and not rstd.requires_grad
+    out.sum().backward()
+    assert x.grad is not None and w.grad is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_inputs(device):
+    x = torch.randn(72, 37, device=device).t()  # [37, 72], not contiguous
+    r = torch.randn(72, 37, device=device).t()
+    w = torch.randn(72, device=device)
+    torch.testing.assert_close(ops.bias_gelu(x, None), F.gelu(x))
+    torch.testing.assert_close(ops.swiglu(x, r), ref_swiglu(x, r))
+    torch.testing.assert_close(ops.add_rms_norm(x, r, w, 1e-6)[0], ref_rms_norm(x, r, w, 1e-6)[0])
+    out = ops.add_layer_norm(x, r, w, None, 1e-5)[0]
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, ref_add_layer_norm(x, r, w, None, 1e-5)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_inputs(device):
+    x = torch.empty(0, 8, device=device)
+    w = torch.ones(8, device=device)
+    assert ops.bias_gelu(x, None).shape == (0, 8)
+    out, s, mean, rstd = ops.add_layer_norm(x, None, w, None, 1e-5)
+    assert out.shape == (0, 8) and mean.shape == (0,)
+    _, gw, gb = ops.add_layer_norm_backward(x, None, s, w, mean, rstd)
+    assert torch.equal(gw, torch.zeros(8, device=device)) and torch.equal(gb, torch.zeros(8, device=device))
+    out, s, rstd = ops.add_rms_norm(x, None, w, 1e-6)
+    assert torch.equal(ops.add_rms_norm_backward(x, None, s, w, rstd)[1], torch.zeros(8, device=device))
+
+
+# ---- argument checks ---------------------------------------------------------------------------------------------
+
+
+def test_argument_errors_are_clear():
+    x = torch.randn(4, 8)
+    w = torch.randn(8)
+    with pytest.raises(RuntimeError, match="approximate must be 'none' or 'tanh'"):
+        ops.bias_gelu(x, None, "fast")
+    with pytest.raises(RuntimeError, match=r"bias must be 1-D of size 8"):
+        ops.bias_gelu(x, torch.randn(7))
+    with pytest.raises(RuntimeError, match="must have the dtype of x"):
+        ops.bias_gelu(x, torch.randn(8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match=r"p must be in \[0, 1\]"):
+        ops.bias_dropout_add(x, None, x, 1.5, 0, 0)
+    with pytest.raises(RuntimeError, match="residual must have the shape of x"):
+        ops.add_layer_norm(x, torch.randn(4, 7), w, None, 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be 1-D of size 8"):
+        ops.add_rms_norm(x, None, torch.randn(9), 1e-6)
+    with pytest.raises(RuntimeError, match="CPU kernels support"):
+        ops.swiglu(torch.ones(3, dtype=torch.int32), torch.ones(3, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="head_dim must be even"):
+        ops.rotary(torch.randn(1, 2, 3, 5), torch.randn(3, 5), torch.randn(3, 5))
+    with pytest.raises(RuntimeError, match=r"cos must be \[1 or batch=2"):
+        ops.rotary(torch.randn(2, 2, 3, 4), torch.randn(3, 3, 4), torch.randn(3, 3, 4))
+    with pytest.raises(RuntimeError, match="rstd must be the Float tensor"):
+        out, s, rstd = ops.add_rms_norm(x, None, w, 1e-6)
+        ops.add_rms_norm_backward(x, None, s, w, rstd.double())
+
+
+# ---- opcheck (schemas, fake kernels, autograd registration, AOT dispatch) -------------------------------------------
+
+
+def _opcheck_samples(device="cpu"):
+    def t(*shape, grad=False):
+        return torch.randn(*shape, device=device, requires_grad=grad)
+
+    x, r, g = t(5, 12, grad=True), t(5, 12, grad=True), t(5, 12)
+    w, b = t(12, grad=True), t(12, grad=True)
+    s, mean, rstd = t(5, 12), t(5).abs(), t(5).abs() + 0.5
+    q = t(2, 6, 3, 8).transpose(1, 2).detach().requires_grad_()  # [2, 3, 6, 8] view
+    cos, sin = t(1, 6, 8), t(1, 6, 8)
+    L = torch.ops.ckpt_ext
+    return [
+        (L.bias_gelu.default, (x, b, "none")),
+        (L.bias_gelu.default, (x, None, "tanh")),
+        (L.bias_gelu_backward.default, (g, x.detach(), b.detach(), "tanh")),
+        (L.bias_dropout_add.default, (x, b, r, 0.3, 5, 7)),
+        (L.bias_dropout_add.default, (x, None, r, 0.0, 5, 7)),
+        (L.dropout_backward.default, (g, 0.3, 5, 7)),
+        (L.dropout_mask.default, (37, 0.3, 5, 7, torch.device(device))),
+        (L.bias_dropout_add_layer_norm.default, (x, b, r, w, b, 0.2, 1e-5, 3, 4)),
+        (L.bias_dropout_add_layer_norm.default, (x, None, r, w, None, 0.0, 1e-5, 3, 4)),
+        (L.bias_dropout_add_layer_norm_backward.default, (g, g, s, w.detach(), mean, rstd, 0.2, 3, 4)),
+        (L.bias_dropout_add_layer_norm_backward.default, (g, None, s, w.detach(), mean, rstd, 0.0, 3, 4)),
+        (L.add_layer_norm.default, (x, r, w, b, 1e-5)),
+        (L.add_layer_norm.default, (x, None, w, None, 1e-5)),
+        (L.add_layer_norm_backward.default, (g, g, s, w.detach(), mean, rstd)),
+        (L.add_rms_norm.default, (x, r, w, 1e-6)),
+        (L.add_rms_norm.default, (x, None, w, 1e-6)),
+        (L.add_rms_norm_backward.default, (g, None, s, w.detach(), rstd)),
+        (L.swiglu.default, (x, r)),
+        (L.swiglu_backward.default, (g, x.detach(), r.detach())),
+        (L.rotary.default, (q, cos, sin)),
+        (L.rotary.default, (t(2, 3, 6, 8, grad=True), cos.squeeze(0), sin.squeeze(0))),
+        (L.rotary_backward.default, (g.reshape(1, 1, 5, 12), t(5, 12), t(5, 12))),
+    ]
+
+
+_OPCHECK_CPU = _opcheck_samples()
+
+
+@pytest.mark.parametrize("op,args", _OPCHECK_CPU, ids=[f"{op._opname}-{i}" for i, (op, _) in enumerate(_OPCHECK_CPU)])
+def test_opcheck(op, args):
+    torch.library.opcheck(op, args)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_opcheck_cuda():
+    for op, args in _opcheck_samples("cuda"):
+        torch.library.opcheck(op, args)
+
+
+def test_every_op_has_an_opcheck_sample():
+    checked = {op._opname for op, _ in _OPCHECK_CPU}
+    assert checked == set(ops.__all__)
+
+
+# ---- float64 gradcheck -------------------------------------------------------------------------------------------
+
+
+def test_gradcheck_float64():
+    def t(*shape, grad=True):
+        return torch.randn(*shape, dtype=torch.float64, requires_grad=grad)
+
+    x, r, w, b = t(4, 6), t(4, 6), t(6), t(6)
+    checks = [
+        (lambda x, b: ops.bias_gelu(x, b, "none"), (x, b)),
+        (lambda x, b: ops.bias_gelu(x, b, "tanh"), (x, b)),
+        (lambda x, b, r: ops.bias_dropout_add(x, b, r, 0.4, 1, 2), (x, b, r)),
+        (lambda x, b, r, w, lb: ops.bias_dropout_add_layer_norm(x, b, r, w, lb, 0.4, 1e-5, 1, 2)[:2], (x, b, r, w, b)),
+        (lambda x, r, w, b: ops.add_layer_norm(x, r, w, b, 1e-5)[:2], (x, r, w, b)),
+        (lambda x, r, w: ops.add_rms_norm(x, r, w, 1e-6)[:2], (x, r, w)),
+        (ops.swiglu, (x, r)),
+        (ops.rotary, (t(2, 3, 5, 4), t(1, 5, 4), t(1, 5, 4))),
+    ]
+    for fn, args in checks:
+        assert torch.autograd.gradcheck(fn, args), fn
+
+
+# ---- CUDA == CPU -----------------------------------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("numel", [1, 3, 1001, 1 << 20])
+def test_cpu_and_cuda_draw_the_same_mask(numel):
+    for p, seed, offset in [(0.1, 0, 0), (0.5, 2**40 + 3, 2**33 + 9), (0.7, -5, 1)]:
+        cuda = ops.dropout_mask(numel, p, seed, offset, "cuda").cpu()
+        assert torch.equal(cuda, ops.dropout_mask(numel, p, seed, offset, "cpu"))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 72), (3, 129), (129, 3), (2, 1001)])
+def test_cuda_dropout_kernels_match_cpu(dtype, shape):
+    """The fused kernels apply the same mask on both devices (compared through the dropped pattern)."""
+    p, seed, offset = 0.25, 123, 456
+    x = torch.randn(shape).to(dtype) + 3.0  # never zero, so zeros in the output are exactly the dropped elements
+    zeros = torch.zeros(shape, dtype=dtype)
+    w = torch.ones(shape[-1], dtype=dtype)
+    cpu = ops.bias_dropout_add(x, None, zeros, p, seed, offset)
+    cuda = ops.bias_dropout_add(x.cuda(), None, zeros.cuda(), p, seed, offset).cpu()
+    assert torch.equal(cpu == 0, cuda == 0)
+    torch.testing.assert_close(cuda, cpu)
+    pre_cpu = ops.bias_dropout_add_layer_norm(x, None, zeros, w, None, p, 1e-5, seed, offset)[1]
+    pre_cuda = ops.bias_dropout_add_layer_norm(x.cuda(), None, zeros.cuda(), w.cuda(), None, p, 1e-5, seed, offset)[1]
+    assert torch.equal(pre_cpu == 0, pre_cuda.cpu() == 0)
+    grad_cuda = ops.dropout_backward(x.cuda(), p, seed, offset).cpu()
+    assert torch.equal(ops.dropout_backward(x, p, seed, offset) == 0, grad_cuda == 0)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_rejects_float64_clearly():
+    with pytest.raises(RuntimeError, match="CUDA kernels support float32, float16 and bfloat16"):
+        ops.swiglu(torch.ones(3, device="cuda", dtype=torch.float64), torch.ones(3, device="cuda", dtype=torch.float64))
