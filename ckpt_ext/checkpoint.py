@@ -210,7 +210,7 @@ def _function_name(fn: Any) -> str:
 
 
 class _Runner:
-    __slots__ = ("fn", "kwargs_fixed", "plan", "out_plan", "batchnorms", "bn_saved", "debug", "logs")
+    __slots__ = ("fn", "plan", "out_plan", "batchnorms", "bn_saved", "debug", "logs")
 
     def __init__(self, fn, plan: _Plan, batchnorms, debug: bool):
         self.fn = fn

@@ -185,7 +185,8 @@ def enable_checkpointing(model: nn.Module, every: int = 1, layers: Optional[Sequ
         raise TypeError(f"every must be a positive int, got {every!r}")
     if every < 1:
         raise ValueError(f"every must be at least 1, got {every}")
-    if getattr(model, "is_gradient_checkpointing", False) or any(
+    hf_flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    if getattr(model, hf_flag, False) or any(
             getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise ValueError("this model has Hugging Face gradient checkpointing enabled; call "
                          "model.activation_checkpointing_disable() (gradient_checkpointing_disable() before "

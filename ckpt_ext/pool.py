@@ -64,4 +64,7 @@ def record_stream(tensor: torch.Tensor, stream: torch.Stream) -> None:
     allocator and has no effect on pooled tensors.)"""
     if not isinstance(stream, torch.Stream):
         raise TypeError(f"expected a torch.Stream (e.g. torch.cuda.Stream), got {type(stream).__name__}")
+    if not is_pooled(tensor):
+        raise ValueError("ckpt_ext.record_stream: this tensor is not in a ckpt_ext pool; use "
+                         "tensor.record_stream(stream) for tensors from PyTorch's allocator")
     _C.record_stream(tensor, stream.stream_id, stream.device_index, stream.device_type)
