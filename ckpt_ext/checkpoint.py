@@ -7,6 +7,7 @@ saving, pooling, RNG/autocast/device state, the replay and its gradients -- happ
 """
 import functools
 import types
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -289,6 +290,21 @@ def _check_options(use_reentrant, determinism_check, debug, preserve_rng_state):
         raise TypeError(f"preserve_rng_state must be True or False, got {preserve_rng_state!r}")
 
 
+_WARNED_NOT_CHECKPOINTED: set = set()
+
+
+def _warn_not_checkpointed(function):
+    name = _function_name(function)
+    if name in _WARNED_NOT_CHECKPOINTED:
+        return
+    _WARNED_NOT_CHECKPOINTED.add(name)
+    warnings.warn(
+        f"ckpt_ext.checkpoint: `{name}` was NOT checkpointed (it ran normally, keeping its activations): none of "
+        "its tensor arguments requires grad and no parameters were found on it, yet its output requires grad, so "
+        "it uses parameters ckpt_ext could not discover. Pass a module, bound method, functools.partial or closure "
+        "that holds them, or pass them as arguments.", stacklevel=3)
+
+
 def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] = None,
                 preserve_rng_state: bool = True, determinism_check: str = "default", debug: bool = False):
     """checkpoint() without argument checks. `found`: the parameters and BatchNorm modules the function
@@ -300,7 +316,10 @@ def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] 
         found = _discover(function, plan.leaves, {id(t) for t in tensors})
     params, batchnorms = found.params, found.batchnorms
     if not any(t.requires_grad for t in tensors) and not any(p.requires_grad for p in params):
-        return function(*args, **kwargs)
+        out = function(*args, **kwargs)
+        if any(isinstance(t, _Tensor) and t.requires_grad for t in pytree.tree_leaves(out)):
+            _warn_not_checkpointed(function)
+        return out
     runner = _Runner(function, plan, batchnorms, debug)
     outs = _C.checkpoint_apply(runner, _function_name(function), tensors, list(params), preserve_rng_state,
                                _DETERMINISM[determinism_check], debug, bool(batchnorms))

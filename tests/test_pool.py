@@ -1,0 +1,423 @@
+"""The BoundaryPool: what checkpointing puts in it, its accounting, growth, release, and (on CUDA)
+stream-ordered reuse. The pool of a device is shared by the whole process, so the tests compare
+counters with their values at the start of the test, not with zero."""
+import gc
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckpt_ext
+from reference import assert_grads_close, chain, leaf_inputs, loss_of, make_stack, run_step
+
+ALIGN = 256
+CPU = torch.device("cpu")
+pool_store = ckpt_ext._C.pool_store
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def slot_bytes(t: torch.Tensor) -> int:
+    """What a pooled copy of t occupies: its byte span, 256-byte aligned (nothing when empty)."""
+    return aligned(t.numel() * t.element_size()) if t.numel() else 0
+
+
+def stats(device="cpu"):
+    gc.collect()  # pooled tensors held only by reference cycles (tracebacks) die here
+    return ckpt_ext.pool_stats(device)
+
+
+@pytest.fixture
+def chunk_bytes():
+    """Sets the CPU pool's chunk size for the test, restores it and drops empty chunks afterwards."""
+    old = ckpt_ext._C.pool_chunk_bytes(CPU)
+    yield lambda n: ckpt_ext.set_pool_chunk_bytes(n, "cpu")
+    ckpt_ext.set_pool_chunk_bytes(old, "cpu")
+    gc.collect()
+    ckpt_ext.empty_pool("cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# What checkpointing keeps in the pool
+# --------------------------------------------------------------------------------------------------
+def _forward_chain(stack, x):
+    outs, h = [], x
+    for block in stack:
+        h = ckpt_ext.checkpoint(block, h)
+        outs.append(h)
+    return outs
+
+
+def test_boundaries_pooled_during_forward_and_returned_after_backward():
+    stack = make_stack(4, p=0.1, seed=1)
+    x, = leaf_inputs((9, 19), seed=1)
+    start = stats()
+    outs = _forward_chain(stack, x)
+    during = stats()
+    assert all(ckpt_ext.is_pooled(t) for t in outs)
+    assert not ckpt_ext.is_pooled(x)
+    assert during["live_slots"] - start["live_slots"] == len(outs)
+    assert during["in_use_bytes"] - start["in_use_bytes"] >= sum(t.numel() * t.element_size() for t in outs)
+    assert during["in_use_bytes"] - start["in_use_bytes"] == sum(slot_bytes(t) for t in outs)
+    assert during["allocations"] - start["allocations"] == len(outs)
+    loss_of(outs[-1]).backward()
+    del outs
+    end = stats()
+    assert end["in_use_bytes"] == start["in_use_bytes"]
+    assert end["live_slots"] == start["live_slots"]
+
+
+def test_graph_dropped_without_backward_returns_pool():
+    stack = make_stack(4, p=0.1, seed=2)
+    x, = leaf_inputs((9, 19), seed=2)
+    start = stats()
+    out = chain(stack, ckpt_ext.checkpoint)(x)
+    loss = loss_of(out)
+    assert stats()["in_use_bytes"] > start["in_use_bytes"]
+    del loss, out
+    end = stats()
+    assert end["in_use_bytes"] == start["in_use_bytes"]
+    assert end["live_slots"] == start["live_slots"]
+
+
+def test_steady_state_training_does_not_grow_the_pool():
+    stack = make_stack(3, p=0.1, seed=3)
+    params = dict(stack.named_parameters())
+    x, = leaf_inputs((8, 19), seed=3)
+    start = stats()
+    run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=0)
+    after_first = stats()
+    seen = set()
+    for step in range(1, 51):
+        run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=step)
+        s = ckpt_ext.pool_stats("cpu")
+        seen.add((s["reserved_bytes"], s["grows"], s["chunks"]))
+    assert seen == {(after_first["reserved_bytes"], after_first["grows"], after_first["chunks"])}
+    assert stats()["in_use_bytes"] == start["in_use_bytes"]
+
+
+def test_checkpointed_training_matches_after_many_steps():
+    # Slots reused step after step still hold the right boundaries.
+    stack = make_stack(3, p=0.2, seed=4)
+    params = dict(stack.named_parameters())
+    x, = leaf_inputs((8, 19), seed=4)
+    for step in range(5):
+        ref = run_step(chain(stack), [x], params=params, seed=step)
+        ours = run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=step)
+        assert_grads_close(ref, ours, exact=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Accounting
+# --------------------------------------------------------------------------------------------------
+def _filled(n: int, value: float, dtype=torch.float32) -> torch.Tensor:
+    return torch.full((n,), value, dtype=dtype)
+
+
+def test_out_of_order_frees_keep_accounting():
+    start = stats()
+    sizes = {"a": 100, "b": 1000, "c": 37, "d": 513}
+    held = {k: pool_store(_filled(n, i + 1.0)) for i, (k, n) in enumerate(sizes.items())}
+    expect = {k: _filled(n, i + 1.0) for i, (k, n) in enumerate(sizes.items())}
+
+    def check():
+        s = ckpt_ext.pool_stats("cpu")
+        assert s["live_slots"] - start["live_slots"] == len(held)
+        assert s["in_use_bytes"] - start["in_use_bytes"] == sum(slot_bytes(t) for t in held.values())
+        for k, t in held.items():
+            assert ckpt_ext.is_pooled(t) and torch.equal(t, expect[k]), k
+
+    check()
+    # Hold the middle ones, free the first and the last: a hole below and a lowered top.
+    del held["a"], held["d"]
+    check()
+    for k, n in (("e", 50), ("f", 90), ("g", 4000)):  # fit in the hole, fill it, go on top
+        held[k] = pool_store(_filled(n, -float(n)))
+        expect[k] = _filled(n, -float(n))
+        check()
+    del held["b"]
+    check()
+    held["h"] = pool_store(_filled(700, 8.0))
+    expect["h"] = _filled(700, 8.0)
+    check()
+    for k in ("c", "g", "e", "h", "f"):
+        del held[k]
+        check()
+    end = stats()
+    assert end["in_use_bytes"] == start["in_use_bytes"]
+    assert end["live_slots"] == start["live_slots"]
+
+
+def test_views_share_the_slot():
+    start = stats()
+    t = pool_store(torch.arange(64, dtype=torch.float32).reshape(8, 8))
+    view = t.t()[2:5]
+    assert ckpt_ext.is_pooled(view)
+    del t
+    assert stats()["live_slots"] == start["live_slots"] + 1  # the view keeps the slot alive
+    assert torch.equal(view, torch.arange(64, dtype=torch.float32).reshape(8, 8).t()[2:5])
+    del view
+    assert stats()["live_slots"] == start["live_slots"]
+
+
+def test_peak_in_use_and_reset():
+    start = stats()
+    ckpt_ext.reset_peak_stats("cpu")
+    assert ckpt_ext.pool_stats("cpu")["peak_in_use_bytes"] == start["in_use_bytes"]
+    big = pool_store(torch.zeros(10_000))
+    small = pool_store(torch.zeros(10))
+    top = start["in_use_bytes"] + slot_bytes(big) + slot_bytes(small)
+    assert ckpt_ext.pool_stats("cpu")["peak_in_use_bytes"] == top
+    del big
+    s = ckpt_ext.pool_stats("cpu")
+    assert s["peak_in_use_bytes"] == top  # a high-water mark
+    assert s["in_use_bytes"] == start["in_use_bytes"] + slot_bytes(small)
+    ckpt_ext.reset_peak_stats("cpu")
+    assert ckpt_ext.pool_stats("cpu")["peak_in_use_bytes"] == start["in_use_bytes"] + slot_bytes(small)
+    del small
+
+
+def _empty_pool_at_start():
+    s = stats()
+    assert s["live_slots"] == 0, "an earlier test left pooled tensors alive"
+    ckpt_ext.empty_pool("cpu")
+    s = ckpt_ext.pool_stats("cpu")
+    assert (s["reserved_bytes"], s["chunks"]) == (0, 0)
+    return s
+
+
+def test_empty_pool_releases_unused_chunks(chunk_bytes):
+    _empty_pool_at_start()
+    chunk = 2 << 20
+    chunk_bytes(chunk)
+    n = (chunk - 4 * ALIGN) // 4  # one per chunk
+    held = [pool_store(_filled(n, float(i))) for i in range(3)]
+    s = ckpt_ext.pool_stats("cpu")
+    assert (s["reserved_bytes"], s["chunks"], s["live_slots"]) == (3 * chunk, 3, 3)
+    middle = held[1]
+    del held
+    assert ckpt_ext.empty_pool("cpu") == 2 * chunk
+    s = ckpt_ext.pool_stats("cpu")
+    assert (s["reserved_bytes"], s["chunks"], s["live_slots"]) == (chunk, 1, 1)
+    assert torch.equal(middle, _filled(n, 1.0))
+    assert ckpt_ext.empty_pool("cpu") == 0  # the live slot's chunk stays
+    del middle
+    assert ckpt_ext.empty_pool("cpu") == chunk
+    s = ckpt_ext.pool_stats("cpu")
+    assert (s["reserved_bytes"], s["chunks"], s["in_use_bytes"]) == (0, 0, 0)
+    # The pool grows again after being emptied.
+    again = pool_store(_filled(10, 3.0))
+    assert ckpt_ext.pool_stats("cpu")["chunks"] == 1 and torch.equal(again, _filled(10, 3.0))
+
+
+def test_small_chunk_size_is_honoured(chunk_bytes):
+    _empty_pool_at_start()
+    chunk_bytes(64 * 1024)
+    held = [pool_store(_filled(1000, 1.0)) for _ in range(3)]
+    s = ckpt_ext.pool_stats("cpu")
+    assert (s["reserved_bytes"], s["chunks"]) == (64 * 1024, 1)
+    del held
+
+
+def test_outsize_request_gets_its_own_chunk(chunk_bytes):
+    _empty_pool_at_start()
+    chunk = 2 << 20
+    chunk_bytes(chunk)
+    small = pool_store(_filled(10, 1.0))
+    big = pool_store(torch.ones(3 << 20))  # 12 MiB > chunk
+    s = ckpt_ext.pool_stats("cpu")
+    assert s["chunks"] == 2
+    assert slot_bytes(big) <= s["reserved_bytes"] - chunk < slot_bytes(big) + chunk
+    assert torch.equal(big, torch.ones(3 << 20)) and torch.equal(small, _filled(10, 1.0))
+    del big
+    assert ckpt_ext.empty_pool("cpu") >= slot_bytes(torch.ones(3 << 20))
+    assert ckpt_ext.pool_stats("cpu")["chunks"] == 1
+
+
+def test_empty_tensors_are_not_pooled():
+    start = stats()
+    t = pool_store(torch.zeros(0, 5))
+    assert t.shape == (0, 5) and not ckpt_ext.is_pooled(t)
+    assert ckpt_ext.pool_stats("cpu")["in_use_bytes"] == start["in_use_bytes"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("nbytes", [0, -1, 255, 2.0, True, "4096", None])
+def test_set_pool_chunk_bytes_invalid(nbytes):
+    before = ckpt_ext._C.pool_chunk_bytes(CPU)
+    with pytest.raises(ValueError, match="nbytes"):
+        ckpt_ext.set_pool_chunk_bytes(nbytes, "cpu")
+    assert ckpt_ext._C.pool_chunk_bytes(CPU) == before
+
+
+def test_set_pool_chunk_bytes_aligns(chunk_bytes):
+    chunk_bytes(1000)
+    assert ckpt_ext._C.pool_chunk_bytes(CPU) == 1024
+
+
+@pytest.mark.parametrize("device", ["not_a_device", "cpu:x", 3.5])
+@pytest.mark.parametrize("call", ["pool_stats", "reset_peak_stats", "empty_pool"])
+def test_bad_device_raises_clear_error(call, device):
+    with pytest.raises(TypeError, match="expected a device") as info:
+        getattr(ckpt_ext, call)(device)
+    assert repr(device) in str(info.value)
+
+
+def test_record_stream_needs_a_stream():
+    t = pool_store(torch.ones(4))
+    with pytest.raises(TypeError, match="Stream"):
+        ckpt_ext.record_stream(t, "side")
+
+
+def test_is_pooled_needs_a_tensor():
+    with pytest.raises(TypeError, match="Tensor"):
+        ckpt_ext.is_pooled([1.0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Property: random stores, writes and frees never corrupt data or accounting
+# --------------------------------------------------------------------------------------------------
+_KINDS = ["f32", "f64", "i16", "bool", "transposed", "strided"]
+
+
+def _source(kind: str, n: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "transposed":  # dense, not contiguous: the pool keeps the strides
+        return torch.randn(3, n, generator=gen).t()
+    if kind == "strided":  # not dense: stored contiguously
+        return torch.randn(n, 2, generator=gen)[:, 0]
+    if kind == "bool":
+        return torch.rand(n, generator=gen) > 0.5
+    if kind == "i16":
+        return torch.randint(-3000, 3000, (n,), generator=gen, dtype=torch.int16)
+    return torch.randn(n, generator=gen, dtype=torch.float64 if kind == "f64" else torch.float32)
+
+
+_OPS = st.one_of(
+    st.tuples(st.just("store"), st.sampled_from(_KINDS), st.integers(0, 3000) | st.integers(50_000, 200_000)),
+    st.tuples(st.just("free"), st.integers(0, 63)),
+    st.tuples(st.just("write"), st.integers(0, 63)),
+)
+
+
+def _store_checked(kind, n, gen):
+    src = _source(kind, n, gen)
+    pooled = pool_store(src)
+    assert pooled.shape == src.shape and pooled.dtype == src.dtype
+    assert ckpt_ext.is_pooled(pooled) == (src.numel() > 0)
+    if kind == "strided":
+        assert pooled.is_contiguous()
+    else:  # dense: same strides, transposed or not
+        assert pooled.stride() == src.stride()
+    return pooled, src.clone()
+
+
+def _overwrite(pooled, gen):
+    """Writes new values into a slot in place; its neighbours must not change."""
+    new = _source("f32", max(pooled.numel(), 1), gen)[: pooled.numel()].reshape(pooled.shape)
+    pooled.copy_(new)
+    return pooled, pooled.clone()
+
+
+def _check_live(start, live):
+    s = ckpt_ext.pool_stats("cpu")
+    assert s["in_use_bytes"] - start["in_use_bytes"] == sum(slot_bytes(t) for t, _ in live)
+    assert s["live_slots"] - start["live_slots"] == sum(1 for t, _ in live if t.numel())
+    assert s["peak_in_use_bytes"] >= s["in_use_bytes"]
+    assert s["reserved_bytes"] >= s["in_use_bytes"]
+    for i, (t, expected) in enumerate(live):
+        assert torch.equal(t, expected), f"slot {i} of {len(live)} changed"
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(_OPS, max_size=40), chunk_kib=st.sampled_from([4, 16, 64]))
+def test_random_store_write_free_sequences(ops, chunk_kib):
+    old_chunk = ckpt_ext._C.pool_chunk_bytes(CPU)
+    ckpt_ext.set_pool_chunk_bytes(chunk_kib * 1024, "cpu")  # small chunks: several chunks, holes
+    try:
+        gen = torch.Generator().manual_seed(len(ops))
+        start = ckpt_ext.pool_stats("cpu")
+        live = []  # (pooled tensor, expected values)
+        for op in ops:
+            if op[0] == "store":
+                live.append(_store_checked(op[1], op[2], gen))
+            elif live:
+                i = op[1] % len(live)
+                if op[0] == "free":
+                    del live[i]
+                else:
+                    live[i] = _overwrite(live[i][0], gen)
+            _check_live(start, live)
+        live.clear()
+        s = ckpt_ext.pool_stats("cpu")
+        assert (s["in_use_bytes"], s["live_slots"]) == (start["in_use_bytes"], start["live_slots"])
+    finally:
+        ckpt_ext.set_pool_chunk_bytes(old_chunk, "cpu")
+        ckpt_ext.empty_pool("cpu")
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_parity_with_dropout():
+    stack = make_stack(3, dim=64, hidden=128, p=0.2, seed=5).cuda()
+    params = dict(stack.named_parameters())
+    x, = leaf_inputs((32, 64), seed=5, device="cuda")
+    ref = run_step(chain(stack), [x], params=params, seed=3)
+    ours = run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=3)
+    assert_grads_close(ref, ours, exact=True)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_pool_returns_to_start():
+    stack = make_stack(4, dim=64, hidden=128, p=0.1, seed=6).cuda()
+    x, = leaf_inputs((32, 64), seed=6, device="cuda")
+    start = stats("cuda")
+    outs = _forward_chain(stack, x)
+    during = stats("cuda")
+    assert all(ckpt_ext.is_pooled(t) for t in outs)
+    assert during["in_use_bytes"] - start["in_use_bytes"] == sum(slot_bytes(t) for t in outs)
+    loss_of(outs[-1]).backward()
+    del outs
+    torch.cuda.synchronize()
+    end = stats("cuda")
+    assert (end["in_use_bytes"], end["live_slots"]) == (start["in_use_bytes"], start["live_slots"])
+    # The same after a graph dropped without backward.
+    out = chain(stack, ckpt_ext.checkpoint)(x)
+    del out
+    end = stats("cuda")
+    assert (end["in_use_bytes"], end["live_slots"]) == (start["in_use_bytes"], start["live_slots"])
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_slot_used_on_side_stream_not_reused_early():
+    n = 1 << 22
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    pooled = pool_store(torch.full((n,), 1.0, device="cuda"))
+    address = pooled.data_ptr()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # a long kernel: the read below runs well after the free
+        seen = pooled * 1.0
+    ckpt_ext.record_stream(pooled, side)
+    fences = ckpt_ext.pool_stats("cuda")["stream_fences"]
+    del pooled
+    # A new slot of the same size on the main stream: the LIFO pool hands out the same memory, and
+    # its copy must wait for the side stream's read.
+    fresh = pool_store(torch.full((n,), 2.0, device="cuda"))
+    assert fresh.data_ptr() == address
+    torch.cuda.synchronize()
+    assert ckpt_ext.pool_stats("cuda")["stream_fences"] > fences
+    assert torch.equal(seen, torch.full((n,), 1.0, device="cuda"))
+    assert torch.equal(fresh, torch.full((n,), 2.0, device="cuda"))
