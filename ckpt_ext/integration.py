@@ -68,22 +68,15 @@ def _drop_cache(layer: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dic
     args = list(args)
     for name in _CACHE_ARGS + ("use_cache",):
         if name in kwargs:
-            if name == "use_cache":
-                if kwargs[name]:
-                    kwargs[name] = False
-                    changed.append(name)
-            elif kwargs[name] is not None:
-                kwargs[name] = None
-                changed.append(name)
-        elif name in sig and sig[name] < len(args):
-            i = sig[name]
-            if name == "use_cache":
-                if args[i]:
-                    args[i] = False
-                    changed.append(name)
-            elif args[i] is not None:
-                args[i] = None
-                changed.append(name)
+            holder, key = kwargs, name
+        elif sig.get(name, len(args)) < len(args):
+            holder, key = args, sig[name]
+        else:
+            continue
+        off = False if name == "use_cache" else None
+        if (bool(holder[key]) if off is False else holder[key] is not None):
+            holder[key] = off
+            changed.append(name)
     if changed and type(layer) not in _CACHE_WARNED:
         _CACHE_WARNED.add(type(layer))
         logger.warning("ckpt_ext: a KV cache cannot be used with checkpointing in training (the replay would "
