@@ -7,15 +7,17 @@ parameters, state_dict keys and optimizers are untouched.
 """
 import inspect
 import logging
+import time
 import types
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from .checkpoint import _ATOMS, _add_module, _checkpoint, _Found
+from .planner import LayerCost, Plan, parse_bytes, plan_chain
 
-__all__ = ["enable_checkpointing", "disable_checkpointing"]
+__all__ = ["enable_checkpointing", "disable_checkpointing", "explain"]
 
 logger = logging.getLogger("ckpt_ext")
 _ATTR = "_ckpt_ext_group"
@@ -45,12 +47,16 @@ def _same_args(a: Tuple, ka: Dict, b: Tuple, kb: Dict) -> bool:
 
 
 class _Group:
-    """`every` consecutive layers checkpointed as one call. The first layer's forward runs the whole
-    group; the others hand the group's output on when the stack's loop reaches them."""
+    """Consecutive layers checkpointed as one call. The first layer's forward runs the whole group;
+    the others hand the group's output on when the stack's loop reaches them. A `kept` group (chosen
+    by the budget planner) runs its layers normally."""
 
-    def __init__(self, layers: List[nn.Module], index: int):
+    def __init__(self, layers: List[nn.Module], index: int, planner: Optional["_StackPlanner"] = None,
+                 kept: bool = False):
         self.layers = layers
         self.index = index  # position of the first layer in its stack
+        self.planner = planner
+        self.kept = kept
         self.pending = None  # (output, remaining layers, args, kwargs) after a checkpointed group run
 
     def run(self, layer_args: Tuple, layer_kwargs: Dict):
@@ -100,8 +106,87 @@ def _signature(cls: type) -> Dict[str, int]:
     return sig
 
 
+class _StackPlanner:
+    """enable_checkpointing(budget=...) on one layer stack. The first training step checkpoints every
+    layer and probes each one first (its saved-tensor bytes, input bytes and forward time, measured on
+    a throw-away run with the RNG forked, so the step's results are unchanged); the plan is made as
+    soon as every layer is measured and installed when the next step starts."""
+
+    def __init__(self, name: str, layers: List[nn.Module], budget: int):
+        self.name = name
+        self.layers = layers
+        self.budget = budget
+        self.index = {id(m): i for i, m in enumerate(layers)}
+        self.costs: List[Optional[LayerCost]] = [None] * len(layers)
+        self.plan: Optional[Plan] = None
+        self.installed = False
+        self.shape = None  # input shape the plan was made for
+
+    def install_probe_groups(self):
+        for i, layer in enumerate(self.layers):
+            _attach(layer, _Group([layer], i, self))
+
+    def install_plan(self):
+        for s, e, ckpt in self.plan.segments:
+            if ckpt:
+                group = _Group(self.layers[s:e], s, self)
+                for layer in group.layers:
+                    _attach(layer, group)
+            else:
+                for i in range(s, e):
+                    _attach(self.layers[i], _Group([self.layers[i]], i, self, kept=True))
+        self.installed = True
+
+    def probe(self, layer: nn.Module, args: Tuple, kwargs: Dict):
+        i = self.index[id(layer)]
+        if self.costs[i] is not None:
+            return
+        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        device = hidden.device if hidden is not None else torch.device("cpu")
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        storages: Dict[int, int] = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                storages[st.data_ptr()] = st.nbytes()
+            return t
+
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = type(layer).forward(layer, *args, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        del out
+        boundary = hidden.untyped_storage().nbytes() if hidden is not None else 0
+        self.costs[i] = LayerCost(sum(storages.values()), boundary, elapsed)
+        if i == 0:
+            self.shape = tuple(hidden.shape) if hidden is not None else None
+        if all(c is not None for c in self.costs):
+            # Raises ValueError (stating the minimum) when no plan fits the budget.
+            self.plan = plan_chain(self.costs, self.budget)
+
+
+def _attach(layer: nn.Module, group: _Group):
+    object.__setattr__(layer, _ATTR, group)
+    object.__setattr__(layer, "forward", types.MethodType(_layer_forward, layer))
+
+
 def _layer_forward(self: nn.Module, *args, **kwargs):
     group: _Group = getattr(self, _ATTR)
+    planner = group.planner
+    if planner is not None and self.training and torch.is_grad_enabled():
+        if planner.plan is not None and not planner.installed and self is planner.layers[0]:
+            planner.install_plan()  # a new step begins: switch from probing to the plan
+            group = getattr(self, _ATTR)
+        elif planner.plan is None:
+            planner.probe(self, *_drop_cache(self, args, kwargs))
+    if group.kept:
+        return type(self).forward(self, *args, **kwargs)
     if group.layers[0] is self:
         if not (self.training and torch.is_grad_enabled()):
             group.pending = None
@@ -167,13 +252,25 @@ def _find_stacks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return chosen
 
 
-def enable_checkpointing(model: nn.Module, every: int = 1, layers: Optional[Sequence[nn.Module]] = None) -> nn.Module:
-    """Checkpoints the model's layer stack with ckpt_ext: groups of ``every`` consecutive layers run as
-    one checkpointed call in training (layer keyword arguments -- attention masks, position ids,
-    rotary embeddings -- are passed through). ``layers`` names the stack explicitly (an
-    ``nn.ModuleList``/``nn.Sequential`` or a list of modules). Returns the model."""
+def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: Optional[Sequence[nn.Module]] = None,
+                         budget: Union[int, str, None] = None) -> nn.Module:
+    """Checkpoints the model's layer stack with ckpt_ext: groups of ``every`` (default 1) consecutive
+    layers run as one checkpointed call in training (layer keyword arguments -- attention masks,
+    position ids, rotary embeddings -- are passed through). ``layers`` names the stack explicitly (an
+    ``nn.ModuleList``/``nn.Sequential`` or a list of modules).
+
+    ``budget`` ("20GiB", "512MiB" or bytes) replaces ``every``: the planner chooses which layers to
+    checkpoint and how to group them so that the activation bytes held from forward to backward (saved
+    tensors and pooled boundaries, not parameters, gradients or optimizer state) plus the largest replay
+    fit the budget with the least recompute. It measures each layer during the first training step and
+    plans for that step's input size; a budget below the least achievable raises ValueError stating the
+    minimum. ``ckpt_ext.explain(model)`` prints the plan. Returns the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_checkpointing expects an nn.Module, got {type(model).__name__}")
+    if budget is not None and every is not None:
+        raise ValueError("give either every= (fixed groups) or budget= (planned groups), not both")
+    budget_bytes = parse_bytes(budget) if budget is not None else None
+    every = 1 if every is None else every
     if isinstance(every, bool) or not isinstance(every, int):
         raise TypeError(f"every must be a positive int, got {every!r}")
     if every < 1:
@@ -202,19 +299,60 @@ def enable_checkpointing(model: nn.Module, every: int = 1, layers: Optional[Sequ
                 f"enable_checkpointing found no layer stack in {type(model).__name__}: it looks for an "
                 "nn.ModuleList or nn.Sequential of two or more blocks of one class. Pass the stack "
                 "explicitly, e.g. enable_checkpointing(model, layers=model.encoder.layer).")
+    for name, stack in stacks:
+        mods = list(stack)
+        if len({id(m) for m in mods}) != len(mods):
+            raise ValueError(f"a layer appears twice in {name or 'the layer stack'}; ckpt_ext cannot group it")
+        if every > len(mods):
+            raise ValueError(f"every={every} is larger than the {len(mods)} layers of {name or 'the model'}")
     disable_checkpointing(model)
     for name, stack in stacks:
         mods = list(stack)
-        if every > len(mods):
-            raise ValueError(f"every={every} is larger than the {len(mods)} layers of {name or 'the model'}")
+        if budget_bytes is not None:
+            _StackPlanner(name, mods, budget_bytes).install_probe_groups()
+            continue
         for start in range(0, len(mods), every):
             group = _Group(mods[start:start + every], start)
             for layer in group.layers:
-                if hasattr(layer, _ATTR):
-                    raise ValueError(f"layer {type(layer).__name__} appears twice in the stacks to checkpoint")
-                object.__setattr__(layer, _ATTR, group)
-                object.__setattr__(layer, "forward", types.MethodType(_layer_forward, layer))
+                _attach(layer, group)
     return model
+
+
+def explain(model: nn.Module) -> str:
+    """Prints (and returns) how ckpt_ext checkpoints the model: the groups, and for a budget the plan
+    with its predicted bytes held and recompute."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"explain expects an nn.Module, got {type(model).__name__}")
+    groups, planners = [], []
+    for m in model.modules():
+        g = m.__dict__.get(_ATTR)
+        if g is None:
+            continue
+        if g.planner is not None:
+            if all(g.planner is not p for p in planners):
+                planners.append(g.planner)
+        elif g.layers[0] is m:
+            groups.append(g)
+    if not groups and not planners:
+        text = "ckpt_ext checkpointing is not enabled on this model (see ckpt_ext.enable_checkpointing)."
+    elif planners:
+        parts = []
+        for p in planners:
+            head = f"{p.name or 'layers'}: {len(p.layers)} layers, budget {p.budget} bytes"
+            if p.plan is None:
+                known = sum(c is not None for c in p.costs)
+                parts.append(f"{head}; plan pending: it is made during the first training step "
+                             f"({known}/{len(p.layers)} layers measured so far)")
+            else:
+                state = "in use" if p.installed else "made; in use from the next training step"
+                parts.append(f"{head}; plan {state}, for input shape {p.shape}\n{p.plan.describe()}")
+        text = "\n".join(parts)
+    else:
+        sizes = sorted({len(g.layers) for g in groups})
+        text = (f"ckpt_ext checkpoints {sum(len(g.layers) for g in groups)} layers in {len(groups)} groups of "
+                f"{'/'.join(map(str, sizes))} layer(s); every group keeps only its input from forward to backward.")
+    print(text)
+    return text
 
 
 def disable_checkpointing(model: nn.Module) -> nn.Module:
