@@ -5,26 +5,24 @@ Two workloads on the best device present (CUDA if available, else CPU):
   * per-call cost: a stack of many tiny blocks, every block checkpointed -- what a checkpointed call
     costs beyond the computation it replays;
   * a small BERT encoder (Hugging Face, random weights): median step time and the bytes held from
-    forward to backward (CPU: saved tensors plus the ckpt_ext pool; CUDA: peak allocated/reserved).
+    forward to backward (saved tensors plus the ckpt_ext pool; on CUDA also peak allocated/reserved).
 Timings are medians over interleaved rounds (each round runs every variant once), with 20th/80th
 percentiles. Results: a markdown table on stdout and benchmarks/results/<device>/engine.{md,json}.
+The measurement helpers are ckpt_ext.bench's; the model-level suite is `python -m ckpt_ext.bench`.
 """
 import argparse
-import datetime
 import functools
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckpt_ext
+from ckpt_ext.bench import (device_dir_name, env_info, held_bytes, hf_checkpointing_disable, hf_checkpointing_enable,
+                            interleaved, mib, ms)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,83 +32,6 @@ VARIANTS = {
     "torch.utils.checkpoint (reentrant)": functools.partial(torch_checkpoint, use_reentrant=True),
     "ckpt_ext.checkpoint": ckpt_ext.checkpoint,
 }
-
-
-# ----------------------------------------------------------------------------------------------- timing
-class Timer:
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-
-def quantiles(xs):
-    xs = sorted(xs)
-    q = lambda f: xs[min(len(xs) - 1, int(round(f * (len(xs) - 1))))]  # noqa: E731
-    return {"median": statistics.median(xs), "p20": q(0.2), "p80": q(0.8)}
-
-
-def interleaved(steps: dict, device, rounds: int, warmup: int, setup=None):
-    """steps: name -> step function. setup(name), if given, runs untimed before each step."""
-    timer = Timer(device)
-    for _ in range(warmup):
-        for k, fn in steps.items():
-            if setup:
-                setup(k)
-            fn()
-    times = {k: [] for k in steps}
-    for _ in range(rounds):
-        for k, fn in steps.items():
-            if setup:
-                setup(k)
-            times[k].append(timer(fn))
-    return {k: quantiles(v) for k, v in times.items()}
-
-
-# ------------------------------------------------------------------------------------------ accounting
-def held_bytes(step_forward, params, device):
-    """Bytes that live from forward to backward: unique storages saved for backward (parameters
-    excluded) plus ckpt_ext's pool, measured on CPU with saved-tensor hooks; peak allocated on CUDA."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        pool_before = ckpt_ext.pool_stats(device)["in_use_bytes"]
-        loss = step_forward()
-        torch.cuda.synchronize()
-        # Pool chunks were reserved during warm-up and are part of `base`: count the slots in use.
-        pool = ckpt_ext.pool_stats(device)["in_use_bytes"] - pool_before
-        held = torch.cuda.memory_allocated() - base + pool
-        loss.backward()
-        torch.cuda.synchronize()
-        return {"held_bytes": held, "pool_bytes": pool, "peak_allocated": torch.cuda.max_memory_allocated() - base,
-                "peak_reserved": torch.cuda.max_memory_reserved()}
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in param_ptrs and not ckpt_ext.is_pooled(t):
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    pool_before = ckpt_ext.pool_stats("cpu")["in_use_bytes"]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step_forward()
-    pool = ckpt_ext.pool_stats("cpu")["in_use_bytes"] - pool_before
-    loss.backward()
-    return {"held_bytes": sum(storages.values()) + pool, "saved_bytes": sum(storages.values()), "pool_bytes": pool}
 
 
 # ------------------------------------------------------------------------------------------- workloads
@@ -156,18 +77,11 @@ def bench_bert(device, layers, hidden, heads, seq, batch, rounds, dtype):
 
     def configure(variant):
         ckpt_ext.disable_checkpointing(model)
-        if hasattr(model, "activation_checkpointing_disable"):
-            model.activation_checkpointing_disable()
-        else:
-            model.gradient_checkpointing_disable()
+        hf_checkpointing_disable(model)
         if variant == "ckpt_ext.checkpoint":
             ckpt_ext.enable_checkpointing(model)
         elif variant != "none":
-            kw = {"use_reentrant": "non-reentrant" not in variant}
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+            hf_checkpointing_enable(model, use_reentrant="non-reentrant" not in variant)
 
     def forward():
         with autocast:
@@ -189,26 +103,6 @@ def bench_bert(device, layers, hidden, heads, seq, batch, rounds, dtype):
 
 
 # ---------------------------------------------------------------------------------------------- output
-def env_info(device):
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    return {"device": str(device), "device_name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "ckpt_ext": ckpt_ext.__version__, "git_commit": commit, "threads": torch.get_num_threads(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "python": platform.python_version()}
-
-
-def mib(b):
-    return f"{b / 2**20:.2f}"
-
-
-def ms(s):
-    return f"{s['median'] * 1e3:.2f} ({s['p20'] * 1e3:.2f}-{s['p80'] * 1e3:.2f})"
-
-
 def to_markdown(info, per_call, per_call_cfg, bert, bert_cfg):
     lines = [f"# ckpt_ext engine benchmark — {info['device_name']} ({info['device']})", "",
              f"{info['date']}, torch {info['torch']}, CUDA {info['cuda']}, commit {info['git_commit']}, "
@@ -272,8 +166,7 @@ def main(argv=None):
     info = env_info(device)
     md = to_markdown(info, per_call, per_call_cfg, bert, bert_cfg)
     print(md)
-    dev_name = "cuda-" + info["device_name"].replace(" ", "_") if cuda else "cpu"
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", dev_name)
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", device_dir_name(info))
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "engine.md"), "w") as f:
         f.write(md)
