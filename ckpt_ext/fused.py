@@ -26,7 +26,7 @@ from ._extension import load
 
 _C = load()
 
-__all__ = ["FusedTransformerLayer", "fuse"]
+__all__ = ["FusedTransformerLayer", "fuse", "run_segment"]
 
 BERT, GPT2, LLAMA = 0, 1, 2  # csrc/layers/layer.h: Family
 _FAMILY_NAMES = {BERT: "bert", GPT2: "gpt2", LLAMA: "llama"}
@@ -349,6 +349,28 @@ class FusedTransformerLayer(nn.Module):
             return self._hf_forward(args, kwargs)
         return _C.fused_layer_forward(self.spec, call.hidden, call.mask, call.cos, call.sin, self.fused_weights(),
                                       self.training)
+
+
+def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict):
+    """Runs consecutive fused layers as one C++ SegmentFunction (checkpointed: one autograd node that
+    replays them in backward), calling them with the first layer's arguments as Hugging Face's stack
+    does. Returns ``NotImplemented`` when the layers or the call do not allow it (not all fused layers of
+    one family and mode, a call the fused path cannot serve, mask or rotary tables requiring grad); the
+    caller then checkpoints the layers' ordinary forwards instead."""
+    first = layers[0] if layers else None
+    if not isinstance(first, FusedTransformerLayer):
+        return NotImplemented
+    for layer in layers:
+        if not isinstance(layer, FusedTransformerLayer) or layer.family != first.family or \
+                layer.training != first.training:
+            return NotImplemented
+    call = first._parse(args, kwargs)
+    if call.fallback is not None:
+        return NotImplemented
+    if any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
+        return NotImplemented
+    return _C.segment_apply([layer.spec for layer in layers], call.hidden, call.mask, call.cos, call.sin,
+                            [layer.fused_weights() for layer in layers], first.training)
 
 
 def _copy_hooks(src: nn.Module, dst: nn.Module):

@@ -3,6 +3,7 @@
 
 #include "autograd/checkpoint_function.h"
 #include "autograd/replay_context.h"
+#include "autograd/segment_function.h"
 #include "layers/layer.h"
 #include "pool/boundary_pool.h"
 
@@ -110,6 +111,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("spec"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
       py::arg("training"));
   m.def("draw_dropout_seed", &L::draw_dropout_seed, py::arg("device"));
+  m.def(
+      "segment_apply",
+      [](const std::vector<L::LayerSpec>& specs, const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
+         const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+         const std::vector<std::vector<std::optional<at::Tensor>>>& weights, bool training) {
+        std::vector<std::vector<at::Tensor>> w;
+        w.reserve(weights.size());
+        for (const auto& l : weights) w.push_back(undefined_for_none(l));
+        return ckpt_ext::segment_apply(specs, hidden, layer_inputs(mask, cos, sin), w, training);
+      },
+      py::arg("specs"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
+      py::arg("training"));
 
   m.def("pool_stats", [](c10::Device d) { return stats_dict(BoundaryPool::for_device(d)->stats()); });
   m.def("reset_peak_stats", [](c10::Device d) { BoundaryPool::for_device(d)->reset_peak(); });

@@ -374,3 +374,101 @@ def test_autocast_runs_hugging_face_forward():
             out = fused(**kw).last_hidden_state
     assert out.dtype == ref.dtype
     close(out.float(), ref.float())
+
+
+# ---- checkpointing: SegmentFunction --------------------------------------------------------------------------------
+
+
+def _checkpointed_pair(family, every, layers=3, dropout=0.2):
+    model = fuse(make_model(family, dropout=dropout, layers=layers)).train()
+    ck = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename
+        ckpt_ext.enable_checkpointing(ck, every=every)
+    return model, ck
+
+
+@pytest.mark.parametrize("every", [1, 2, 3], ids=["every1", "every2", "all"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "llama-gqa"])
+def test_checkpointed_equals_not_checkpointed_exactly_with_dropout(family, every):
+    model, ck = _checkpointed_pair(family, every)
+    kw = inputs_for(family, padding=True)
+    torch.manual_seed(7)
+    e_ref, ref = embeds_call(model, family, kw)
+    torch.manual_seed(7)
+    before = ckpt_ext.pool_stats("cpu")["in_use_bytes"]
+    e_ck, out = embeds_call(ck, family, kw)
+    assert ckpt_ext.pool_stats("cpu")["in_use_bytes"] > before  # the segment outputs live in the pool
+    assert torch.equal(out, ref)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    assert torch.equal(e_ck.grad, e_ref.grad)
+    layer_params = {id(p) for p in layers_of(ck).parameters()}
+    for (name, p), q in zip(model.named_parameters(), ck.parameters()):
+        if id(q) in layer_params:
+            assert q.grad is not None, name
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+    del out, ref
+    assert ckpt_ext.pool_stats("cpu")["in_use_bytes"] == before
+
+
+def test_segment_is_one_node_with_pooled_output():
+    model, ck = _checkpointed_pair("bert", every=3)
+    out = ck(**inputs_for("bert", padding=True)).last_hidden_state
+    assert "SegmentFunction" in out.grad_fn.name()
+    assert ckpt_ext.is_pooled(out)
+    # The node's inputs: the hidden states and every distinct parameter of the three layers.
+    n_params = sum(1 for _ in ck.encoder.layer.parameters())
+    assert len(out.grad_fn.next_functions) == 1 + n_params
+
+
+def test_segment_grad_wrt_input_only_and_eval():
+    model, ck = _checkpointed_pair("gpt2", every=2, layers=2)
+    kw = inputs_for("gpt2", padding=False)
+    torch.manual_seed(1)
+    e_ref, ref = embeds_call(model, "gpt2", kw)
+    torch.manual_seed(1)
+    e_ck, out = embeds_call(ck, "gpt2", kw)
+    (g_ref,) = torch.autograd.grad(ref.sum(), e_ref)
+    (g_ck,) = torch.autograd.grad(out.sum(), e_ck)
+    assert torch.equal(g_ck, g_ref)
+    assert all(p.grad is None for p in ck.parameters())
+    ck.eval()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(ck(**kw).last_hidden_state, model(**kw).last_hidden_state)
+
+
+def test_segment_detects_parameters_modified_before_backward():
+    model, ck = _checkpointed_pair("llama", every=2, layers=2)
+    out = ck(**inputs_for("llama", padding=False)).last_hidden_state
+    with torch.no_grad():
+        ck.layers[0].mlp.up_proj.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place between forward and backward"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_replay_skips_the_last_linear(family):
+    """The backward replays the segment but never multiplies the last linear's input by its weight."""
+    model, ck = _checkpointed_pair(family, every=2, layers=2)
+    last = ck.get_submodule("h.1.mlp.c_proj" if family == "gpt2" else "layers.1.mlp.down_proj")
+    weight = last.weight
+    out = ck(**inputs_for(family, padding=False)).last_hidden_state
+    forward_orientation = (weight.t() if family == "llama" else weight).stride()  # x @ W^T (Linear), x @ W (Conv1D)
+    uses = []  # (is the forward product?) for every matrix product reading the weight
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                w = args[-1]
+                if w.data_ptr() == weight.data_ptr():
+                    uses.append(w.stride() == forward_orientation)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        out.sum().backward()
+    assert uses == [False]  # only the input-gradient product g @ W (transposed orientation)
+    assert weight.grad is not None
