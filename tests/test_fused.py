@@ -257,6 +257,34 @@ def test_low_precision_error_within_a_multiple_of_hugging_faces(family, dtype, d
         assert err_fused <= 3 * err_hf + 1e-3 * g.abs().max().item(), (n, err_fused, err_hf)
 
 
+@pytest.mark.parametrize("padding", [False, True], ids=["nomask", "padding"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_explicit_attention_path_matches(family, padding, attn):
+    """With attention dropout the fused layer computes attention explicitly (matmul, mask, softmax, Philox
+    dropout, matmul). At p = 1e-9 its mask keeps everything (the seed is fixed), so it must match
+    Hugging Face without dropout: checks the masking (bool, additive, causal) and GQA of that path."""
+    model = make_model(family, layers=2, attn=attn, **{
+        "bert": dict(attention_probs_dropout_prob=1e-9), "gpt2": dict(attn_pdrop=1e-9),
+        "llama-gqa": dict(attention_dropout=1e-9)}[family]).train()
+    fused = fused_copy(model)
+    assert all(m.spec.attn_p == 1e-9 for m in layers_of(fused))
+    for m in model.modules():  # the reference: no attention dropout at all
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.0
+    kw = inputs_for(family, padding)
+    e_ref, out_ref = embeds_call(model, family, kw)
+    e_fus, out_fus = embeds_call(fused, family, kw)
+    close(out_fus, out_ref)
+    g = torch.randn_like(out_ref)
+    out_ref.backward(g)
+    out_fus.backward(g)
+    close(e_fus.grad, e_ref.grad)
+    grads_close(model, fused)
+
+
 # ---- dropout -------------------------------------------------------------------------------------------------------
 
 

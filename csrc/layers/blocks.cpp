@@ -163,20 +163,33 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
     return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, use_causal, scale, gqa);
   }
   // Attention dropout inside SDPA draws from torch's RNG, which a replay cannot reproduce from a seed;
-  // so with dropout the attention is computed explicitly with our Philox mask.
-  const Tensor kk = repeat_kv(k, n_rep), vv = repeat_kv(v, n_rep);
-  Tensor scores = at::matmul(q, kk.transpose(-2, -1)) * scale;
-  // Masked positions get the dtype's lowest value rather than -inf (Hugging Face's eager masks), so a
-  // fully masked row yields a uniform distribution instead of NaN.
-  const at::Scalar low = lowest_of(scores.scalar_type());
+  // so with dropout the attention is computed explicitly with our Philox mask. The scores are scaled
+  // and masked in place: bmm's backward does not need its output, and each avoided [B, H, S, S]
+  // temporary matters.
+  const int64_t B = q.size(0), heads = q.size(1), Sk = k.size(2), D = q.size(3);
+  const Tensor q3 = q.reshape({B * heads, S, D});
+  const Tensor k3 = repeat_kv(k, n_rep).reshape({B * heads, Sk, D});
+  const Tensor v3 = repeat_kv(v, n_rep).reshape({B * heads, Sk, v.size(3)});
+  Tensor scores = at::bmm(q3, k3.transpose(1, 2));
+  scores.mul_(scale);
+  Tensor scores4 = scores.view({B, heads, S, Sk});
+  // A row with every key masked (queries at left-padded positions) gets what SDPA gives it for a
+  // boolean mask -- zeros (_safe_softmax) -- and what an additive mask implies otherwise (Hugging
+  // Face's eager masks use the dtype's lowest value: a uniform row). Either way no NaN.
+  bool safe = false;
   if (mask.defined()) {
-    scores = mask.scalar_type() == at::kBool ? scores.masked_fill(mask.logical_not(), low) : scores + mask;
+    if (mask.scalar_type() == at::kBool) {
+      scores4.masked_fill_(mask.logical_not(), -std::numeric_limits<double>::infinity());
+      safe = true;
+    } else {
+      scores4.add_(mask);
+    }
   } else if (use_causal) {
-    const Tensor keep = at::ones({S, k.size(2)}, q.options().dtype(at::kBool)).tril();
-    scores = scores.masked_fill(keep.logical_not(), low);
+    scores4.masked_fill_(at::ones({S, Sk}, q.options().dtype(at::kBool)).triu(1), lowest_of(scores.scalar_type()));
   }
-  const Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-  return at::matmul(philox_dropout(probs, p, seed, offset), vv);
+  const Tensor probs = (safe ? at::_safe_softmax(scores, -1, at::kFloat) : at::softmax(scores, -1, at::kFloat))
+                           .to(q.scalar_type());
+  return at::bmm(philox_dropout(probs, p, seed, offset), v3).view({B, heads, S, v.size(3)});
 }
 
 }  // namespace layers

@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <array>
 #include <sstream>
 
 #include "../ops/fused_ops.h"
@@ -28,11 +29,17 @@ using OptTensor = std::optional<Tensor>;
 
 OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
-// Splits a [B, S, heads * D] projection (a slice of the fused qkv output) into [B, heads, S, D]
-// (a view: the last dimension stays contiguous, which rotary and SDPA read in place).
-Tensor heads_view(const Tensor& proj, int64_t start, int64_t heads, int64_t head_dim) {
-  const auto B = proj.size(0), S = proj.size(1);
-  return proj.narrow(-1, start * head_dim, heads * head_dim).view({B, S, heads, head_dim}).transpose(1, 2);
+// Splits the fused [B, S, (q_heads + 2 * kv_heads) * D] projection into q, k, v as [B, heads, S, D]
+// views (the last dimension stays contiguous, which rotary and SDPA read in place). One split rather
+// than three slices: its backward concatenates the three gradients in one copy, where slices would
+// each zero-fill a full-size gradient and add them up.
+std::array<Tensor, 3> split_qkv(const Tensor& qkv, int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+  const auto B = qkv.size(0), S = qkv.size(1);
+  auto parts = qkv.split_with_sizes({q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim}, -1);
+  std::array<Tensor, 3> r;
+  const int64_t heads[3] = {q_heads, kv_heads, kv_heads};
+  for (int i = 0; i < 3; ++i) r[i] = parts[i].view({B, S, heads[i], head_dim}).transpose(1, 2);
+  return r;
 }
 
 // [B, heads, S, D] -> [B, S, heads * D] (contiguous).
@@ -71,10 +78,7 @@ LayerOutput bert_forward(const LayerSpec& s, const Tensor& x, const LayerInputs&
   const double hidden_p = effective(s.hidden_p, rng);
   const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
-  const Tensor qkv = at::linear(x, wqkv, opt(bqkv));
-  const Tensor q = heads_view(qkv, 0, s.num_heads, s.head_dim);
-  const Tensor k = heads_view(qkv, s.num_heads, s.num_heads, s.head_dim);
-  const Tensor v = heads_view(qkv, 2 * s.num_heads, s.num_heads, s.head_dim);
+  const auto [q, k, v] = split_qkv(at::linear(x, wqkv, opt(bqkv)), s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/false, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs));
   const Tensor h1 = std::get<0>(ops::bias_dropout_add_layer_norm(at::linear(ctx, w[kAttnOutW]), opt(w[kAttnOutB]), x,
@@ -100,10 +104,7 @@ LayerOutput gpt2_forward(const LayerSpec& s, const Tensor& x, const LayerInputs&
                          const LayerRng& rng, const Tensor& out_slot, bool stop) {
   using namespace gpt2;
   const Tensor ln1 = at::layer_norm(x, {s.hidden}, opt(w[kLn1W]), opt(w[kLn1B]), s.eps);
-  const Tensor qkv = conv1d(ln1, w[kAttnW], w[kAttnB]);
-  const Tensor q = heads_view(qkv, 0, s.num_heads, s.head_dim);
-  const Tensor k = heads_view(qkv, s.num_heads, s.num_heads, s.head_dim);
-  const Tensor v = heads_view(qkv, 2 * s.num_heads, s.num_heads, s.head_dim);
+  const auto [q, k, v] = split_qkv(conv1d(ln1, w[kAttnW], w[kAttnB]), s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs));
   auto [ln2, h1, mean, rstd] =
@@ -138,11 +139,9 @@ LayerOutput llama_forward(const LayerSpec& s, const Tensor& x, const LayerInputs
   const Tensor n1 = std::get<0>(ops::add_rms_norm(x, std::nullopt, w[kLn1W], s.eps));
   const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
-  const Tensor qkv = at::linear(n1, wqkv, opt(bqkv));
-  const int64_t H = s.num_heads, KV = s.num_kv_heads, D = s.head_dim;
-  const Tensor q = ops::rotary(heads_view(qkv, 0, H, D), in.cos, in.sin);
-  const Tensor k = ops::rotary(heads_view(qkv, H, KV, D), in.cos, in.sin);
-  const Tensor v = heads_view(qkv, H + KV, KV, D);
+  const auto [q_raw, k_raw, v] = split_qkv(at::linear(n1, wqkv, opt(bqkv)), s.num_heads, s.num_kv_heads, s.head_dim);
+  const Tensor q = ops::rotary(q_raw, in.cos, in.sin);
+  const Tensor k = ops::rotary(k_raw, in.cos, in.sin);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs));
   auto [n2, h1, rstd] = ops::add_rms_norm(at::linear(ctx, w[kOW], opt(w[kOB])), x, w[kLn2W], s.eps);
