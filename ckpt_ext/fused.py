@@ -229,13 +229,20 @@ _SPEC_BUILDERS: Dict[int, Callable[[nn.Module], Any]] = {BERT: _bert_spec, GPT2:
 # --------------------------------------------------------------------------------------------------
 # The fused layer
 # --------------------------------------------------------------------------------------------------
+_collector = []  # transformers' output-capturing context variable, looked up once
+
+
 def _collecting_attentions() -> bool:
     """True while a Hugging Face model collects attention weights through its output-capturing hooks."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
+    if not _collector:
+        try:
+            from transformers.utils.output_capturing import _active_collector
+        except ImportError:
+            _active_collector = None
+        _collector.append(_active_collector)
+    if _collector[0] is None:
         return False
-    collected = _active_collector.get()
+    collected = _collector[0].get()
     return bool(collected) and any("attentions" in k for k in collected)
 
 
@@ -255,7 +262,14 @@ class FusedTransformerLayer(nn.Module):
     the original forward's arguments and returns what it returns (the hidden states). Build it with
     :func:`fuse`, or ``FusedTransformerLayer(layer)`` for one layer (raises ``ValueError`` if the layer's
     configuration is not supported).
+
+    Checkpointing: ``ckpt_ext.enable_checkpointing(model, every=k)`` runs groups of ``k`` fused layers as
+    one C++ ``SegmentFunction``. Hugging Face's ``model.gradient_checkpointing_enable()`` sets this
+    layer's ``gradient_checkpointing`` flag too; the layer is then checkpointed alone, with the same
+    ``SegmentFunction`` (Hugging Face's checkpoint function is not used).
     """
+
+    gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -347,6 +361,10 @@ class FusedTransformerLayer(nn.Module):
         call = self._parse(args, kwargs)
         if call.fallback is not None:
             return self._hf_forward(args, kwargs)
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and \
+                not any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
+            return _C.segment_apply([self.spec], call.hidden, call.mask, call.cos, call.sin, [self.fused_weights()],
+                                    True)
         return _C.fused_layer_forward(self.spec, call.hidden, call.mask, call.cos, call.sin, self.fused_weights(),
                                       self.training)
 

@@ -534,3 +534,54 @@ def test_replay_skips_the_last_linear(family):
         out.sum().backward()
     assert uses == [False]  # only the input-gradient product g @ W (transposed orientation)
     assert weight.grad is not None
+
+
+def test_hugging_face_gradient_checkpointing_uses_the_segment_function():
+    model, _ = _checkpointed_pair("gpt2", every=1, layers=2)
+    hf_ck = copy.deepcopy(model)
+    hf_ck.gradient_checkpointing_enable()
+    assert all(m.gradient_checkpointing for m in hf_ck.h)
+    kw = inputs_for("gpt2", padding=True)
+    torch.manual_seed(2)
+    ref = model(**kw).last_hidden_state
+    torch.manual_seed(2)
+    out = hf_ck(**kw).last_hidden_state
+    assert torch.equal(out, ref)
+    ref.sum().backward()
+    out.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), hf_ck.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+    with pytest.raises(ValueError, match="gradient checkpointing enabled"):
+        ckpt_ext.enable_checkpointing(hf_ck)
+
+
+def test_segment_with_a_weight_shared_by_two_layers():
+    """Tied weights are one input of the node; the last linear's hand-computed gradient adds to the rest."""
+    model, ck = _checkpointed_pair("llama", every=2, layers=2)
+    for m in (model, ck):
+        m.layers[0].mlp.down_proj.weight = m.layers[1].mlp.down_proj.weight  # the last linear of the segment
+    kw = inputs_for("llama", padding=False)
+    torch.manual_seed(4)
+    ref = model(**kw).last_hidden_state
+    torch.manual_seed(4)
+    out = ck(**kw).last_hidden_state
+    assert torch.equal(out, ref)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    shared_ref, shared = model.layers[1].mlp.down_proj.weight, ck.layers[1].mlp.down_proj.weight
+    close(shared.grad, shared_ref.grad)
+    for (name, p), q in zip(model.named_parameters(), ck.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            close(q.grad, p.grad, scale=p.grad.abs().max().item())
+
+
+def test_masks_are_checked():
+    model = make_model("bert", layers=1)
+    layer = FusedTransformerLayer(model.encoder.layer[0])
+    x = torch.randn(B, S, H)
+    with pytest.raises(RuntimeError, match="4-D mask"):
+        layer(x, torch.ones(B, S, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="bool or have the dtype"):
+        layer(x, torch.zeros(B, 1, S, S, dtype=torch.float64))

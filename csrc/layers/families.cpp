@@ -302,6 +302,15 @@ LayerOutput layer_forward(const LayerSpec& spec, const Tensor& hidden, const Lay
               " layer: hidden_states must be [batch, seq, ", spec.hidden, "], got ", hidden.sizes());
   TORCH_CHECK(!stop_before_last_linear || can_stop_before_last_linear(spec.family),
               "ckpt_ext: stop_before_last_linear is only supported for GPT-2 and Llama layers");
+  if (in.mask.defined()) {
+    TORCH_CHECK(in.mask.dim() == 4, "ckpt_ext fused ", family_name(spec.family),
+                " layer: attention_mask must be the 4-D mask Hugging Face's models pass to their layers ([batch or "
+                "1, 1 or heads, seq, seq], bool with True = attend, or additive float), got shape ",
+                in.mask.sizes());
+    TORCH_CHECK(in.mask.scalar_type() == at::kBool || in.mask.scalar_type() == hidden.scalar_type(),
+                "ckpt_ext fused ", family_name(spec.family), " layer: attention_mask must be bool or have the dtype "
+                "of the hidden states (", hidden.scalar_type(), "), got ", in.mask.scalar_type());
+  }
   TORCH_CHECK(!out_slot.defined() || !c10::GradMode::is_enabled(),
               "ckpt_ext: a layer writes into a preallocated output only under no_grad");
   switch (spec.family) {
