@@ -288,6 +288,17 @@ class FusedTransformerLayer(nn.Module):
         self.spec = spec
         self.layer_class = type(layer).__name__
         self._weight_slots = [self._slot(path) for path in _WEIGHTS[family]]
+        # Every (parent, name, child) link on the way to the weight-holding modules: if one of them is
+        # replaced after fuse() (an adapter, a quantised linear), the fused forward would silently use
+        # the old weights, so such calls run Hugging Face's forward instead.
+        links = {}
+        for path in _WEIGHTS[family]:
+            parent = self
+            for name in path.split(".")[:-1]:
+                child = parent._modules[name]
+                links[(id(parent), name)] = (parent, name, child)
+                parent = child
+        self._links = list(links.values())
         self._positional = _POSITIONAL[family]
         # Hugging Face's own forward for the calls the fused path cannot serve. Not registered as a
         # submodule: it shares this module's children, and its parameters are already ours.
@@ -337,6 +348,12 @@ class FusedTransformerLayer(nn.Module):
             fallback = "cross-attention inputs were passed"
         if kwargs.get("output_attentions") or _collecting_attentions():
             fallback = "attention weights were requested"
+        if any(parent._modules.get(name) is not child for parent, name, child in self._links):
+            _warn_once(("replaced", id(self)),
+                       f"ckpt_ext: a submodule of a fused {self.layer_class} was replaced after fuse() (an adapter or "
+                       "quantised layer?); that layer now runs Hugging Face's forward. Apply such changes before "
+                       "ckpt_ext.fuse(model).")
+            fallback = "a submodule was replaced"
         if torch.is_autocast_enabled(hidden.device.type):
             _warn_once(("autocast", self.layer_class),
                        f"ckpt_ext: fused {self.layer_class} layers compute in the model's dtype and do not "
@@ -355,6 +372,7 @@ class FusedTransformerLayer(nn.Module):
     def _hf_forward(self, args, kwargs):
         hf = self._hf_layer
         hf.training = self.training
+        hf._modules.update(self._modules)  # children replaced on this module since fuse()
         return hf.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
@@ -421,7 +439,11 @@ def fuse(model: nn.Module) -> nn.Module:
     A layer whose configuration the fused layer cannot reproduce (another activation, cross-attention
     or ``is_decoder``, ``output_attentions`` set in the config, an attention implementation other than
     eager/sdpa, ...) is left as it is, with a warning saying why. Raises ``ValueError`` when the model
-    has no supported layer, or none that can be fused.
+    has no supported layer, or none that can be fused. Rotary scaling variants (Llama ``rope_scaling``)
+    need no support of their own: the fused layer applies the (cos, sin) tables the model computes.
+
+    Apply adapters or other module replacements before ``fuse``: a layer whose submodules are replaced
+    afterwards runs Hugging Face's forward (with a warning).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse expects an nn.Module, got {type(model).__name__}")

@@ -585,3 +585,20 @@ def test_masks_are_checked():
         layer(x, torch.ones(B, S, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="bool or have the dtype"):
         layer(x, torch.zeros(B, 1, S, S, dtype=torch.float64))
+
+
+def test_submodule_replaced_after_fuse_runs_hugging_face_forward():
+    model = make_model("gpt2", layers=2).train()
+    fused = fused_copy(model)
+    new = copy.deepcopy(model.h[1].mlp.c_fc)
+    with torch.no_grad():
+        new.weight.mul_(2.0)
+    model.h[1].mlp.c_fc = new
+    fused.h[1].mlp.c_fc = copy.deepcopy(new)
+    new_mlp = copy.deepcopy(model.h[0].mlp)
+    model.h[0].mlp = new_mlp
+    fused.h[0].mlp = copy.deepcopy(new_mlp)  # a direct child of the fused layer
+    kw = inputs_for("gpt2", padding=True)
+    with pytest.warns(UserWarning, match="was replaced after fuse"):
+        out = fused(**kw).last_hidden_state
+    close(out, model(**kw).last_hidden_state)
