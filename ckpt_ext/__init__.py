@@ -3,6 +3,7 @@
     import ckpt_ext
     y = ckpt_ext.checkpoint(block, x)            # drop-in for torch.utils.checkpoint.checkpoint
     ckpt_ext.enable_checkpointing(model)         # checkpoint every layer of a layer-stack model
+    ckpt_ext.fuse(model)                         # Hugging Face BERT/GPT-2/Llama layers -> C++ fused layers
 """
 from ._extension import load as _load
 
@@ -11,7 +12,8 @@ _C = _load()
 from .checkpoint import checkpoint, checkpoint_sequential, is_recomputing  # noqa: E402
 from .integration import disable_checkpointing, enable_checkpointing, explain  # noqa: E402
 from .pool import empty_pool, is_pooled, pool_stats, record_stream, reset_peak_stats, set_pool_chunk_bytes  # noqa: E402
-from . import ops  # noqa: E402  (torch.ops.ckpt_ext: fake kernels, autograd, documented wrappers)
+from . import ops  # noqa: E402  (torch.ops.ckpt_ext: fake kernels, documented wrappers)
+from .fused import FusedTransformerLayer, fuse  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
@@ -21,6 +23,8 @@ __all__ = [
     "enable_checkpointing",
     "disable_checkpointing",
     "explain",
+    "fuse",
+    "FusedTransformerLayer",
     "pool_stats",
     "reset_peak_stats",
     "empty_pool",

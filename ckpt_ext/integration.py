@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .checkpoint import _ATOMS, _add_module, _checkpoint, _Found
+from .fused import run_segment
 from .planner import LayerCost, Plan, parse_bytes, plan_chain
 
 __all__ = ["enable_checkpointing", "disable_checkpointing", "explain"]
@@ -58,6 +59,17 @@ class _Group:
         self.planner = planner
         self.kept = kept
         self.pending = None  # (output, remaining layers, args, kwargs) after a checkpointed group run
+
+    def checkpointed(self, layer_args: Tuple, layer_kwargs: Dict):
+        """Runs the group checkpointed: fused layers (ckpt_ext.fuse) as one C++ SegmentFunction, other
+        layers through ckpt_ext.checkpoint."""
+        out = run_segment(self.layers, layer_args, layer_kwargs)
+        if out is not NotImplemented:
+            return out
+        found = _Found()
+        for layer in self.layers:
+            _add_module(layer, found)
+        return _checkpoint(self.run, (layer_args, layer_kwargs), {}, found=found)
 
     def run(self, layer_args: Tuple, layer_kwargs: Dict):
         """Runs every layer of the group (unwrapped), feeding each output's hidden state to the next."""
@@ -192,10 +204,7 @@ def _layer_forward(self: nn.Module, *args, **kwargs):
             group.pending = None
             return type(self).forward(self, *args, **kwargs)
         args, kwargs = _drop_cache(self, args, kwargs)
-        found = _Found()
-        for layer in group.layers:
-            _add_module(layer, found)
-        out = _checkpoint(group.run, (args, kwargs), {}, found=found)
+        out = group.checkpointed(args, kwargs)
         if len(group.layers) > 1:
             group.pending = (out, 1, args, kwargs)
         return out
@@ -204,6 +213,9 @@ def _layer_forward(self: nn.Module, *args, **kwargs):
         if not (self.training and torch.is_grad_enabled()):
             return type(self).forward(self, *args, **kwargs)
         args, kwargs = _drop_cache(self, args, kwargs)
+        out = run_segment([self], args, kwargs)
+        if out is not NotImplemented:
+            return out
         return _checkpoint(lambda a, k: type(self).forward(self, *a, **k), (args, kwargs), {})
     out, done, g_args, g_kwargs = group.pending
     expected = group.layers[done]

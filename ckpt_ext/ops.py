@@ -1,9 +1,10 @@
 """Stateless kernels for fused transformer layers, as ``torch.ops.ckpt_ext`` ops.
 
-The C++ side (csrc/ops/fused_ops.cpp) defines the schemas and the CPU/CUDA kernels; this module adds
-what makes them first-class PyTorch ops: a fake (meta) kernel for every op, so they trace under
-``torch.compile`` and ``FakeTensorMode``, and autograd formulas for the forward ops, whose backward calls
-the matching ``*_backward`` op. The Python functions below are the documented entry points.
+The C++ side defines the schemas and the CPU/CUDA kernels (csrc/ops/fused_ops.cpp) and the autograd
+kernels of the forward ops (csrc/ops/fused_autograd.cpp, registered on the Autograd key so that C++ code
+such as the fused layers gets gradients without Python; each backward calls the matching ``*_backward``
+op). This module adds a fake (meta) kernel for every op, so they trace under ``torch.compile`` and
+``FakeTensorMode``. The Python functions below are the documented entry points.
 
 Conventions:
 
@@ -16,7 +17,8 @@ Conventions:
   kernels draw the same mask. ``p == 0`` disables dropout. Use a fresh ``offset`` (or seed) per call.
 * Inputs that are not contiguous are copied to contiguous memory first; outputs are contiguous, except
   :func:`rotary`'s, which are laid out like its input.
-* Gradients are first order only (the ``*_backward`` ops have no autograd formula of their own).
+* Gradients are first order only: the ``*_backward`` ops have no autograd formula of their own, except
+  :func:`dropout_backward`, which is linear in ``grad`` and so is its own derivative.
 """
 from typing import Optional, Tuple
 
@@ -281,180 +283,3 @@ def _(x, cos, sin):
 @torch.library.register_fake("ckpt_ext::rotary_backward")
 def _(grad, cos, sin):
     return _rotary_like(grad)
-
-
-# ---- autograd: each forward op's backward calls its *_backward op --------------------------------------------
-
-
-def _sum_rows(t: Tensor) -> Tensor:
-    """Gradient of a bias broadcast over the last dimension."""
-    return t.reshape(-1, t.shape[-1]).sum(0)
-
-
-def _needs(ctx, *indices) -> bool:
-    return any(ctx.needs_input_grad[i] for i in indices)
-
-
-def _bias_gelu_setup(ctx, inputs, output):
-    x, bias, approximate = inputs
-    ctx.approximate = approximate
-    ctx.save_for_backward(x, bias)
-
-
-def _bias_gelu_backward(ctx, grad):
-    x, bias = ctx.saved_tensors
-    if not _needs(ctx, 0, 1):
-        return None, None, None
-    grad_x = _lib.bias_gelu_backward.default(grad, x, bias, ctx.approximate)
-    grad_bias = _sum_rows(grad_x) if ctx.needs_input_grad[1] else None
-    return grad_x, grad_bias, None
-
-
-torch.library.register_autograd("ckpt_ext::bias_gelu", _bias_gelu_backward, setup_context=_bias_gelu_setup)
-
-
-def _bias_dropout_add_setup(ctx, inputs, output):
-    x, bias, residual, p, seed, offset = inputs
-    ctx.dropout = (p, seed, offset)
-
-
-def _bias_dropout_add_backward(ctx, grad):
-    grad_x = grad_bias = None
-    if _needs(ctx, 0, 1):
-        grad_x = _lib.dropout_backward.default(grad, *ctx.dropout)
-        grad_bias = _sum_rows(grad_x) if ctx.needs_input_grad[1] else None
-    grad_residual = grad if ctx.needs_input_grad[2] else None
-    return grad_x, grad_bias, grad_residual, None, None, None
-
-
-torch.library.register_autograd(
-    "ckpt_ext::bias_dropout_add", _bias_dropout_add_backward, setup_context=_bias_dropout_add_setup
-)
-
-
-def _bias_dropout_add_layer_norm_setup(ctx, inputs, output):
-    x, bias, residual, weight, ln_bias, p, eps, seed, offset = inputs
-    out, pre_norm, mean, rstd = output
-    ctx.dropout = (p, seed, offset)
-    ctx.mark_non_differentiable(mean, rstd)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(pre_norm, weight, mean, rstd)
-
-
-def _bias_dropout_add_layer_norm_backward(ctx, grad_out, grad_pre_norm, _grad_mean, _grad_rstd):
-    pre_norm, weight, mean, rstd = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(pre_norm)
-    grad_x, grad_residual, grad_weight, grad_ln_bias = _lib.bias_dropout_add_layer_norm_backward.default(
-        grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, *ctx.dropout
-    )
-    n = ctx.needs_input_grad
-    return (
-        grad_x if n[0] else None,
-        _sum_rows(grad_x) if n[1] else None,
-        grad_residual if n[2] else None,
-        grad_weight if n[3] else None,
-        grad_ln_bias if n[4] else None,
-        None,
-        None,
-        None,
-        None,
-    )
-
-
-torch.library.register_autograd(
-    "ckpt_ext::bias_dropout_add_layer_norm",
-    _bias_dropout_add_layer_norm_backward,
-    setup_context=_bias_dropout_add_layer_norm_setup,
-)
-
-
-def _add_layer_norm_setup(ctx, inputs, output):
-    out, sum_, mean, rstd = output
-    ctx.mark_non_differentiable(mean, rstd)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(sum_, inputs[2], mean, rstd)
-
-
-def _add_layer_norm_backward(ctx, grad_out, grad_sum, _grad_mean, _grad_rstd):
-    sum_, weight, mean, rstd = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(sum_)
-    grad_input, grad_weight, grad_bias = _lib.add_layer_norm_backward.default(
-        grad_out, grad_sum, sum_, weight, mean, rstd
-    )
-    n = ctx.needs_input_grad
-    return (
-        grad_input if n[0] else None,
-        grad_input if n[1] else None,
-        grad_weight if n[2] else None,
-        grad_bias if n[3] else None,
-        None,
-    )
-
-
-torch.library.register_autograd(
-    "ckpt_ext::add_layer_norm", _add_layer_norm_backward, setup_context=_add_layer_norm_setup
-)
-
-
-def _add_rms_norm_setup(ctx, inputs, output):
-    out, sum_, rstd = output
-    ctx.mark_non_differentiable(rstd)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(sum_, inputs[2], rstd)
-
-
-def _add_rms_norm_backward(ctx, grad_out, grad_sum, _grad_rstd):
-    sum_, weight, rstd = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(sum_)
-    grad_input, grad_weight = _lib.add_rms_norm_backward.default(grad_out, grad_sum, sum_, weight, rstd)
-    n = ctx.needs_input_grad
-    return grad_input if n[0] else None, grad_input if n[1] else None, grad_weight if n[2] else None, None
-
-
-torch.library.register_autograd("ckpt_ext::add_rms_norm", _add_rms_norm_backward, setup_context=_add_rms_norm_setup)
-
-
-def _swiglu_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _swiglu_backward(ctx, grad):
-    gate, up = ctx.saved_tensors
-    grad_gate, grad_up = _lib.swiglu_backward.default(grad, gate, up)
-    return grad_gate if ctx.needs_input_grad[0] else None, grad_up if ctx.needs_input_grad[1] else None
-
-
-torch.library.register_autograd("ckpt_ext::swiglu", _swiglu_backward, setup_context=_swiglu_setup)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _reduce_to(t: Tensor, like: Tensor) -> Tensor:
-    """Sum a [B, H, S, D] product over the dims that ``like`` ([B or 1, S, D] or [S, D]) broadcasts."""
-    t = t.sum(1)
-    if like.dim() == 2:
-        return t.sum(0)
-    return t.sum(0, keepdim=True) if like.shape[0] == 1 else t
-
-
-def _rotary_setup(ctx, inputs, output):
-    x, cos, sin = inputs
-    # x is needed only for the (rare) gradients of the cos/sin tables.
-    ctx.save_for_backward(x if _needs(ctx, 1, 2) else None, cos, sin)
-
-
-def _rotary_backward(ctx, grad):
-    x, cos, sin = ctx.saved_tensors
-    grad_x = _lib.rotary_backward.default(grad, cos, sin) if ctx.needs_input_grad[0] else None
-    grad_cos = _reduce_to(grad * x, cos) if ctx.needs_input_grad[1] else None
-    grad_sin = _reduce_to(grad * _rotate_half(x), sin) if ctx.needs_input_grad[2] else None
-    return grad_x, grad_cos, grad_sin
-
-
-torch.library.register_autograd("ckpt_ext::rotary", _rotary_backward, setup_context=_rotary_setup)

@@ -3,6 +3,8 @@
 
 #include "autograd/checkpoint_function.h"
 #include "autograd/replay_context.h"
+#include "autograd/segment_function.h"
+#include "layers/layer.h"
 #include "pool/boundary_pool.h"
 
 namespace py = pybind11;
@@ -21,6 +23,18 @@ py::dict stats_dict(const ckpt_ext::PoolStats& s) {
   d["allocations"] = s.allocations;
   d["stream_fences"] = s.stream_fences;
   return d;
+}
+
+std::vector<at::Tensor> undefined_for_none(const std::vector<std::optional<at::Tensor>>& ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.push_back(t.has_value() ? *t : at::Tensor());
+  return out;
+}
+
+ckpt_ext::layers::LayerInputs layer_inputs(const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& cos,
+                                           const std::optional<at::Tensor>& sin) {
+  return {mask.value_or(at::Tensor()), cos.value_or(at::Tensor()), sin.value_or(at::Tensor())};
 }
 
 }  // namespace
@@ -44,6 +58,71 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("determinism_check"), py::arg("debug"), py::arg("finish_hook"));
 
   m.def("is_recomputing", &ckpt_ext::is_recomputing);
+
+  namespace L = ckpt_ext::layers;
+  auto make_spec = [](int64_t family, int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      double scaling, double attn_p, double hidden_p, double eps, bool gelu_tanh) {
+    L::LayerSpec s;
+    s.family = static_cast<L::Family>(family);
+    s.hidden = hidden;
+    s.num_heads = num_heads;
+    s.num_kv_heads = num_kv_heads;
+    s.head_dim = head_dim;
+    s.scaling = scaling;
+    s.attn_p = attn_p;
+    s.hidden_p = hidden_p;
+    s.eps = eps;
+    s.gelu_tanh = gelu_tanh;
+    s.validate();
+    return s;
+  };
+  py::class_<L::LayerSpec>(m, "LayerSpec")
+      .def(py::init(make_spec), py::arg("family"), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("scaling"), py::arg("attn_p"), py::arg("hidden_p"), py::arg("eps"),
+           py::arg("gelu_tanh"))
+      .def_property_readonly("family", [](const L::LayerSpec& s) { return static_cast<int64_t>(s.family); })
+      .def_readonly("attn_p", &L::LayerSpec::attn_p)
+      .def_readonly("hidden_p", &L::LayerSpec::hidden_p)
+      .def("__repr__", &L::LayerSpec::repr)
+      // Pickling (copy.deepcopy of fused models, torch.save of whole modules).
+      .def(py::pickle(
+          [](const L::LayerSpec& s) {
+            return py::make_tuple(static_cast<int64_t>(s.family), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim,
+                                  s.scaling, s.attn_p, s.hidden_p, s.eps, s.gelu_tanh);
+          },
+          [make_spec](const py::tuple& t) {
+            TORCH_CHECK(t.size() == 10, "ckpt_ext LayerSpec: bad pickled state");
+            return make_spec(t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
+                             t[4].cast<int64_t>(), t[5].cast<double>(), t[6].cast<double>(), t[7].cast<double>(),
+                             t[8].cast<double>(), t[9].cast<bool>());
+          }));
+  m.attr("LAYER_WEIGHT_COUNTS") =
+      py::make_tuple(L::weight_count(L::Family::kBert), L::weight_count(L::Family::kGPT2),
+                     L::weight_count(L::Family::kLlama));
+
+  m.def(
+      "fused_layer_forward",
+      [](const L::LayerSpec& spec, const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
+         const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+         const std::vector<std::optional<at::Tensor>>& weights, bool training) {
+        return L::fused_layer_forward(spec, hidden, layer_inputs(mask, cos, sin), undefined_for_none(weights),
+                                      training);
+      },
+      py::arg("spec"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
+      py::arg("training"));
+  m.def("draw_dropout_seed", &L::draw_dropout_seed, py::arg("device"));
+  m.def(
+      "segment_apply",
+      [](const std::vector<L::LayerSpec>& specs, const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
+         const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+         const std::vector<std::vector<std::optional<at::Tensor>>>& weights, bool training) {
+        std::vector<std::vector<at::Tensor>> w;
+        w.reserve(weights.size());
+        for (const auto& l : weights) w.push_back(undefined_for_none(l));
+        return ckpt_ext::segment_apply(specs, hidden, layer_inputs(mask, cos, sin), w, training);
+      },
+      py::arg("specs"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
+      py::arg("training"));
 
   m.def("pool_stats", [](c10::Device d) { return stats_dict(BoundaryPool::for_device(d)->stats()); });
   m.def("reset_peak_stats", [](c10::Device d) { BoundaryPool::for_device(d)->reset_peak(); });

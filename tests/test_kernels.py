@@ -624,6 +624,47 @@ def test_every_op_has_an_opcheck_sample():
     assert checked == set(ops.__all__)
 
 
+# ---- autograd registration: in C++, so that C++ code (the fused layers) differentiates without Python ------------
+
+_FORWARD_OPS = ["bias_gelu", "bias_dropout_add", "dropout_backward", "bias_dropout_add_layer_norm", "add_layer_norm",
+                "add_rms_norm", "swiglu", "rotary"]
+
+
+@pytest.mark.parametrize("name", _FORWARD_OPS)
+def test_autograd_kernel_is_registered_in_cpp(name):
+    dump = torch._C._dispatch_dump(f"ckpt_ext::{name}")
+    autograd = [line for line in dump.splitlines() if line.startswith("Autograd")]
+    assert len(autograd) == 1 and "fused_autograd.cpp" in autograd[0], dump
+
+
+def test_autograd_nodes_are_cpp_functions():
+    x = torch.randn(4, 6, requires_grad=True)
+    w = torch.randn(6, requires_grad=True)
+    for out in [ops.bias_gelu(x, w), ops.swiglu(x, x), ops.add_rms_norm(x, None, w)[0],
+                ops.bias_dropout_add_layer_norm(x, w, x, w, w, 0.2, 1e-5, 1, 2)[0]]:
+        assert type(out.grad_fn).__name__ == "CppFunction"
+
+
+def test_non_differentiable_outputs_and_unused_grads():
+    x, r = torch.randn(4, 6, requires_grad=True), torch.randn(4, 6, requires_grad=True)
+    w, b = torch.randn(6, requires_grad=True), torch.randn(6)
+    out, pre, mean, rstd = ops.bias_dropout_add_layer_norm(x, None, r, w, b, 0.0, 1e-5, 1, 2)
+    assert not mean.requires_grad and not rstd.requires_grad
+    pre.sum().backward()  # only pre_norm used: out's gradient is taken as zero
+    assert torch.equal(x.grad, torch.ones_like(x)) and torch.equal(r.grad, torch.ones_like(r))
+    assert torch.equal(w.grad, torch.zeros_like(w))
+    y, s, rstd = ops.add_rms_norm(x.detach(), r, w, 1e-6)
+    assert not rstd.requires_grad
+    (gr,) = torch.autograd.grad(s.sum(), r)
+    assert torch.equal(gr, torch.ones_like(r))
+
+
+def test_dropout_backward_is_its_own_derivative():
+    g = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda g: ops.dropout_backward(g, 0.3, 4, 9), (g,))
+    assert torch.autograd.gradgradcheck(lambda g: ops.dropout_backward(g, 0.3, 4, 9), (g,))
+
+
 # ---- float64 gradcheck -------------------------------------------------------------------------------------------
 
 

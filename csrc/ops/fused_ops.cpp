@@ -7,9 +7,11 @@
 // Outputs are contiguous, except rotary's, which are laid out like their input (torch.empty_like).
 // The ops are pure functions of (inputs, weights, dropout seed/offset): no state, no global generator.
 //
-// Fake (meta) kernels and autograd formulas are registered in Python: ckpt_ext/ops.py.
+// Autograd kernels: fused_autograd.cpp (C++, so that C++ code gets gradients without Python). Fake
+// (meta) kernels: ckpt_ext/ops.py. C++ callers use the dispatcher entry points declared in fused_ops.h.
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "../kernels/fused_kernels.h"
+#include "fused_ops.h"
 
 namespace ckpt_ext {
 namespace {
@@ -143,19 +146,32 @@ Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& 
   return grad_x;
 }
 
-Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
-                        int64_t offset) {
+// A caller-provided output (the *_into entry points) must be where the kernel would write its own.
+void check_out(const char* op, const Tensor& out, const Tensor& x) {
+  check_same_shape(op, "out", out, "x", x);
+  TORCH_CHECK(out.is_contiguous(), "ckpt_ext::", op, ": out must be contiguous");
+}
+
+// `out`: where to write the result; undefined = allocate it.
+Tensor bias_dropout_add_impl(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
+                             int64_t offset, Tensor out) {
   const char* op = "bias_dropout_add";
   check_floating(op, "x", x);
   check_at_least_1d(op, "x", x);
   check_same_shape(op, "residual", residual, "x", x);
   check_p(op, p);
   if (present(bias)) check_vector(op, "bias", *bias, x.size(-1), "x", x);
+  if (out.defined()) check_out(op, out, x);
   const Tensor xc = x.contiguous(), rc = residual.contiguous(), bc = contiguous_or_undefined(bias);
-  Tensor out = at::empty_like(xc);
+  if (!out.defined()) out = at::empty_like(xc);
   if (xc.numel() > 0)
     CKPT_EXT_LAUNCH(x.device(), bias_dropout_add_forward, xc, bc, rc, DropoutArgs{p, seed, offset}, out);
   return out;
+}
+
+Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
+                        int64_t offset) {
+  return bias_dropout_add_impl(x, bias, residual, p, seed, offset, Tensor());
 }
 
 Tensor dropout_backward(const Tensor& grad, double p, int64_t seed, int64_t offset) {
@@ -249,10 +265,13 @@ Tensor rotary_backward(const Tensor& grad, const Tensor& cos, const Tensor& sin)
 
 // ---- row-wise norms ----------------------------------------------------------------------------------------
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias,
-                                                                       const Tensor& residual, const Tensor& weight,
-                                                                       const OptTensor& ln_bias, double p, double eps,
-                                                                       int64_t seed, int64_t offset) {
+// `out`: where to write the normalised output; undefined = allocate it.
+std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_impl(const Tensor& x, const OptTensor& bias,
+                                                                            const Tensor& residual,
+                                                                            const Tensor& weight,
+                                                                            const OptTensor& ln_bias, double p,
+                                                                            double eps, int64_t seed, int64_t offset,
+                                                                            Tensor out) {
   const char* op = "bias_dropout_add_layer_norm";
   check_floating(op, "x", x);
   check_hidden(op, "x", x);
@@ -263,13 +282,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(const Ten
   if (present(ln_bias)) check_vector(op, "ln_bias", *ln_bias, hidden, "x", x);
   check_p(op, p);
   TORCH_CHECK(eps >= 0, "ckpt_ext::", op, ": eps must be >= 0, got ", eps);
+  if (out.defined()) check_out(op, out, x);
   const Tensor xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
-  Tensor out = at::empty_like(xc), pre_norm = at::empty_like(xc), mean = empty_row_stats(xc),
-         rstd = empty_row_stats(xc);
+  if (!out.defined()) out = at::empty_like(xc);
+  Tensor pre_norm = at::empty_like(xc), mean = empty_row_stats(xc), rstd = empty_row_stats(xc);
   if (xc.numel() > 0)
     CKPT_EXT_LAUNCH(x.device(), layer_norm_forward, xc, contiguous_or_undefined(bias), rc,
                     DropoutArgs{p, seed, offset}, wc, contiguous_or_undefined(ln_bias), eps, out, pre_norm, mean, rstd);
   return {out, pre_norm, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias,
+                                                                       const Tensor& residual, const Tensor& weight,
+                                                                       const OptTensor& ln_bias, double p, double eps,
+                                                                       int64_t seed, int64_t offset) {
+  return bias_dropout_add_layer_norm_impl(x, bias, residual, weight, ln_bias, p, eps, seed, offset, Tensor());
 }
 
 // Shared by the two LayerNorm backward ops. grad_x is defined only for the dropout variant.
@@ -429,3 +456,107 @@ TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) { CKPT_EXT_IMPL_ALL(m); }
 #endif
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CompositeExplicitAutograd, m) { m.impl("dropout_mask", &ckpt_ext::dropout_mask); }
+
+// ---- C++ entry points (fused_ops.h): through the dispatcher, so autograd and fake tensors apply ----------------
+
+namespace ckpt_ext {
+namespace ops {
+namespace {
+
+// The typed handle of ckpt_ext::<name>, looked up once.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+}  // namespace
+
+#define CKPT_EXT_CALL(name, Signature, ...)                                      \
+  static const auto op = handle<Signature>("ckpt_ext::" name); \
+  return op.call(__VA_ARGS__)
+
+using T4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+using T3 = std::tuple<Tensor, Tensor, Tensor>;
+using T2 = std::tuple<Tensor, Tensor>;
+
+Tensor bias_gelu(const Tensor& x, const OptTensor& bias, c10::string_view approximate) {
+  CKPT_EXT_CALL("bias_gelu", Tensor(const Tensor&, const OptTensor&, c10::string_view), x, bias, approximate);
+}
+Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias, c10::string_view approximate) {
+  CKPT_EXT_CALL("bias_gelu_backward", Tensor(const Tensor&, const Tensor&, const OptTensor&, c10::string_view), grad,
+                x, bias, approximate);
+}
+Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
+                        int64_t offset) {
+  CKPT_EXT_CALL("bias_dropout_add", Tensor(const Tensor&, const OptTensor&, const Tensor&, double, int64_t, int64_t),
+                x, bias, residual, p, seed, offset);
+}
+Tensor dropout_backward(const Tensor& grad, double p, int64_t seed, int64_t offset) {
+  CKPT_EXT_CALL("dropout_backward", Tensor(const Tensor&, double, int64_t, int64_t), grad, p, seed, offset);
+}
+T4 bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight,
+                               const OptTensor& ln_bias, double p, double eps, int64_t seed, int64_t offset) {
+  CKPT_EXT_CALL("bias_dropout_add_layer_norm",
+                T4(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const OptTensor&, double, double,
+                   int64_t, int64_t),
+                x, bias, residual, weight, ln_bias, p, eps, seed, offset);
+}
+T4 bias_dropout_add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm,
+                                        const Tensor& weight, const Tensor& mean, const Tensor& rstd, double p,
+                                        int64_t seed, int64_t offset) {
+  CKPT_EXT_CALL("bias_dropout_add_layer_norm_backward",
+                T4(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+                   int64_t, int64_t),
+                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset);
+}
+T4 add_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
+                  double eps) {
+  CKPT_EXT_CALL("add_layer_norm", T4(const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, double), x,
+                residual, weight, bias, eps);
+}
+T3 add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum, const Tensor& sum, const Tensor& weight,
+                           const Tensor& mean, const Tensor& rstd) {
+  CKPT_EXT_CALL("add_layer_norm_backward",
+                T3(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&),
+                grad_out, grad_sum, sum, weight, mean, rstd);
+}
+T3 add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, double eps) {
+  CKPT_EXT_CALL("add_rms_norm", T3(const Tensor&, const OptTensor&, const Tensor&, double), x, residual, weight, eps);
+}
+T2 add_rms_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum, const Tensor& sum, const Tensor& weight,
+                         const Tensor& rstd) {
+  CKPT_EXT_CALL("add_rms_norm_backward",
+                T2(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&), grad_out, grad_sum,
+                sum, weight, rstd);
+}
+Tensor swiglu(const Tensor& gate, const Tensor& up) {
+  CKPT_EXT_CALL("swiglu", Tensor(const Tensor&, const Tensor&), gate, up);
+}
+T2 swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up) {
+  CKPT_EXT_CALL("swiglu_backward", T2(const Tensor&, const Tensor&, const Tensor&), grad, gate, up);
+}
+Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  CKPT_EXT_CALL("rotary", Tensor(const Tensor&, const Tensor&, const Tensor&), x, cos, sin);
+}
+Tensor rotary_backward(const Tensor& grad, const Tensor& cos, const Tensor& sin) {
+  CKPT_EXT_CALL("rotary_backward", Tensor(const Tensor&, const Tensor&, const Tensor&), grad, cos, sin);
+}
+
+#undef CKPT_EXT_CALL
+
+void bias_dropout_add_into(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
+                           int64_t offset, const Tensor& out) {
+  TORCH_CHECK(out.defined(), "ckpt_ext::bias_dropout_add_into: out must be a tensor");
+  ckpt_ext::bias_dropout_add_impl(x, bias, residual, p, seed, offset, out);
+}
+
+T3 bias_dropout_add_layer_norm_into(const Tensor& x, const OptTensor& bias, const Tensor& residual,
+                                    const Tensor& weight, const OptTensor& ln_bias, double p, double eps, int64_t seed,
+                                    int64_t offset, const Tensor& out) {
+  TORCH_CHECK(out.defined(), "ckpt_ext::bias_dropout_add_layer_norm_into: out must be a tensor");
+  auto r = ckpt_ext::bias_dropout_add_layer_norm_impl(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out);
+  return {std::get<1>(r), std::get<2>(r), std::get<3>(r)};
+}
+
+}  // namespace ops
+}  // namespace ckpt_ext

@@ -8,10 +8,21 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/gelu_backward.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/silu_backward.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define CKPT_EXT_X86_AVX2 1
+#endif
 
 #include "../fused_kernels.h"
 
@@ -66,11 +77,155 @@ A sigmoid(A x) {
   return A(1) / (A(1) + std::exp(-x));
 }
 
+// ---- dropout masks in blocks -------------------------------------------------------------------------------
+//
+// The mask is philox.h's (the same bits as the CUDA kernels and the reference); only the way the CPU
+// computes it differs from a per-element cursor: the Philox words of all the 4-element groups a range
+// touches are computed first -- 32 groups at a time with AVX2 where the CPU has it -- and each
+// element is then one integer compare. Regenerating masks (forward, backward, replay) is what dropout
+// costs here, so this matters.
+
+void philox_words_scalar(const philox::Dropout& d, uint64_t g0, int64_t n, uint32_t* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const philox::Uint4 w = philox::dropout_bits(d.seed, d.offset, g0 + static_cast<uint64_t>(j));
+    out[4 * j] = w.x;
+    out[4 * j + 1] = w.y;
+    out[4 * j + 2] = w.z;
+    out[4 * j + 3] = w.w;
+  }
+}
+
+#ifdef CKPT_EXT_X86_AVX2
+// The 32x32->64 products of the even and odd 32-bit lanes (vpmuludq), recombined into low and high halves.
+__attribute__((target("avx2"), always_inline)) inline __m256i mulhilo_avx2(__m256i a, __m256i m, __m256i* hi) {
+  const __m256i even = _mm256_mul_epu32(a, m);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
+  *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+  return _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+}
+
+// Philox4x32-10 of 32 consecutive groups per step: four independent 8-lane streams, so the rounds'
+// multiply latencies overlap; the four words of each group are then transposed into place.
+__attribute__((target("avx2"))) void philox_words_avx2(const philox::Dropout& d, uint64_t g0, int64_t n,
+                                                        uint32_t* out) {
+  constexpr int U = 4;
+  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(philox::kMul0));
+  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(philox::kMul1));
+  const __m256i off_lo = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(d.offset)));
+  const __m256i off_hi = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(d.offset >> 32)));
+  int64_t j = 0;
+  for (; j + 8 * U <= n; j += 8 * U) {
+    __m256i x[U], y[U], z[U], w[U];
+    for (int u = 0; u < U; ++u) {
+      alignas(32) uint32_t lo[8], hi[8];
+      for (int l = 0; l < 8; ++l) {
+        const uint64_t g = g0 + static_cast<uint64_t>(j + 8 * u + l);
+        lo[l] = static_cast<uint32_t>(g);
+        hi[l] = static_cast<uint32_t>(g >> 32);
+      }
+      x[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
+      y[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
+      z[u] = off_lo;
+      w[u] = off_hi;
+    }
+    uint32_t k0 = static_cast<uint32_t>(d.seed), k1 = static_cast<uint32_t>(d.seed >> 32);
+    for (int r = 0; r < 10; ++r) {
+      const __m256i key0 = _mm256_set1_epi32(static_cast<int>(k0)), key1 = _mm256_set1_epi32(static_cast<int>(k1));
+      for (int u = 0; u < U; ++u) {
+        __m256i hi0, hi1;
+        const __m256i lo0 = mulhilo_avx2(x[u], m0, &hi0);
+        const __m256i lo1 = mulhilo_avx2(z[u], m1, &hi1);
+        x[u] = _mm256_xor_si256(_mm256_xor_si256(hi1, y[u]), key0);
+        z[u] = _mm256_xor_si256(_mm256_xor_si256(hi0, w[u]), key1);
+        y[u] = lo1;
+        w[u] = lo0;
+      }
+      k0 += philox::kWeyl0;
+      k1 += philox::kWeyl1;
+    }
+    for (int u = 0; u < U; ++u) {
+      // (x, y, z, w) of lanes 0..7 -> groups 0..7 of four consecutive words.
+      const __m256i t0 = _mm256_unpacklo_epi32(x[u], y[u]), t1 = _mm256_unpackhi_epi32(x[u], y[u]);
+      const __m256i t2 = _mm256_unpacklo_epi32(z[u], w[u]), t3 = _mm256_unpackhi_epi32(z[u], w[u]);
+      const __m256i a0 = _mm256_unpacklo_epi64(t0, t2), a1 = _mm256_unpackhi_epi64(t0, t2);  // groups 0,1 | 4,5
+      const __m256i a2 = _mm256_unpacklo_epi64(t1, t3), a3 = _mm256_unpackhi_epi64(t1, t3);  // groups 2,3 | 6,7
+      uint32_t* o = out + 4 * (j + 8 * u);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm256_permute2x128_si256(a0, a1, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 8), _mm256_permute2x128_si256(a2, a3, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), _mm256_permute2x128_si256(a0, a1, 0x31));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 24), _mm256_permute2x128_si256(a2, a3, 0x31));
+    }
+  }
+  philox_words_scalar(d, g0 + static_cast<uint64_t>(j), n - j, out + 4 * j);
+}
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#endif
+
+// out[4 * j + w] = Philox word w of group g0 + j, for j < n.
+void philox_words(const philox::Dropout& d, uint64_t g0, int64_t n, uint32_t* out) {
+#ifdef CKPT_EXT_X86_AVX2
+  if (cpu_has_avx2()) return philox_words_avx2(d, g0, n, out);
+#endif
+  philox_words_scalar(d, g0, n, out);
+}
+
+// The Philox words of element ranges under one dropout (one object per parallel task): element k of
+// the range is kept iff keep(words[k]).
+class DropoutWords {
+ public:
+  static constexpr int64_t kBlock = 2048;  // elements per fill in the elementwise kernels
+
+  explicit DropoutWords(const philox::Dropout& d)
+      // bits_to_uniform(b) = (b >> 8) * 2^-24 >= p  <=>  (b >> 8) >= ceil(p * 2^24): exact, since both
+      // sides are exact in double.
+      : d_(d), threshold_(static_cast<uint32_t>(std::ceil(static_cast<double>(d.p) * 16777216.0))) {}
+
+  // Words of elements [i0, i0 + n), valid until the next call.
+  const uint32_t* fill(uint64_t i0, int64_t n) {
+    const uint64_t g_first = i0 >> 2;
+    const int64_t groups = static_cast<int64_t>(((i0 + static_cast<uint64_t>(n) - 1) >> 2) - g_first + 1);
+    words_.resize(static_cast<size_t>(4 * groups));
+    philox_words(d_, g_first, groups, words_.data());
+    return words_.data() + (i0 & 3);
+  }
+
+  bool keep(uint32_t word) const { return (word >> 8) >= threshold_; }
+
+ private:
+  philox::Dropout d_;
+  uint32_t threshold_;
+  std::vector<uint32_t> words_;
+};
+
+// float32 / float64 are their own accumulation type, so ATen's vectorized kernels (SIMD erf, tanh, exp)
+// compute what the scalar loops below compute, in the same precision (up to the last bit of those
+// functions), an order of magnitude faster: the scalar GELU/SiLU loops, calling std::erf/std::exp per
+// element, dominated a CPU training step. The scalar loops serve float16 / bfloat16, which they compute
+// in float and round once.
+bool aten_vectorized(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble;
+}
+
+c10::string_view gelu_kind(bool tanh) { return tanh ? "tanh" : "none"; }
+
 }  // namespace
 
 // ---- elementwise ----------------------------------------------------------------------------------------
 
 void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, const at::Tensor& out) {
+  if (aten_vectorized(x)) {
+    at::Tensor o = out;
+    if (bias.defined())
+      at::add_out(o, x, bias);
+    else
+      o.copy_(x);
+    at::gelu_(o, gelu_kind(tanh));
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::bias_gelu", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
@@ -90,6 +245,11 @@ void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, c
 
 void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,
                         const at::Tensor& grad_x) {
+  if (aten_vectorized(x)) {
+    at::Tensor gx = grad_x;
+    at::gelu_backward_out(gx, grad, bias.defined() ? at::add(x, bias) : x, gelu_kind(tanh));
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::bias_gelu_backward", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* gp = grad.const_data_ptr<scalar_t>();
@@ -121,13 +281,17 @@ void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const
     const A scale = dropout_scale<A>(dropout);
     const philox::Dropout ph = dropout.philox();
     at::parallel_for(0, x.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
-      philox::DropoutCursor cursor(ph);
+      DropoutWords mask(ph);
       int64_t col = begin % hidden;
-      for (int64_t i = begin; i < end; ++i) {
-        A v = static_cast<A>(xp[i]) + (bp ? static_cast<A>(bp[col]) : A(0));
-        if (drop) v = cursor.keep(i) ? v * scale : A(0);
-        op[i] = static_cast<scalar_t>(static_cast<A>(rp[i]) + v);
-        if (++col == hidden) col = 0;
+      for (int64_t b0 = begin; b0 < end; b0 += DropoutWords::kBlock) {
+        const int64_t b1 = std::min(end, b0 + DropoutWords::kBlock);
+        const uint32_t* words = drop ? mask.fill(b0, b1 - b0) : nullptr;
+        for (int64_t i = b0; i < b1; ++i) {
+          A v = static_cast<A>(xp[i]) + (bp ? static_cast<A>(bp[col]) : A(0));
+          if (drop) v = mask.keep(words[i - b0]) ? v * scale : A(0);
+          op[i] = static_cast<scalar_t>(static_cast<A>(rp[i]) + v);
+          if (++col == hidden) col = 0;
+        }
       }
     });
   });
@@ -142,9 +306,16 @@ void dropout_backward(const at::Tensor& grad, const DropoutArgs& dropout, const 
     const A scale = dropout_scale<A>(dropout);
     const philox::Dropout ph = dropout.philox();
     at::parallel_for(0, grad.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
-      philox::DropoutCursor cursor(ph);
-      for (int64_t i = begin; i < end; ++i) {
-        dp[i] = !drop ? gp[i] : cursor.keep(i) ? static_cast<scalar_t>(static_cast<A>(gp[i]) * scale) : scalar_t(0);
+      if (!drop) {
+        std::copy(gp + begin, gp + end, dp + begin);
+        return;
+      }
+      DropoutWords mask(ph);
+      for (int64_t b0 = begin; b0 < end; b0 += DropoutWords::kBlock) {
+        const int64_t b1 = std::min(end, b0 + DropoutWords::kBlock);
+        const uint32_t* words = mask.fill(b0, b1 - b0);
+        for (int64_t i = b0; i < b1; ++i)
+          dp[i] = mask.keep(words[i - b0]) ? static_cast<scalar_t>(static_cast<A>(gp[i]) * scale) : scalar_t(0);
       }
     });
   });
@@ -155,12 +326,26 @@ void dropout_mask(const DropoutArgs& dropout, const at::Tensor& mask) {
   const philox::Dropout ph = dropout.philox();
   const bool drop = dropout.enabled();
   at::parallel_for(0, mask.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
-    philox::DropoutCursor cursor(ph);
-    for (int64_t i = begin; i < end; ++i) mp[i] = !drop || cursor.keep(i);
+    if (!drop) {
+      std::fill(mp + begin, mp + end, true);
+      return;
+    }
+    DropoutWords mask(ph);
+    for (int64_t b0 = begin; b0 < end; b0 += DropoutWords::kBlock) {
+      const int64_t b1 = std::min(end, b0 + DropoutWords::kBlock);
+      const uint32_t* words = mask.fill(b0, b1 - b0);
+      for (int64_t i = b0; i < b1; ++i) mp[i] = mask.keep(words[i - b0]);
+    }
   });
 }
 
 void swiglu_forward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out) {
+  if (aten_vectorized(gate)) {
+    at::Tensor o = out;
+    at::silu_out(o, gate);
+    o.mul_(up);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate.scalar_type(), "ckpt_ext::swiglu", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* gp = gate.const_data_ptr<scalar_t>();
@@ -177,6 +362,14 @@ void swiglu_forward(const at::Tensor& gate, const at::Tensor& up, const at::Tens
 
 void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
                      const at::Tensor& grad_gate, const at::Tensor& grad_up) {
+  if (aten_vectorized(gate)) {
+    // d/dgate = silu'(gate) * (grad * up); d/dup = silu(gate) * grad.
+    at::Tensor gg = grad_gate, gu = grad_up;
+    at::silu_backward_out(gg, at::mul(grad, up), gate);
+    at::silu_out(gu, gate);
+    gu.mul_(grad);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate.scalar_type(), "ckpt_ext::swiglu_backward", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* dy = grad.const_data_ptr<scalar_t>();
@@ -280,13 +473,14 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
     const philox::Dropout ph = dropout.philox();
     at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
       std::vector<A> v(hidden);
-      philox::DropoutCursor cursor(ph);
+      DropoutWords mask(ph);
       for (int64_t r = begin; r < end; ++r) {
         const int64_t base = r * hidden;
+        const uint32_t* words = drop ? mask.fill(base, hidden) : nullptr;
         A sum = 0;
         for (int64_t j = 0; j < hidden; ++j) {
           A val = static_cast<A>(xp[base + j]) + (bp ? static_cast<A>(bp[j]) : A(0));
-          if (drop) val = cursor.keep(base + j) ? val * scale : A(0);
+          if (drop) val = mask.keep(words[j]) ? val * scale : A(0);
           if (rp) val += static_cast<A>(rp[base + j]);
           const scalar_t stored = static_cast<scalar_t>(val);
           pp[base + j] = stored;
@@ -332,7 +526,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
     const RowChunks chunks(rows);
     std::vector<A> partial_w(chunks.count * hidden, A(0)), partial_b(chunks.count * hidden, A(0));
     at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
-      philox::DropoutCursor cursor(ph);
+      DropoutWords mask(ph);
       for (int64_t c = c0; c < c1; ++c) {
         A* pw = partial_w.data() + c * hidden;
         A* pb = partial_b.data() + c * hidden;
@@ -351,12 +545,13 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
             pb[j] += g;
           }
           const A c_mean = sum_dy / hidden, c_xhat = sum_dy_xhat / hidden;
+          const uint32_t* words = drop && dx ? mask.fill(base, hidden) : nullptr;
           for (int64_t j = 0; j < hidden; ++j) {
             const A xhat = (static_cast<A>(vp[base + j]) - mu) * rs;
             A d = rs * (static_cast<A>(gp[base + j]) * static_cast<A>(wp[j]) - c_mean - xhat * c_xhat);
             if (gsp) d += static_cast<A>(gsp[base + j]);
             dpre[base + j] = static_cast<scalar_t>(d);
-            if (dx) dx[base + j] = static_cast<scalar_t>(!drop ? d : cursor.keep(base + j) ? d * scale : A(0));
+            if (dx) dx[base + j] = static_cast<scalar_t>(!drop ? d : mask.keep(words[j]) ? d * scale : A(0));
           }
         }
       }

@@ -1,0 +1,212 @@
+#include "segment_function.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <unordered_map>
+
+#include "../pool/boundary_pool.h"
+
+namespace ckpt_ext {
+namespace {
+
+using layers::LayerSpec;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Everything the replay needs besides the saved input. Lives in the node's context.
+struct SegmentState : torch::CustomClassHolder {
+  std::vector<LayerSpec> specs;
+  // Distinct parameters, in first-use order: the node's tensor inputs after the hidden states. A
+  // parameter shared by several layers (tied weights) is one input, so its gradient is one sum.
+  // Held rather than saved (saved-tensor hooks would copy or detach them); versions are checked.
+  std::vector<at::Tensor> params;
+  std::vector<uint32_t> param_versions;
+  // weight_index[l][i]: index into params of layer l's weight slot i, or -1 for an absent bias.
+  std::vector<std::vector<int64_t>> weight_index;
+  layers::LayerInputs inputs;  // mask, rotary tables: not differentiated (checked in segment_apply)
+  std::vector<int64_t> seeds;  // per layer, drawn once in forward
+  bool training = false;
+
+  std::vector<at::Tensor> weights_of(size_t layer, const std::vector<at::Tensor>& values) const {
+    std::vector<at::Tensor> w;
+    w.reserve(weight_index[layer].size());
+    for (int64_t i : weight_index[layer]) w.push_back(i >= 0 ? values[static_cast<size_t>(i)] : at::Tensor());
+    return w;
+  }
+};
+
+std::vector<int64_t> dense_strides(at::IntArrayRef sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t s = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    strides[i] = s;
+    s *= std::max<int64_t>(sizes[i], 1);
+  }
+  return strides;
+}
+
+struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
+  // tensors = {hidden, params...}
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<SegmentState> st, at::TensorList tensors) {
+    const at::Tensor& hidden = tensors[0];
+    const size_t K = st->specs.size();
+    at::Tensor h = hidden;
+    for (size_t l = 0; l < K; ++l) {
+      layers::LayerRng rng{st->training, st->seeds[l]};
+      at::Tensor slot;
+      if (l + 1 == K) {
+        // The segment output is written by the layer's last fused op straight into a pool slot.
+        slot = BoundaryPool::for_device(h.device())->empty(h.sizes(), dense_strides(h.sizes()), h.scalar_type());
+      }
+      h = layers::layer_forward(st->specs[l], h, st->inputs, st->weights_of(l, st->params), rng, slot).out;
+    }
+    for (const auto& p : st->params) st->param_versions.push_back(p._version());
+    ctx->save_for_backward({hidden});
+    ctx->saved_data["state"] = at::IValue::make_capsule(st);
+    return {h};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto st = c10::static_intrusive_pointer_cast<SegmentState>(ctx->saved_data.at("state").toCapsule());
+    const variable_list saved = ctx->get_saved_variables();  // in-place modification / second-backward checks
+    const size_t P = st->params.size();
+    variable_list result(2 + P);  // slot 0: the state argument; 1: hidden; 2..: params
+    for (size_t j = 0; j < P; ++j) {
+      TORCH_CHECK(st->params[j]._version() == st->param_versions[j],
+                  "ckpt_ext fused segment: a parameter (shape ", st->params[j].sizes(),
+                  ") was modified in place between forward and backward (for example by optimizer.step()); the "
+                  "replay would use the new values. Run backward before updating parameters.");
+    }
+    const at::Tensor& grad_out = grad_outputs[0];
+    if (!grad_out.defined()) return result;
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "ckpt_ext fused segment: double backward (create_graph=True) is not supported; the fused ops' "
+                "gradients are first order");
+    const bool need_hidden = ctx->needs_input_grad(0);
+    std::vector<bool> need_param(P);
+    bool any = need_hidden;
+    for (size_t j = 0; j < P; ++j) {
+      need_param[j] = ctx->needs_input_grad(1 + j);
+      any = any || need_param[j];
+    }
+    if (!any) return result;
+
+    // The replay starts from the saved input, detached, so its graph ends at this node.
+    at::Tensor x = saved[0].detach();
+    if (need_hidden) x.requires_grad_(true);
+    const size_t K = st->specs.size();
+    variable_list outs, gouts;
+    // Gradients of the last linear, computed by hand (param index -> gradient).
+    std::vector<std::pair<int64_t, at::Tensor>> direct;
+    {
+      at::AutoGradMode grad_mode(true);
+      at::Tensor h = x;
+      for (size_t l = 0; l + 1 < K; ++l)
+        h = layers::layer_forward(st->specs[l], h, st->inputs, st->weights_of(l, st->params),
+                                  layers::LayerRng{st->training, st->seeds[l]})
+                .out;
+      const size_t last = K - 1;
+      const LayerSpec& spec = st->specs[last];
+      const auto w = st->weights_of(last, st->params);
+      const layers::LayerRng rng{st->training, st->seeds[last]};
+      if (layers::can_stop_before_last_linear(spec.family)) {
+        auto t = layers::layer_forward(spec, h, st->inputs, w, rng, at::Tensor(), /*stop_before_last_linear=*/true);
+        const layers::LastLinear lin = layers::last_linear(spec, w, rng);
+        const auto& idx = st->weight_index[last];
+        // The slots of the last linear's weight and bias in this family's weight list.
+        const int64_t w_slot = spec.family == layers::Family::kGPT2 ? layers::gpt2::kMlpProjW : layers::llama::kDownW;
+        const int64_t b_slot = spec.family == layers::Family::kGPT2 ? layers::gpt2::kMlpProjB : layers::llama::kDownB;
+        const int64_t w_param = idx[w_slot], b_param = idx[b_slot];
+        const bool need_w = w_param >= 0 && need_param[w_param];
+        const bool need_b = b_param >= 0 && need_param[b_param];
+        auto g = layers::residual_linear_backward(grad_out, t.last_input, lin, rng.seed,
+                                                  t.last_input.requires_grad(), need_w, need_b);
+        if (need_w) direct.emplace_back(w_param, g.weight);
+        if (need_b) direct.emplace_back(b_param, g.bias);
+        if (g.x.defined()) {
+          outs.push_back(t.last_input);
+          gouts.push_back(g.x);
+        }
+        if (t.residual.requires_grad()) {
+          outs.push_back(t.residual);
+          gouts.push_back(grad_out);
+        }
+      } else {
+        at::Tensor out = layers::layer_forward(spec, h, st->inputs, w, rng).out;
+        if (out.requires_grad()) {
+          outs.push_back(out);
+          gouts.push_back(grad_out);
+        }
+      }
+    }
+
+    variable_list targets;
+    std::vector<int64_t> target_slot;  // result index of each target
+    if (need_hidden) {
+      targets.push_back(x);
+      target_slot.push_back(1);
+    }
+    for (size_t j = 0; j < P; ++j) {
+      if (need_param[j] && st->params[j].requires_grad()) {
+        targets.push_back(st->params[j]);
+        target_slot.push_back(static_cast<int64_t>(2 + j));
+      }
+    }
+    if (!outs.empty() && !targets.empty()) {
+      variable_list grads = torch::autograd::grad(outs, targets, gouts, /*retain_graph=*/false,
+                                                  /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t i = 0; i < grads.size(); ++i) result[static_cast<size_t>(target_slot[i])] = grads[i];
+    }
+    for (auto& [j, g] : direct) {
+      at::Tensor& slot = result[static_cast<size_t>(2 + j)];
+      slot = slot.defined() ? slot + g : g;  // a last-linear weight also used elsewhere (tied)
+    }
+    return result;
+  }
+};
+
+}  // namespace
+
+at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
+                         const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
+                         bool training) {
+  TORCH_CHECK(!specs.empty(), "ckpt_ext fused segment: needs at least one layer");
+  TORCH_CHECK(specs.size() == weights.size(), "ckpt_ext fused segment: ", specs.size(), " layer specs but ",
+              weights.size(), " weight lists");
+  for (const at::Tensor* t : {&inputs.mask, &inputs.cos, &inputs.sin}) {
+    TORCH_CHECK(!t->defined() || !t->requires_grad(),
+                "ckpt_ext fused segment: the attention mask and rotary tables must not require grad (their "
+                "gradients are not computed); use ckpt_ext.checkpoint for that case");
+  }
+  auto st = c10::make_intrusive<SegmentState>();
+  st->specs = specs;
+  st->inputs = inputs;
+  st->training = training;
+  std::unordered_map<const c10::TensorImpl*, int64_t> index_of;
+  for (size_t l = 0; l < specs.size(); ++l) {
+    layers::check_weights(specs[l], weights[l], hidden);
+    std::vector<int64_t> idx;
+    idx.reserve(weights[l].size());
+    for (const auto& w : weights[l]) {
+      if (!w.defined()) {
+        idx.push_back(-1);
+        continue;
+      }
+      auto [it, inserted] = index_of.emplace(w.unsafeGetTensorImpl(), static_cast<int64_t>(st->params.size()));
+      if (inserted) st->params.push_back(w);
+      idx.push_back(it->second);
+    }
+    st->weight_index.push_back(std::move(idx));
+    // One seed per layer call, drawn in forward only: the replay reuses it.
+    st->seeds.push_back(layers::uses_dropout(specs[l], training) ? layers::draw_dropout_seed(hidden.device()) : 0);
+  }
+  std::vector<at::Tensor> all;
+  all.reserve(1 + st->params.size());
+  all.push_back(hidden);
+  all.insert(all.end(), st->params.begin(), st->params.end());
+  return SegmentFunction::apply(st, at::TensorList(all))[0];
+}
+
+}  // namespace ckpt_ext

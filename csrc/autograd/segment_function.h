@@ -1,0 +1,30 @@
+// SegmentFunction: K consecutive fused transformer layers (csrc/layers/) as ONE autograd node.
+//
+// Forward runs the K layer forwards without building a graph and writes the segment's output straight
+// into a BoundaryPool slot (the last fused op computes into it, no copy); only the segment's input is
+// saved (without copying: in a chain of segments it is the previous segment's pooled output). The
+// dropout seed of each layer is drawn once in forward and kept in the node.
+//
+// Backward replays the K layers in C++ from the saved input, with grad enabled and the same seeds (so
+// the same dropout masks), then calls torch::autograd::grad once for the input's gradient and every
+// parameter's. All parameters are inputs of the node, so their AccumulateGrad (and DDP/FSDP hooks)
+// fire once per parameter. The replay of a GPT-2/Llama segment stops before the last layer's last
+// linear, whose output only feeds the residual sum: its gradients are computed directly from the
+// incoming gradient (residual_linear_backward), saving one of the layer's four large GEMMs.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "../layers/layer.h"
+
+namespace ckpt_ext {
+
+// `weights[l]`: the weights of layer l (layers::check_weights order; undefined = absent bias).
+// `training`: dropout active. Returns the segment output (pooled, differentiable).
+at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
+                         const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
+                         bool training);
+
+}  // namespace ckpt_ext

@@ -1,0 +1,346 @@
+// Autograd kernels of the ckpt_ext forward ops, in C++.
+//
+// Registered on the Autograd dispatch key, so the ops are differentiable wherever they are called from:
+// Python (torch.ops.ckpt_ext.*), and C++ code such as the fused layers, which run without Python. Each
+// forward op is a torch::autograd::Function whose forward redispatches below autograd to the CPU/CUDA
+// kernel and whose backward calls the matching *_backward op (so fake tensors and tracing see the
+// backward as ops too). The formulas are first order: the *_backward ops have no gradient of their own,
+// except dropout_backward, which is linear in its input and therefore its own derivative.
+//
+// Index conventions: ctx->needs_input_grad(i) counts only the tensor arguments that were present in
+// forward (an absent optional is no edge); backward returns one entry per forward argument, tensors
+// or not, with undefined tensors for the non-differentiable ones.
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/neg.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "fused_ops.h"
+
+namespace ckpt_ext {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<Tensor>;
+
+bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
+
+Tensor value_or_undefined(const OptTensor& t) { return present(t) ? *t : Tensor(); }
+
+// Gradient of a bias broadcast over the last dimension.
+Tensor sum_rows(const Tensor& t) { return t.reshape({-1, t.size(-1)}).sum(0); }
+
+// Maps forward argument positions to autograd edge indices (only present tensors are edges).
+struct Edges {
+  int64_t index[8];
+  static Edges of(std::initializer_list<bool> tensor_present) {
+    Edges e{};
+    int64_t next = 0;
+    int64_t i = 0;
+    for (bool p : tensor_present) e.index[i++] = p ? next++ : -1;
+    return e;
+  }
+};
+
+bool needs(AutogradContext* ctx, int64_t edge) { return edge >= 0 && ctx->needs_input_grad(edge); }
+
+void store_edges(AutogradContext* ctx, const Edges& e, int64_t n) {
+  std::vector<int64_t> v(e.index, e.index + n);
+  ctx->saved_data["edges"] = v;
+}
+
+std::vector<int64_t> load_edges(AutogradContext* ctx) { return ctx->saved_data.at("edges").toIntVector(); }
+
+// ---- bias_gelu(x, bias?, approximate) ------------------------------------------------------------------------
+
+struct BiasGeluFunction : torch::autograd::Function<BiasGeluFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, c10::string_view approximate) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({x, value_or_undefined(bias)});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    store_edges(ctx, Edges::of({true, present(bias)}), 2);
+    return ops::bias_gelu(x, bias, approximate);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto e = load_edges(ctx);
+    variable_list out(3);
+    if (!grads[0].defined() || !(needs(ctx, e[0]) || needs(ctx, e[1]))) return out;
+    const OptTensor bias = saved[1].defined() ? OptTensor(saved[1]) : std::nullopt;
+    Tensor grad_x = ops::bias_gelu_backward(grads[0], saved[0], bias, ctx->saved_data.at("approximate").toStringRef());
+    if (needs(ctx, e[1])) out[1] = sum_rows(grad_x);
+    if (needs(ctx, e[0])) out[0] = grad_x;
+    return out;
+  }
+};
+
+// ---- bias_dropout_add(x, bias?, residual, p, seed, offset) ------------------------------------------------------
+
+struct BiasDropoutAddFunction : torch::autograd::Function<BiasDropoutAddFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const Tensor& residual,
+                        double p, int64_t seed, int64_t offset) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["seed"] = seed;
+    ctx->saved_data["offset"] = offset;
+    store_edges(ctx, Edges::of({true, present(bias), true}), 3);
+    return ops::bias_dropout_add(x, bias, residual, p, seed, offset);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto e = load_edges(ctx);
+    variable_list out(6);
+    const Tensor& grad = grads[0];
+    if (!grad.defined()) return out;
+    if (needs(ctx, e[0]) || needs(ctx, e[1])) {
+      Tensor grad_x = ops::dropout_backward(grad, ctx->saved_data.at("p").toDouble(), ctx->saved_data.at("seed").toInt(),
+                                            ctx->saved_data.at("offset").toInt());
+      if (needs(ctx, e[1])) out[1] = sum_rows(grad_x);
+      if (needs(ctx, e[0])) out[0] = grad_x;
+    }
+    if (needs(ctx, e[2])) out[2] = grad;
+    return out;
+  }
+};
+
+// ---- dropout_backward(grad, p, seed, offset): linear in grad, so its gradient is itself ------------------------
+
+struct DropoutFunction : torch::autograd::Function<DropoutFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& grad, double p, int64_t seed, int64_t offset) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["seed"] = seed;
+    ctx->saved_data["offset"] = offset;
+    return ops::dropout_backward(grad, p, seed, offset);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list out(4);
+    if (grads[0].defined() && ctx->needs_input_grad(0))
+      out[0] = ops::dropout_backward(grads[0], ctx->saved_data.at("p").toDouble(), ctx->saved_data.at("seed").toInt(),
+                                     ctx->saved_data.at("offset").toInt());
+    return out;
+  }
+};
+
+// ---- bias_dropout_add_layer_norm(x, bias?, residual, weight, ln_bias?, p, eps, seed, offset) ---------------------
+
+struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAddLayerNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const Tensor& residual,
+                               const Tensor& weight, const OptTensor& ln_bias, double p, double eps, int64_t seed,
+                               int64_t offset) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [out, pre_norm, mean, rstd] =
+        ops::bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p, eps, seed, offset);
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["seed"] = seed;
+    ctx->saved_data["offset"] = offset;
+    store_edges(ctx, Edges::of({true, present(bias), true, true, present(ln_bias)}), 5);
+    ctx->save_for_backward({pre_norm, weight, mean, rstd});
+    ctx->mark_non_differentiable({mean, rstd});
+    ctx->set_materialize_grads(false);
+    return {out, pre_norm, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto e = load_edges(ctx);
+    variable_list out(9);
+    if (!grads[0].defined() && !grads[1].defined()) return out;
+    const Tensor& pre_norm = saved[0];
+    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(pre_norm);
+    const OptTensor grad_pre = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
+    auto [grad_x, grad_residual, grad_weight, grad_ln_bias] = ops::bias_dropout_add_layer_norm_backward(
+        grad_out, grad_pre, pre_norm, saved[1], saved[2], saved[3], ctx->saved_data.at("p").toDouble(),
+        ctx->saved_data.at("seed").toInt(), ctx->saved_data.at("offset").toInt());
+    if (needs(ctx, e[1])) out[1] = sum_rows(grad_x);
+    if (needs(ctx, e[0])) out[0] = grad_x;
+    if (needs(ctx, e[2])) out[2] = grad_residual;
+    if (needs(ctx, e[3])) out[3] = grad_weight;
+    if (needs(ctx, e[4])) out[4] = grad_ln_bias;
+    return out;
+  }
+};
+
+// ---- add_layer_norm(x, residual?, weight, bias?, eps) -------------------------------------------------------------
+
+struct AddLayerNormFunction : torch::autograd::Function<AddLayerNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& residual, const Tensor& weight,
+                               const OptTensor& bias, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [out, sum, mean, rstd] = ops::add_layer_norm(x, residual, weight, bias, eps);
+    store_edges(ctx, Edges::of({true, present(residual), true, present(bias)}), 4);
+    ctx->save_for_backward({sum, weight, mean, rstd});
+    ctx->mark_non_differentiable({mean, rstd});
+    ctx->set_materialize_grads(false);
+    return {out, sum, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto e = load_edges(ctx);
+    variable_list out(5);
+    if (!grads[0].defined() && !grads[1].defined()) return out;
+    const Tensor& sum = saved[0];
+    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(sum);
+    const OptTensor grad_sum = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
+    auto [grad_input, grad_weight, grad_bias] =
+        ops::add_layer_norm_backward(grad_out, grad_sum, sum, saved[1], saved[2], saved[3]);
+    if (needs(ctx, e[0])) out[0] = grad_input;
+    if (needs(ctx, e[1])) out[1] = grad_input;
+    if (needs(ctx, e[2])) out[2] = grad_weight;
+    if (needs(ctx, e[3])) out[3] = grad_bias;
+    return out;
+  }
+};
+
+// ---- add_rms_norm(x, residual?, weight, eps) ------------------------------------------------------------------------
+
+struct AddRmsNormFunction : torch::autograd::Function<AddRmsNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& residual, const Tensor& weight,
+                               double eps) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [out, sum, rstd] = ops::add_rms_norm(x, residual, weight, eps);
+    store_edges(ctx, Edges::of({true, present(residual), true}), 3);
+    ctx->save_for_backward({sum, weight, rstd});
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
+    return {out, sum, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto e = load_edges(ctx);
+    variable_list out(4);
+    if (!grads[0].defined() && !grads[1].defined()) return out;
+    const Tensor& sum = saved[0];
+    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(sum);
+    const OptTensor grad_sum = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
+    auto [grad_input, grad_weight] = ops::add_rms_norm_backward(grad_out, grad_sum, sum, saved[1], saved[2]);
+    if (needs(ctx, e[0])) out[0] = grad_input;
+    if (needs(ctx, e[1])) out[1] = grad_input;
+    if (needs(ctx, e[2])) out[2] = grad_weight;
+    return out;
+  }
+};
+
+// ---- swiglu(gate, up) ------------------------------------------------------------------------------------------------
+
+struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({gate, up});
+    return ops::swiglu(gate, up);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list out(2);
+    if (!grads[0].defined() || !(ctx->needs_input_grad(0) || ctx->needs_input_grad(1))) return out;
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_gate, grad_up] = ops::swiglu_backward(grads[0], saved[0], saved[1]);
+    if (ctx->needs_input_grad(0)) out[0] = grad_gate;
+    if (ctx->needs_input_grad(1)) out[1] = grad_up;
+    return out;
+  }
+};
+
+// ---- rotary(x, cos, sin) -------------------------------------------------------------------------------------------
+
+Tensor rotate_half(const Tensor& x) {
+  const auto halves = x.chunk(2, -1);
+  return at::cat({halves[1].neg(), halves[0]}, -1);
+}
+
+// Sums a [B, H, S, D] product over the dims that `like` ([B or 1, S, D] or [S, D]) broadcasts.
+Tensor reduce_to(const Tensor& t, const Tensor& like) {
+  Tensor r = t.sum(1);
+  if (like.dim() == 2) return r.sum(0);
+  return like.size(0) == 1 ? r.sum(0, /*keepdim=*/true) : r;
+}
+
+struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    // x is needed only for the (rare) gradients of the cos/sin tables.
+    const bool tables_need_grad = cos.requires_grad() || sin.requires_grad();
+    ctx->save_for_backward({tables_need_grad ? x : Tensor(), cos, sin});
+    return ops::rotary(x, cos, sin);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list out(3);
+    const Tensor& grad = grads[0];
+    if (!grad.defined()) return out;
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &cos = saved[1], &sin = saved[2];
+    if (ctx->needs_input_grad(0)) out[0] = ops::rotary_backward(grad, cos, sin);
+    if (ctx->needs_input_grad(1)) out[1] = reduce_to(grad * x, cos);
+    if (ctx->needs_input_grad(2)) out[2] = reduce_to(grad * rotate_half(x), sin);
+    return out;
+  }
+};
+
+// ---- Autograd kernels ----------------------------------------------------------------------------------------------
+
+Tensor bias_gelu_autograd(const Tensor& x, const OptTensor& bias, c10::string_view approximate) {
+  return BiasGeluFunction::apply(x, bias, approximate);
+}
+
+Tensor bias_dropout_add_autograd(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p,
+                                 int64_t seed, int64_t offset) {
+  return BiasDropoutAddFunction::apply(x, bias, residual, p, seed, offset);
+}
+
+Tensor dropout_backward_autograd(const Tensor& grad, double p, int64_t seed, int64_t offset) {
+  return DropoutFunction::apply(grad, p, seed, offset);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_autograd(
+    const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
+    double p, double eps, int64_t seed, int64_t offset) {
+  auto r = BiasDropoutAddLayerNormFunction::apply(x, bias, residual, weight, ln_bias, p, eps, seed, offset);
+  return {r[0], r[1], r[2], r[3]};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm_autograd(const Tensor& x, const OptTensor& residual,
+                                                                   const Tensor& weight, const OptTensor& bias,
+                                                                   double eps) {
+  auto r = AddLayerNormFunction::apply(x, residual, weight, bias, eps);
+  return {r[0], r[1], r[2], r[3]};
+}
+
+std::tuple<Tensor, Tensor, Tensor> add_rms_norm_autograd(const Tensor& x, const OptTensor& residual,
+                                                         const Tensor& weight, double eps) {
+  auto r = AddRmsNormFunction::apply(x, residual, weight, eps);
+  return {r[0], r[1], r[2]};
+}
+
+Tensor swiglu_autograd(const Tensor& gate, const Tensor& up) { return SwigluFunction::apply(gate, up); }
+
+Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  return RotaryFunction::apply(x, cos, sin);
+}
+
+}  // namespace
+}  // namespace ckpt_ext
+
+TORCH_LIBRARY_IMPL(ckpt_ext, Autograd, m) {
+  m.impl("bias_gelu", &ckpt_ext::bias_gelu_autograd);
+  m.impl("bias_dropout_add", &ckpt_ext::bias_dropout_add_autograd);
+  m.impl("dropout_backward", &ckpt_ext::dropout_backward_autograd);
+  m.impl("bias_dropout_add_layer_norm", &ckpt_ext::bias_dropout_add_layer_norm_autograd);
+  m.impl("add_layer_norm", &ckpt_ext::add_layer_norm_autograd);
+  m.impl("add_rms_norm", &ckpt_ext::add_rms_norm_autograd);
+  m.impl("swiglu", &ckpt_ext::swiglu_autograd);
+  m.impl("rotary", &ckpt_ext::rotary_autograd);
+}

@@ -1,0 +1,61 @@
+// C++ entry points of the ckpt_ext ops, for C++ code that runs them (the fused layers in csrc/layers/).
+//
+// The functions in ckpt_ext::ops call the registered ops through the dispatcher, exactly as
+// torch.ops.ckpt_ext.* does from Python: the C++ autograd kernels (fused_autograd.cpp) record
+// gradients, and fake/meta tensors and tracing see the ops. The *_into variants are the exception:
+// they check their arguments like the ops, then launch the kernel directly into a caller-provided
+// output (for example a BoundaryPool slot), without autograd; use them only under no_grad.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace ckpt_ext {
+namespace ops {
+
+using at::Tensor;
+using OptTensor = std::optional<at::Tensor>;
+
+Tensor bias_gelu(const Tensor& x, const OptTensor& bias, c10::string_view approximate);
+Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias, c10::string_view approximate);
+Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
+                        int64_t offset);
+Tensor dropout_backward(const Tensor& grad, double p, int64_t seed, int64_t offset);
+std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias,
+                                                                       const Tensor& residual, const Tensor& weight,
+                                                                       const OptTensor& ln_bias, double p, double eps,
+                                                                       int64_t seed, int64_t offset);
+std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
+    const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
+    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset);
+std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
+                                                          const Tensor& weight, const OptTensor& bias, double eps);
+std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum,
+                                                           const Tensor& sum, const Tensor& weight,
+                                                           const Tensor& mean, const Tensor& rstd);
+std::tuple<Tensor, Tensor, Tensor> add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
+                                                double eps);
+std::tuple<Tensor, Tensor> add_rms_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum, const Tensor& sum,
+                                                 const Tensor& weight, const Tensor& rstd);
+Tensor swiglu(const Tensor& gate, const Tensor& up);
+std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up);
+Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin);
+Tensor rotary_backward(const Tensor& grad, const Tensor& cos, const Tensor& sin);
+
+// No autograd: bias_dropout_add with its result written into `out` (contiguous, x's shape, dtype and
+// device).
+void bias_dropout_add_into(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
+                           int64_t offset, const Tensor& out);
+// No autograd: bias_dropout_add_layer_norm with `out` written into the given tensor (contiguous, x's
+// shape, dtype and device); returns (pre_norm, mean, rstd).
+std::tuple<Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_into(const Tensor& x, const OptTensor& bias,
+                                                                    const Tensor& residual, const Tensor& weight,
+                                                                    const OptTensor& ln_bias, double p, double eps,
+                                                                    int64_t seed, int64_t offset, const Tensor& out);
+
+}  // namespace ops
+}  // namespace ckpt_ext

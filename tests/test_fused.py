@@ -1,0 +1,604 @@
+"""Tests of the fused transformer layers (ckpt_ext.fuse, FusedTransformerLayer, csrc/layers/).
+
+* Parity with the Hugging Face module each fused layer replaces (dropout off): outputs, the input's
+  gradient and every parameter's gradient, float32, on odd shapes (hidden 72, 3 heads, seq 37; Llama
+  with grouped-query attention), with and without padding masks; eval / no_grad parity.
+* Dropout on: reproducible under torch.manual_seed, the observed drop rate within statistical bounds.
+* fuse(): state_dict keys and Parameter identity preserved, warnings and errors, Hugging Face's own
+  forward for the calls the fused path cannot serve (KV cache in eval, attention weights requested).
+* Checkpointing (SegmentFunction): enable_checkpointing(every=1, 2, all) on fused models equals the
+  non-checkpointed fused model exactly, dropout on; the pool is empty again after backward.
+
+Tolerances (float32): |fused - hf| <= 1e-5 * |hf| + 1e-6 * scale, scale = the largest magnitude of the
+quantity compared (per tensor; per model for gradients, because some gradients -- BERT's key bias -- are
+zero in exact arithmetic and pure rounding noise in both implementations).
+"""
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+import ckpt_ext
+from ckpt_ext import FusedTransformerLayer, fuse
+
+transformers = pytest.importorskip("transformers")
+from transformers import BertConfig, BertModel, GPT2Config, GPT2Model, LlamaConfig, LlamaModel  # noqa: E402
+from transformers import RobertaConfig, RobertaModel  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])]
+
+B, S, H, VOCAB = 2, 37, 72, 61
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _quiet(cfg):
+    # Small vocabularies trip transformers' token-id sanity messages; they do not matter here.
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(cfg, name, None) is not None and getattr(cfg, name) >= VOCAB:
+            setattr(cfg, name, None)
+    return cfg
+
+
+def make_model(family, dropout=0.0, layers=2, attn="sdpa", **overrides):
+    """A small model with random weights; odd sizes on purpose."""
+    if family in ("bert", "roberta"):
+        kw = dict(hidden_size=H, num_attention_heads=3, intermediate_size=100, num_hidden_layers=layers,
+                  vocab_size=VOCAB, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                  attn_implementation=attn)
+        kw.update(overrides)
+        if family == "bert":
+            return BertModel(_quiet(BertConfig(**kw)), add_pooling_layer=False)
+        kw.setdefault("max_position_embeddings", 80)
+        return RobertaModel(_quiet(RobertaConfig(**kw)), add_pooling_layer=False)
+    if family == "gpt2":
+        kw = dict(n_embd=H, n_head=3, n_layer=layers, vocab_size=VOCAB, resid_pdrop=dropout, attn_pdrop=dropout,
+                  embd_pdrop=0.0, attn_implementation=attn)
+        kw.update(overrides)
+        return GPT2Model(_quiet(GPT2Config(**kw)))
+    if family in ("llama", "llama-gqa"):
+        kv = 1 if family == "llama-gqa" else 3
+        kw = dict(hidden_size=H, num_attention_heads=3, num_key_value_heads=kv, intermediate_size=100,
+                  num_hidden_layers=layers, vocab_size=VOCAB, attention_dropout=dropout, attn_implementation=attn)
+        kw.update(overrides)
+        return LlamaModel(_quiet(LlamaConfig(**kw)))
+    raise ValueError(family)
+
+
+FAMILIES = ["bert", "roberta", "gpt2", "llama", "llama-gqa"]
+
+
+def layers_of(model):
+    for attr in ("encoder.layer", "h", "layers"):
+        try:
+            return model.get_submodule(attr)
+        except AttributeError:
+            pass
+    raise AttributeError(type(model).__name__)
+
+
+def inputs_for(family, padding, device="cpu", batch=B, seq=S):
+    ids = torch.randint(3, VOCAB, (batch, seq), device=device)
+    kw = {"input_ids": ids}
+    if padding:
+        mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+        mask[-1, seq - 7:] = 0  # right padding in the last sequence
+        if batch > 1 and family != "bert":
+            mask[0, :3] = 0  # left padding in the first (decoders)
+        kw["attention_mask"] = mask
+    if family.startswith(("gpt2", "llama")):
+        kw["use_cache"] = False
+    return kw
+
+
+def embeds_call(model, family, kw):
+    """Runs the model from inputs_embeds that require grad, so the stack's input gradient is observable."""
+    emb = model.get_input_embeddings()(kw["input_ids"]).detach().requires_grad_()
+    rest = {k: v for k, v in kw.items() if k != "input_ids"}
+    return emb, model(inputs_embeds=emb, **rest).last_hidden_state
+
+
+def close(actual, expected, scale=None, rtol=RTOL, atol=ATOL):
+    scale = expected.abs().max().item() if scale is None else scale
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * max(scale, 1e-30))
+
+
+def grads_close(ref_model, fused_model, rtol=RTOL, atol=ATOL):
+    ref = dict(ref_model.named_parameters())
+    got = dict(fused_model.named_parameters())
+    assert ref.keys() == got.keys()
+    scale = max(p.grad.abs().max().item() for p in ref.values() if p.grad is not None)
+    for name, p in ref.items():
+        assert (p.grad is None) == (got[name].grad is None), name
+        if p.grad is not None:
+            try:
+                close(got[name].grad, p.grad, scale=max(scale * 1e-2, p.grad.abs().max().item()), rtol=rtol,
+                      atol=atol)
+            except AssertionError as e:
+                raise AssertionError(f"gradient of {name}: {e}") from None
+
+
+def fused_copy(model):
+    return fuse(copy.deepcopy(model))
+
+
+# ---- parity with Hugging Face (dropout off) ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("padding", [False, True], ids=["nomask", "padding"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_parity_outputs_and_all_grads(family, padding, device):
+    model = make_model(family).train().to(device)
+    fused = fused_copy(model)
+    assert all(isinstance(m, FusedTransformerLayer) for m in layers_of(fused))
+    kw = inputs_for(family, padding, device)
+    e_ref, out_ref = embeds_call(model, family, kw)
+    e_fus, out_fus = embeds_call(fused, family, kw)
+    close(out_fus, out_ref)
+    g = torch.randn_like(out_ref)
+    out_ref.backward(g)
+    out_fus.backward(g)
+    close(e_fus.grad, e_ref.grad)
+    grads_close(model, fused)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"])
+def test_eval_and_no_grad_parity(family, attn, device):
+    model = make_model(family, dropout=0.1, attn=attn).eval().to(device)  # dropout inactive in eval
+    fused = fused_copy(model)
+    kw = inputs_for(family, padding=True, device=device)
+    with torch.no_grad():
+        ref = model(**kw).last_hidden_state
+        out = fused(**kw).last_hidden_state
+    close(out, ref)
+    assert not out.requires_grad
+    with torch.inference_mode():
+        close(fused(**kw).last_hidden_state, ref)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_kv_cache_in_eval_runs_hugging_face_forward(family):
+    """Generation-style calls (a cache) run the original forward on the same parameters: same outputs, cache filled."""
+    model = make_model(family).eval()
+    fused = fused_copy(model)
+    kw = inputs_for(family, padding=False)
+    kw["use_cache"] = True
+    with torch.no_grad():
+        ref = model(**kw)
+        out = fused(**kw)
+    assert torch.equal(out.last_hidden_state, ref.last_hidden_state)
+    assert out.past_key_values.get_seq_length() == S
+
+
+def test_kv_cache_in_training_is_dropped_with_a_warning():
+    model = make_model("gpt2").train()
+    fused = fused_copy(model)
+    kw = inputs_for("gpt2", padding=False)
+    kw["use_cache"] = True
+    with pytest.warns(UserWarning, match="do not write a KV cache in training"):
+        out = fused(**kw).last_hidden_state
+    kw["use_cache"] = False
+    close(out, model(**kw).last_hidden_state)
+
+
+def test_output_hidden_states_and_attentions():
+    model = make_model("bert", attn="eager").eval()
+    fused = fused_copy(model)
+    ids = inputs_for("bert", padding=True)
+    with torch.no_grad():
+        ref = model(**ids, output_hidden_states=True, output_attentions=True)
+        got = fused(**ids, output_hidden_states=True)
+        assert len(got.hidden_states) == len(ref.hidden_states) == 3
+        for a, b in zip(got.hidden_states, ref.hidden_states):
+            close(a, b)
+        # Attention weights are computed by Hugging Face's forward (the fused layer has none).
+        got = fused(**ids, output_attentions=True)
+    assert len(got.attentions) == 2
+    for a, b in zip(got.attentions, ref.attentions):
+        close(a, b)
+
+
+def test_single_layer_call_signatures():
+    """Layers called directly, as Hugging Face's stacks call them (positional mask / cache arguments)."""
+    model = make_model("gpt2").train()
+    fused = fused_copy(model)
+    x = torch.randn(B, S, H)
+    ref_layer, fused_layer = model.h[0], fused.h[0]
+    mask = torch.ones(B, 1, S, S, dtype=torch.bool).tril()
+    mask[0, :, :, :4] = False
+    mask[0, :, :4, 0] = True  # no row fully masked
+    close(fused_layer(x, None, mask), ref_layer(x, None, mask))
+    close(fused_layer(x, attention_mask=mask), ref_layer(x, attention_mask=mask))
+    additive = torch.zeros(B, 1, S, S).masked_fill(~mask, torch.finfo(torch.float32).min)
+    close(fused_layer(x, None, additive), ref_layer(x, None, additive))
+    with pytest.raises(TypeError, match="multiple values"):
+        fused_layer(x, None, mask, attention_mask=mask)
+    with pytest.raises(TypeError, match="at most"):
+        fused_layer(x, None, None, None, None, False, 7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"])
+def test_low_precision_error_within_a_multiple_of_hugging_faces(family, dtype, device):
+    """Low precision (flash-attention's scheme): the fused model's error against a float32 reference is
+    at most 2x (outputs) / 3x (gradients) Hugging Face's own error in that dtype, plus a tiny atol."""
+    if dtype == torch.float16 and device == "cpu" and family != "gpt2":
+        pytest.skip("one float16 CPU case is enough (slow CPU float16 GEMMs)")
+    ref32 = make_model(family).train().to(device)
+    kw = inputs_for(family, padding=True, device=device)
+    hf = copy.deepcopy(ref32).to(dtype)
+    fused = fused_copy(hf)
+    runs = {}
+    for name, model in (("ref", ref32), ("hf", hf), ("fused", fused)):
+        emb, out = embeds_call(model, family, kw)
+        out.float().backward(torch.ones_like(out, dtype=torch.float32) / out.numel() ** 0.5)
+        runs[name] = (out.float(), emb.grad.float(), {n: p.grad.float() for n, p in model.named_parameters()
+                                                      if p.grad is not None})
+    ref_out, ref_in, ref_grads = runs["ref"]
+    for factor, pick in ((2, lambda r: r[0]), (3, lambda r: r[1])):
+        err_hf = (pick(runs["hf"]) - pick(runs["ref"])).abs().max().item()
+        err_fused = (pick(runs["fused"]) - pick(runs["ref"])).abs().max().item()
+        assert err_fused <= factor * err_hf + 1e-5 * pick(runs["ref"]).abs().max().item(), (err_fused, err_hf)
+    for n, g in ref_grads.items():
+        err_hf = (runs["hf"][2][n] - g).abs().max().item()
+        err_fused = (runs["fused"][2][n] - g).abs().max().item()
+        assert err_fused <= 3 * err_hf + 1e-3 * g.abs().max().item(), (n, err_fused, err_hf)
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["nomask", "padding"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_explicit_attention_path_matches(family, padding, attn):
+    """With attention dropout the fused layer computes attention explicitly (matmul, mask, softmax, Philox
+    dropout, matmul). At p = 1e-9 its mask keeps everything (the seed is fixed), so it must match
+    Hugging Face without dropout: checks the masking (bool, additive, causal) and GQA of that path."""
+    model = make_model(family, layers=2, attn=attn, **{
+        "bert": dict(attention_probs_dropout_prob=1e-9), "gpt2": dict(attn_pdrop=1e-9),
+        "llama-gqa": dict(attention_dropout=1e-9)}[family]).train()
+    fused = fused_copy(model)
+    assert all(m.spec.attn_p == 1e-9 for m in layers_of(fused))
+    for m in model.modules():  # the reference: no attention dropout at all
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.0
+    kw = inputs_for(family, padding)
+    e_ref, out_ref = embeds_call(model, family, kw)
+    e_fus, out_fus = embeds_call(fused, family, kw)
+    close(out_fus, out_ref)
+    g = torch.randn_like(out_ref)
+    out_ref.backward(g)
+    out_fus.backward(g)
+    close(e_fus.grad, e_ref.grad)
+    grads_close(model, fused)
+
+
+# ---- dropout -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+def test_dropout_is_reproducible_and_seeded(family):
+    model = fuse(make_model(family, dropout=0.2)).train()
+    kw = inputs_for(family, padding=True)
+    torch.manual_seed(5)
+    a = model(**kw).last_hidden_state
+    torch.manual_seed(5)
+    b = model(**kw).last_hidden_state
+    c = model(**kw).last_hidden_state
+    assert torch.equal(a, b)
+    assert not torch.equal(b, c)
+    model.eval()
+    with torch.no_grad():
+        d = model(**kw).last_hidden_state
+    assert not torch.equal(a, d)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_residual_dropout_rate(p):
+    """GPT-2 block with zero projections and unit biases: out - x is the residual dropout of ones."""
+    model = make_model("gpt2", dropout=p, layers=1, attn_pdrop=0.0).train()
+    block = model.h[0]
+    with torch.no_grad():
+        for lin, bias in ((block.attn.c_proj, 0.0), (block.mlp.c_proj, 1.0)):
+            lin.weight.zero_()
+            lin.bias.fill_(bias)
+    fused = FusedTransformerLayer(block).train()
+    x = torch.randn(4, 100, H)
+    drop = fused(x) - x
+    scaled = 1.0 / (1.0 - p)
+    kept = (drop - scaled).abs() < 1e-5
+    dropped = drop.abs() < 1e-5
+    assert bool((kept | dropped).all())
+    n = drop.numel()
+    rate = dropped.sum().item() / n
+    assert abs(rate - p) < 5 * math.sqrt(p * (1 - p) / n)
+
+
+def test_attention_dropout_changes_only_the_attention():
+    """Attention-probability dropout is applied (explicit attention path) and its mean effect is unbiased."""
+    model = make_model("llama", dropout=0.3, layers=1).train()
+    layer = model.layers[0]
+    fused = FusedTransformerLayer(layer)
+    x = torch.randn(B, S, H)
+    cos, sin = model.rotary_emb(x, torch.arange(S)[None])
+    torch.manual_seed(1)
+    a = fused(x, position_embeddings=(cos, sin))
+    torch.manual_seed(1)
+    assert torch.equal(a, fused(x, position_embeddings=(cos, sin)))
+    fused.eval()
+    ref = fused(x, position_embeddings=(cos, sin))
+    assert not torch.allclose(a, ref)
+
+
+# ---- fuse(): structure, warnings, errors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+def test_state_dict_keys_and_parameter_identity(family):
+    model = make_model(family)
+    keys = list(model.state_dict().keys())
+    params = {n: p for n, p in model.named_parameters()}
+    assert fuse(model) is model
+    assert list(model.state_dict().keys()) == keys
+    for n, p in model.named_parameters():
+        assert p is params[n], n
+    model.load_state_dict(make_model(family).state_dict())  # loads into the same Parameters
+    for n, p in model.named_parameters():
+        assert p is params[n]
+    clone = copy.deepcopy(model)
+    assert list(clone.state_dict().keys()) == keys
+    layer = layers_of(clone)[0]
+    assert {id(p) for p in layer._hf_layer.parameters()} == {id(p) for p in layer.parameters()}
+
+
+def test_fuse_errors():
+    with pytest.raises(ValueError, match="no supported layer"):
+        fuse(torch.nn.Sequential(torch.nn.Linear(3, 3)))
+    model = fuse(make_model("bert"))
+    with pytest.raises(ValueError, match="already fused"):
+        fuse(model)
+    with pytest.raises(TypeError):
+        fuse("model")
+    with pytest.raises(ValueError, match="single layer"):
+        fuse(make_model("gpt2").h[0])
+    with pytest.raises(ValueError, match="not a supported layer"):
+        FusedTransformerLayer(torch.nn.Linear(3, 3))
+
+
+@pytest.mark.parametrize("family,overrides,reason", [
+    ("bert", dict(hidden_act="relu"), "activation ReLU"),
+    ("bert", dict(is_decoder=True), "is_decoder"),
+    ("bert", dict(is_decoder=True, add_cross_attention=True), "cross-attention"),
+    ("gpt2", dict(add_cross_attention=True), "cross-attention"),
+    ("gpt2", dict(activation_function="relu"), "activation ReLU"),
+    ("gpt2", dict(reorder_and_upcast_attn=True, attn="eager"), "reorder_and_upcast_attn"),
+    ("llama", dict(hidden_act="gelu"), "activation GELUActivation"),
+    ("bert", dict(output_attentions=True, attn="eager"), "output_attentions"),
+])
+def test_unsupported_configurations_warn_and_are_left_alone(family, overrides, reason):
+    overrides = dict(overrides)
+    attn = overrides.pop("attn", "sdpa")
+    model = make_model(family, attn=attn, **overrides)
+    with pytest.warns(UserWarning, match=reason):
+        with pytest.raises(ValueError, match="could be fused"):
+            fuse(model)
+    assert not any(isinstance(m, FusedTransformerLayer) for m in model.modules())
+
+
+def test_one_unsupported_layer_is_left_alone():
+    model = make_model("bert", layers=3)
+    model.encoder.layer[1].intermediate.intermediate_act_fn = torch.nn.ReLU()
+    with pytest.warns(UserWarning, match=r"encoder\.layer\.1 left unfused.*activation ReLU"):
+        fuse(model)
+    kinds = [type(m).__name__ for m in model.encoder.layer]
+    assert kinds == ["FusedTransformerLayer", "BertLayer", "FusedTransformerLayer"]
+    model(**inputs_for("bert", padding=True)).last_hidden_state.sum().backward()
+
+
+def test_bad_inputs_give_clear_errors():
+    model = make_model("llama", layers=1)
+    fused = FusedTransformerLayer(model.layers[0])
+    x = torch.randn(B, S, H)
+    with pytest.raises(ValueError, match="position_embeddings"):
+        fused(x)
+    cos, sin = model.rotary_emb(x, torch.arange(S)[None])
+    with pytest.raises(RuntimeError, match=r"hidden_states must be \[batch, seq, 72\]"):
+        fused(x[0], position_embeddings=(cos, sin))
+    with pytest.raises(RuntimeError, match="model's dtype"):
+        fused(x.double(), position_embeddings=(cos.double(), sin.double()))
+    with pytest.raises(RuntimeError, match="LayerSpec: num_heads"):
+        ckpt_ext._C.LayerSpec(family=2, hidden=72, num_heads=3, num_kv_heads=2, head_dim=24, scaling=1.0,
+                              attn_p=0.0, hidden_p=0.0, eps=1e-6, gelu_tanh=False)
+
+
+def test_autocast_runs_hugging_face_forward():
+    model = make_model("bert").train()
+    fused = fused_copy(model)
+    kw = inputs_for("bert", padding=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(**kw).last_hidden_state
+        with pytest.warns(UserWarning, match="autocast"):
+            out = fused(**kw).last_hidden_state
+    assert out.dtype == ref.dtype
+    close(out.float(), ref.float())
+
+
+# ---- checkpointing: SegmentFunction --------------------------------------------------------------------------------
+
+
+def _checkpointed_pair(family, every, layers=3, dropout=0.2):
+    model = fuse(make_model(family, dropout=dropout, layers=layers)).train()
+    ck = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename
+        ckpt_ext.enable_checkpointing(ck, every=every)
+    return model, ck
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("every", [1, 2, 3], ids=["every1", "every2", "all"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "llama-gqa"])
+def test_checkpointed_equals_not_checkpointed_exactly_with_dropout(family, every, device):
+    model, ck = _checkpointed_pair(family, every)
+    model.to(device)
+    ck.to(device)
+    kw = inputs_for(family, padding=True, device=device)
+    torch.manual_seed(7)
+    e_ref, ref = embeds_call(model, family, kw)
+    torch.manual_seed(7)
+    before = ckpt_ext.pool_stats(device)["in_use_bytes"]
+    e_ck, out = embeds_call(ck, family, kw)
+    assert ckpt_ext.pool_stats(device)["in_use_bytes"] > before  # the segment outputs live in the pool
+    assert torch.equal(out, ref)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    assert torch.equal(e_ck.grad, e_ref.grad)
+    layer_params = {id(p) for p in layers_of(ck).parameters()}
+    for (name, p), q in zip(model.named_parameters(), ck.parameters()):
+        if id(q) in layer_params:
+            assert q.grad is not None, name
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+    del out, ref
+    assert ckpt_ext.pool_stats(device)["in_use_bytes"] == before
+
+
+def test_segment_is_one_node_with_pooled_output():
+    model, ck = _checkpointed_pair("bert", every=3)
+    out = ck(**inputs_for("bert", padding=True)).last_hidden_state
+    assert "SegmentFunction" in out.grad_fn.name()
+    assert ckpt_ext.is_pooled(out)
+    # The node's inputs: the hidden states and every distinct parameter of the three layers.
+    n_params = sum(1 for _ in ck.encoder.layer.parameters())
+    assert len(out.grad_fn.next_functions) == 1 + n_params
+
+
+def test_segment_grad_wrt_input_only_and_eval():
+    model, ck = _checkpointed_pair("gpt2", every=2, layers=2)
+    kw = inputs_for("gpt2", padding=False)
+    torch.manual_seed(1)
+    e_ref, ref = embeds_call(model, "gpt2", kw)
+    torch.manual_seed(1)
+    e_ck, out = embeds_call(ck, "gpt2", kw)
+    (g_ref,) = torch.autograd.grad(ref.sum(), e_ref)
+    (g_ck,) = torch.autograd.grad(out.sum(), e_ck)
+    assert torch.equal(g_ck, g_ref)
+    assert all(p.grad is None for p in ck.parameters())
+    ck.eval()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(ck(**kw).last_hidden_state, model(**kw).last_hidden_state)
+
+
+def test_segment_detects_parameters_modified_before_backward():
+    model, ck = _checkpointed_pair("llama", every=2, layers=2)
+    out = ck(**inputs_for("llama", padding=False)).last_hidden_state
+    with torch.no_grad():
+        ck.layers[0].mlp.up_proj.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place between forward and backward"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_replay_skips_the_last_linear(family):
+    """The backward replays the segment but never multiplies the last linear's input by its weight."""
+    model, ck = _checkpointed_pair(family, every=2, layers=2)
+    last = ck.get_submodule("h.1.mlp.c_proj" if family == "gpt2" else "layers.1.mlp.down_proj")
+    weight = last.weight
+    out = ck(**inputs_for(family, padding=False)).last_hidden_state
+    forward_orientation = (weight.t() if family == "llama" else weight).stride()  # x @ W^T (Linear), x @ W (Conv1D)
+    uses = []  # (is the forward product?) for every matrix product reading the weight
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                w = args[-1]
+                if w.data_ptr() == weight.data_ptr():
+                    uses.append(w.stride() == forward_orientation)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        out.sum().backward()
+    assert uses == [False]  # only the input-gradient product g @ W (transposed orientation)
+    assert weight.grad is not None
+
+
+def test_hugging_face_gradient_checkpointing_uses_the_segment_function():
+    model, _ = _checkpointed_pair("gpt2", every=1, layers=2)
+    hf_ck = copy.deepcopy(model)
+    hf_ck.gradient_checkpointing_enable()
+    assert all(m.gradient_checkpointing for m in hf_ck.h)
+    kw = inputs_for("gpt2", padding=True)
+    torch.manual_seed(2)
+    ref = model(**kw).last_hidden_state
+    torch.manual_seed(2)
+    out = hf_ck(**kw).last_hidden_state
+    assert torch.equal(out, ref)
+    ref.sum().backward()
+    out.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), hf_ck.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+    with pytest.raises(ValueError, match="gradient checkpointing enabled"):
+        ckpt_ext.enable_checkpointing(hf_ck)
+
+
+def test_segment_with_a_weight_shared_by_two_layers():
+    """Tied weights are one input of the node; the last linear's hand-computed gradient adds to the rest."""
+    model, ck = _checkpointed_pair("llama", every=2, layers=2)
+    for m in (model, ck):
+        m.layers[0].mlp.down_proj.weight = m.layers[1].mlp.down_proj.weight  # the last linear of the segment
+    kw = inputs_for("llama", padding=False)
+    torch.manual_seed(4)
+    ref = model(**kw).last_hidden_state
+    torch.manual_seed(4)
+    out = ck(**kw).last_hidden_state
+    assert torch.equal(out, ref)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    shared_ref, shared = model.layers[1].mlp.down_proj.weight, ck.layers[1].mlp.down_proj.weight
+    close(shared.grad, shared_ref.grad)
+    for (name, p), q in zip(model.named_parameters(), ck.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            close(q.grad, p.grad, scale=p.grad.abs().max().item())
+
+
+def test_masks_are_checked():
+    model = make_model("bert", layers=1)
+    layer = FusedTransformerLayer(model.encoder.layer[0])
+    x = torch.randn(B, S, H)
+    with pytest.raises(RuntimeError, match="4-D mask"):
+        layer(x, torch.ones(B, S, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="bool or have the dtype"):
+        layer(x, torch.zeros(B, 1, S, S, dtype=torch.float64))
+
+
+def test_submodule_replaced_after_fuse_runs_hugging_face_forward():
+    model = make_model("gpt2", layers=2).train()
+    fused = fused_copy(model)
+    new = copy.deepcopy(model.h[1].mlp.c_fc)
+    with torch.no_grad():
+        new.weight.mul_(2.0)
+    model.h[1].mlp.c_fc = new
+    fused.h[1].mlp.c_fc = copy.deepcopy(new)
+    new_mlp = copy.deepcopy(model.h[0].mlp)
+    model.h[0].mlp = new_mlp
+    fused.h[0].mlp = copy.deepcopy(new_mlp)  # a direct child of the fused layer
+    kw = inputs_for("gpt2", padding=True)
+    with pytest.warns(UserWarning, match="was replaced after fuse"):
+        out = fused(**kw).last_hidden_state
+    close(out, model(**kw).last_hidden_state)
