@@ -326,6 +326,34 @@ def test_residual_dropout_rate(p):
     assert abs(rate - p) < 5 * math.sqrt(p * (1 - p) / n)
 
 
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_attention_dropout_rate(p):
+    """GPT-2 block with q = 0 (uniform causal attention: row i weighs i + 1 keys by 1/(i+1)), v = 1, an
+    identity output projection and a zero MLP: out - x = dropout(probs) @ 1, so (out - x) * (i+1) * (1-p)
+    counts the kept attention weights of each row exactly."""
+    model = make_model("gpt2", layers=1, attn_pdrop=p, resid_pdrop=0.0).train()
+    block = model.h[0]
+    with torch.no_grad():
+        block.attn.c_attn.weight[:, :H].zero_()  # q
+        block.attn.c_attn.bias[:H].zero_()
+        block.attn.c_attn.weight[:, 2 * H:].zero_()  # v = bias = 1
+        block.attn.c_attn.bias[2 * H:].fill_(1.0)
+        block.attn.c_proj.weight.copy_(torch.eye(H))
+        block.attn.c_proj.bias.zero_()
+        block.mlp.c_proj.weight.zero_()
+        block.mlp.c_proj.bias.zero_()
+    fused = FusedTransformerLayer(block).train()
+    batch, seq = 4, 100
+    x = torch.randn(batch, seq, H)
+    ctx = (fused(x) - x).view(batch, seq, 3, H // 3)[..., 0]  # one value per (batch, row, head)
+    rows = torch.arange(1, seq + 1, dtype=torch.float32).view(1, seq, 1)
+    kept = ctx * rows * (1 - p)
+    assert torch.allclose(kept, kept.round(), atol=1e-3)
+    n = batch * 3 * seq * (seq + 1) // 2
+    rate = 1 - kept.round().sum().item() / n
+    assert abs(rate - p) < 5 * math.sqrt(p * (1 - p) / n)
+
+
 def test_attention_dropout_changes_only_the_attention():
     """Attention-probability dropout is applied (explicit attention path) and its mean effect is unbiased."""
     model = make_model("llama", dropout=0.3, layers=1).train()

@@ -115,10 +115,7 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
         auto t = layers::layer_forward(spec, h, st->inputs, w, rng, at::Tensor(), /*stop_before_last_linear=*/true);
         const layers::LastLinear lin = layers::last_linear(spec, w, rng);
         const auto& idx = st->weight_index[last];
-        // The slots of the last linear's weight and bias in this family's weight list.
-        const int64_t w_slot = spec.family == layers::Family::kGPT2 ? layers::gpt2::kMlpProjW : layers::llama::kDownW;
-        const int64_t b_slot = spec.family == layers::Family::kGPT2 ? layers::gpt2::kMlpProjB : layers::llama::kDownB;
-        const int64_t w_param = idx[w_slot], b_param = idx[b_slot];
+        const int64_t w_param = idx[lin.weight_slot], b_param = idx[lin.bias_slot];
         const bool need_w = w_param >= 0 && need_param[w_param];
         const bool need_b = b_param >= 0 && need_param[b_param];
         auto g = layers::residual_linear_backward(grad_out, t.last_input, lin, rng.seed,

@@ -61,7 +61,7 @@ struct ResidualLinearFunction : torch::autograd::Function<ResidualLinearFunction
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                         const std::optional<Tensor>& bias, const Tensor& residual, bool conv1d, double p,
                         int64_t seed, int64_t offset) {
-    LastLinear lin{weight, bias.has_value() ? *bias : Tensor(), conv1d, p, offset};
+    LastLinear lin{weight, bias.has_value() ? *bias : Tensor(), conv1d, p, offset, -1, -1};
     const Tensor y = matmul_2d(x, lin).view(residual.sizes());
     ctx->save_for_backward({x, weight});
     ctx->saved_data["conv1d"] = conv1d;
@@ -78,7 +78,7 @@ struct ResidualLinearFunction : torch::autograd::Function<ResidualLinearFunction
     const auto saved = ctx->get_saved_variables();
     const bool has_bias = ctx->saved_data.at("has_bias").toBool();
     LastLinear lin{saved[1], Tensor(), ctx->saved_data.at("conv1d").toBool(), ctx->saved_data.at("p").toDouble(),
-                   ctx->saved_data.at("offset").toInt()};
+                   ctx->saved_data.at("offset").toInt(), -1, -1};
     torch::autograd::variable_list out(8);
     const Tensor& grad = grads[0];
     if (!grad.defined()) return out;

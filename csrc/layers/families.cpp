@@ -291,8 +291,10 @@ bool can_stop_before_last_linear(Family f) { return f == Family::kGPT2 || f == F
 LastLinear last_linear(const LayerSpec& s, const std::vector<Tensor>& w, const LayerRng& rng) {
   TORCH_CHECK(can_stop_before_last_linear(s.family), "ckpt_ext: last_linear is defined for GPT-2 and Llama layers");
   if (s.family == Family::kGPT2)
-    return LastLinear{w[gpt2::kMlpProjW], w[gpt2::kMlpProjB], /*conv1d=*/true, effective(s.hidden_p, rng), kMlpOut};
-  return LastLinear{w[llama::kDownW], w[llama::kDownB], /*conv1d=*/false, 0.0, kMlpOut};
+    return LastLinear{w[gpt2::kMlpProjW], w[gpt2::kMlpProjB], /*conv1d=*/true, effective(s.hidden_p, rng), kMlpOut,
+                      gpt2::kMlpProjW, gpt2::kMlpProjB};
+  return LastLinear{w[llama::kDownW], w[llama::kDownB], /*conv1d=*/false, 0.0, kMlpOut, llama::kDownW,
+                    llama::kDownB};
 }
 
 LayerOutput layer_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,

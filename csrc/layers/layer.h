@@ -119,6 +119,8 @@ struct LastLinear {
   bool conv1d;   // weight is [in, out] (GPT-2 Conv1D) rather than [out, in] (nn.Linear)
   double p;      // dropout probability (0 when not training)
   int64_t offset;
+  int64_t weight_slot;  // positions of weight and bias in the family's weight list
+  int64_t bias_slot;
 };
 LastLinear last_linear(const LayerSpec& spec, const std::vector<Tensor>& weights, const LayerRng& rng);
 
