@@ -162,13 +162,15 @@ class _StackPlanner:
             st = t.untyped_storage()
             if st.data_ptr() not in params:
                 storages[st.data_ptr()] = st.nbytes()
-            return t
+            # Nothing is kept: this graph is measured, never differentiated (and a pack hook returning a
+            # saved output would tie it to its own grad_fn in a cycle that outlives the probe).
+            return None
 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
             out = type(layer).forward(layer, *args, **kwargs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -181,6 +183,10 @@ class _StackPlanner:
         if all(c is not None for c in self.costs):
             # Raises ValueError (stating the minimum) when no plan fits the budget.
             self.plan = plan_chain(self.costs, self.budget)
+
+
+def _never_unpacked(_):
+    raise RuntimeError("ckpt_ext: the planner's probe graph cannot be differentiated")
 
 
 def _attach(layer: nn.Module, group: _Group):

@@ -1,5 +1,6 @@
 """The planner: the dynamic program is optimal (brute force on small chains), the budget is respected,
 a larger budget never recomputes more, and sizes parse."""
+import gc
 import itertools
 import random
 
@@ -176,6 +177,9 @@ def test_budget_plans_fit_and_give_identical_gradients():
     assert recomputes[0] < 0.25 < recomputes[-1]  # the full budget keeps nearly everything
     ckpt_ext.disable_checkpointing(model)
     assert "not enabled" in ckpt_ext.explain(model)
+    del out1, out2, least
+    gc.collect()
+    assert ckpt_ext.pool_stats("cpu")["live_slots"] == 0  # the probe keeps nothing alive
 
 
 def test_budget_below_least_achievable_raises_at_planning():
