@@ -27,6 +27,7 @@ test: build check-cuda
 
 bench: build
 	$(PY) benchmarks/bench_checkpoint.py
+	$(PY) -m ckpt_ext.bench
 
 # CI cannot run CUDA code, but it can compile it: every .cu source must build for sm_80 and sm_90.
 check-cuda: venv

@@ -28,8 +28,9 @@ import torch
 
 import ckpt_ext
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_checkpoint import ROOT, Timer, env_info, held_bytes, mib, ms, quantiles  # noqa: E402
+from ckpt_ext.bench import Timer, env_info, held_bytes, mib, ms, quantiles  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HF_EAGER = "HF eager"
 HF_TORCH_CKPT = "HF + torch.utils.checkpoint (non-reentrant)"
