@@ -70,6 +70,28 @@ Tensor conv1d_nobias(const Tensor& x, const Tensor& w) {
 
 double effective(double p, const LayerRng& rng) { return rng.training ? p : 0.0; }
 
+// The end of a GPT-2/Llama layer: out = h1 + dropout(act @ W + b) through the family's last linear,
+// written into out_slot when given; with `stop`, only what the segment replay needs to skip it.
+LayerOutput last_linear_tail(const LayerSpec& s, const std::vector<Tensor>& w, const LayerRng& rng, const Tensor& act,
+                             const Tensor& h1, const Tensor& out_slot, bool stop) {
+  LayerOutput r;
+  if (stop) {
+    r.last_input = act;
+    r.residual = h1;
+    return r;
+  }
+  const LastLinear lin = last_linear(s, w, rng);
+  if (out_slot.defined()) {
+    const Tensor y = lin.conv1d ? conv1d_nobias(act, lin.weight)
+                                : act.reshape({-1, act.size(-1)}).mm(lin.weight.t()).view(h1.sizes());
+    ops::bias_dropout_add_into(y, opt(lin.bias), h1, lin.p, rng.seed, lin.offset, out_slot);
+    r.out = out_slot;
+  } else {
+    r.out = residual_linear(act, lin, h1, rng.seed);
+  }
+  return r;
+}
+
 // ---- BERT / RoBERTa -----------------------------------------------------------------------------------------------
 
 LayerOutput bert_forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, const std::vector<Tensor>& w,
@@ -111,21 +133,7 @@ LayerOutput gpt2_forward(const LayerSpec& s, const Tensor& x, const LayerInputs&
       ops::bias_dropout_add_layer_norm(conv1d_nobias(ctx, w[kAttnProjW]), opt(w[kAttnProjB]), x, w[kLn2W],
                                        opt(w[kLn2B]), effective(s.hidden_p, rng), s.eps, rng.seed, kAttnOut);
   const Tensor act = ops::bias_gelu(conv1d_nobias(ln2, w[kFcW]), opt(w[kFcB]), s.gelu_tanh ? "tanh" : "none");
-  LayerOutput r;
-  if (stop) {
-    r.last_input = act;
-    r.residual = h1;
-    return r;
-  }
-  const LastLinear lin = last_linear(s, w, rng);
-  if (out_slot.defined()) {
-    ops::bias_dropout_add_into(conv1d_nobias(act, lin.weight), opt(lin.bias), h1, lin.p, rng.seed, lin.offset,
-                               out_slot);
-    r.out = out_slot;
-  } else {
-    r.out = residual_linear(act, lin, h1, rng.seed);
-  }
-  return r;
+  return last_linear_tail(s, w, rng, act, h1, out_slot, stop);
 }
 
 // ---- Llama ---------------------------------------------------------------------------------------------------------
@@ -147,21 +155,7 @@ LayerOutput llama_forward(const LayerSpec& s, const Tensor& x, const LayerInputs
   auto [n2, h1, rstd] = ops::add_rms_norm(at::linear(ctx, w[kOW], opt(w[kOB])), x, w[kLn2W], s.eps);
   // Two GEMMs rather than one over [gate; up]: swiglu reads contiguous halves without a copy.
   const Tensor act = ops::swiglu(at::linear(n2, w[kGateW], opt(w[kGateB])), at::linear(n2, w[kUpW], opt(w[kUpB])));
-  LayerOutput r;
-  if (stop) {
-    r.last_input = act;
-    r.residual = h1;
-    return r;
-  }
-  const LastLinear lin = last_linear(s, w, rng);
-  if (out_slot.defined()) {
-    const Tensor y = act.reshape({-1, act.size(-1)}).mm(lin.weight.t()).view(h1.sizes());
-    ops::bias_dropout_add_into(y, opt(lin.bias), h1, 0.0, rng.seed, lin.offset, out_slot);
-    r.out = out_slot;
-  } else {
-    r.out = residual_linear(act, lin, h1, rng.seed);
-  }
-  return r;
+  return last_linear_tail(s, w, rng, act, h1, out_slot, stop);
 }
 
 void check_vector(const char* what, const Tensor& t, int64_t n) {
