@@ -2,7 +2,6 @@
 step: the averaged gradients equal the single-process reference. (Reentrant checkpointing fails
 here with DDP's "marked ready twice"; ckpt_ext passes parameters through the outer graph once.)"""
 import os
-import socket
 import tempfile
 
 import pytest
@@ -77,9 +76,10 @@ def _shard_grads(model, x, y, seed):
     loss.backward()
 
 
-def _worker(rank, kind, port, out_dir, ddp_kwargs):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank, kind, out_dir, ddp_kwargs):
+    # A file store: no TCP port to pick (a free port can be taken between picking and binding).
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank,
+                            world_size=WORLD)
     try:
         model = _build(kind).train()
         ddp = nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
@@ -109,12 +109,6 @@ def _reference(kind):
     return total
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,ddp_kwargs", [
     ("shared", {}),
@@ -123,7 +117,7 @@ def _free_port():
 ])
 def test_ddp_gloo_matches_single_process(kind, ddp_kwargs):
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(kind, _free_port(), out_dir, ddp_kwargs), nprocs=WORLD,
+        mp.start_processes(_worker, args=(kind, out_dir, ddp_kwargs), nprocs=WORLD,
                            start_method="spawn")
         got = torch.load(os.path.join(out_dir, "grads.pt"))
     ref = _reference(kind)
