@@ -382,6 +382,9 @@ def checkpoint_sequential(functions, segments: int, input, use_reentrant: Option
     else:
         raise TypeError(f"checkpoint_sequential: functions must be an nn.Sequential or a list of callables, "
                         f"got {type(functions).__name__}")
+    for i, f in enumerate(functions):
+        if not callable(f):
+            raise TypeError(f"checkpoint_sequential: functions[{i}] is not callable (got {type(f).__name__})")
     if isinstance(segments, bool) or not isinstance(segments, int):
         raise TypeError(f"checkpoint_sequential: segments must be an int, got {type(segments).__name__}")
     if not 1 <= segments <= len(functions):

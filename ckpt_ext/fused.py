@@ -273,6 +273,9 @@ class FusedTransformerLayer(nn.Module):
 
     def __init__(self, layer: nn.Module):
         super().__init__()
+        if not isinstance(layer, nn.Module):
+            raise TypeError(f"FusedTransformerLayer expects a Hugging Face layer module (BertLayer, RobertaLayer, "
+                            f"GPT2Block, LlamaDecoderLayer), got {type(layer).__name__}")
         family = _layer_classes().get(type(layer))
         if family is None:
             raise ValueError(f"FusedTransformerLayer: {type(layer).__name__} is not a supported layer "
@@ -330,8 +333,12 @@ class FusedTransformerLayer(nn.Module):
             if k in kwargs:
                 raise TypeError(f"{self.layer_class}.forward got multiple values for argument {k!r}")
         hidden = values["hidden_states"]
-        if hidden is None:
-            raise TypeError(f"{self.layer_class}.forward: hidden_states is required")
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"{self.layer_class}.forward: hidden_states must be a Tensor [batch, seq, hidden], got "
+                            f"{type(hidden).__name__}")
+        if hidden.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"fused {self.layer_class}: hidden_states are on {hidden.device}; the fused layers run "
+                             "on CPU and CUDA only")
         fallback = None
         cache = values.get("past_key_values")
         if cache is None:

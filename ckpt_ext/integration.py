@@ -181,8 +181,14 @@ class _StackPlanner:
         if i == 0:
             self.shape = tuple(hidden.shape) if hidden is not None else None
         if all(c is not None for c in self.costs):
-            # Raises ValueError (stating the minimum) when no plan fits the budget.
-            self.plan = plan_chain(self.costs, self.budget)
+            try:
+                self.plan = plan_chain(self.costs, self.budget)
+            except ValueError:
+                # No plan fits the budget (the error states the minimum). Forget the measurements, so the
+                # next step measures again -- and raises again, unless its inputs are smaller.
+                self.costs = [None] * len(self.layers)
+                self.shape = None
+                raise
 
 
 def _never_unpacked(_):

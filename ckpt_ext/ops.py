@@ -197,6 +197,18 @@ def rotary_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # ---- fake kernels (shapes, dtypes and layouts of the C++ outputs) -------------------------------------------
 
 
+def _like(op: str, ref_name: str, ref: Tensor, **others: Optional[Tensor]) -> None:
+    """The C++ ops' device/dtype checks, repeated in the fake kernels: mixed devices (a meta tensor among
+    CPU ones dispatches here) and compiled graphs get the same message as eager calls."""
+    for name, t in others.items():
+        if t is None:
+            continue
+        torch._check(t.device == ref.device, lambda: f"ckpt_ext::{op}: {name} must be on the device of {ref_name} "
+                                                     f"({ref.device}), got {t.device}")
+        torch._check(t.dtype == ref.dtype, lambda: f"ckpt_ext::{op}: {name} must have the dtype of {ref_name} "
+                                                   f"({ref.dtype}), got {t.dtype}; cast it with .to({ref_name}.dtype)")
+
+
 def _empty(t: Tensor, dtype=None) -> Tensor:
     return t.new_empty(t.shape, dtype=dtype or t.dtype)  # contiguous, like the C++ outputs
 
@@ -211,16 +223,19 @@ def _rotary_like(x: Tensor) -> Tensor:
 
 @torch.library.register_fake("ckpt_ext::bias_gelu")
 def _(x, bias, approximate):
+    _like("bias_gelu", "x", x, bias=bias)
     return _empty(x)
 
 
 @torch.library.register_fake("ckpt_ext::bias_gelu_backward")
 def _(grad, x, bias, approximate):
+    _like("bias_gelu_backward", "x", x, grad=grad, bias=bias)
     return _empty(x)
 
 
 @torch.library.register_fake("ckpt_ext::bias_dropout_add")
 def _(x, bias, residual, p, seed, offset):
+    _like("bias_dropout_add", "x", x, bias=bias, residual=residual)
     torch._check(x.shape == residual.shape, lambda: "bias_dropout_add: residual must have the shape of x")
     return _empty(x)
 
@@ -237,6 +252,7 @@ def _(numel, p, seed, offset, device):
 
 @torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm")
 def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset):
+    _like("bias_dropout_add_layer_norm", "x", x, bias=bias, residual=residual, weight=weight, ln_bias=ln_bias)
     return _empty(x), _empty(x), _row_stats(x), _row_stats(x)
 
 
@@ -247,6 +263,7 @@ def _(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset):
 
 @torch.library.register_fake("ckpt_ext::add_layer_norm")
 def _(x, residual, weight, bias, eps):
+    _like("add_layer_norm", "x", x, residual=residual, weight=weight, bias=bias)
     return _empty(x), _empty(x), _row_stats(x), _row_stats(x)
 
 
@@ -257,6 +274,7 @@ def _(grad_out, grad_sum, sum, weight, mean, rstd):
 
 @torch.library.register_fake("ckpt_ext::add_rms_norm")
 def _(x, residual, weight, eps):
+    _like("add_rms_norm", "x", x, residual=residual, weight=weight)
     return _empty(x), _empty(x), _row_stats(x)
 
 
@@ -267,6 +285,7 @@ def _(grad_out, grad_sum, sum, weight, rstd):
 
 @torch.library.register_fake("ckpt_ext::swiglu")
 def _(gate, up):
+    _like("swiglu", "gate", gate, up=up)
     return _empty(gate)
 
 
@@ -277,9 +296,11 @@ def _(grad, gate, up):
 
 @torch.library.register_fake("ckpt_ext::rotary")
 def _(x, cos, sin):
+    _like("rotary", "x", x, cos=cos, sin=sin)
     return _rotary_like(x)
 
 
 @torch.library.register_fake("ckpt_ext::rotary_backward")
 def _(grad, cos, sin):
+    _like("rotary_backward", "grad", grad, cos=cos, sin=sin)
     return _rotary_like(grad)

@@ -1,4 +1,5 @@
 """Statistics and control of the BoundaryPool: one arena per device holding checkpoint boundaries."""
+import os
 from typing import Dict, Optional, Union
 
 import torch
@@ -15,14 +16,21 @@ def _device(device: DeviceLike) -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    if isinstance(device, int):
-        return torch.device("cuda", device)
     try:
-        d = torch.device(device)
+        d = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) \
+            else torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise TypeError(f"expected a device such as 'cpu', 'cuda:0' or torch.device, got {device!r}") from e
-    if d.type == "cuda" and d.index is None:
-        d = torch.device("cuda", torch.cuda.current_device())
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"ckpt_ext pools exist for CPU and CUDA devices only, got {d}")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {d} was asked for, but CUDA is not available here "
+                             f"(torch {torch.__version__}); use device='cpu'")
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+        elif not 0 <= d.index < torch.cuda.device_count():
+            raise ValueError(f"device {d} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return d
 
 
@@ -46,9 +54,26 @@ def empty_pool(device: DeviceLike = None) -> int:
 def set_pool_chunk_bytes(nbytes: int, device: DeviceLike = None) -> None:
     """Size of the chunks the device's arena grows by (default 64 MiB on GPUs, 4 MiB on CPU; the
     environment variable CKPT_EXT_POOL_CHUNK_MB sets the default). Affects later growth only."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 256:
-        raise ValueError(f"nbytes must be an integer of at least 256, got {nbytes!r}")
-    _C.set_pool_chunk_bytes(_device(device), nbytes)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(f"nbytes must be an int (bytes), got {type(nbytes).__name__}; "
+                        "for '64MiB' use ckpt_ext.planner.parse_bytes('64MiB')")
+    if nbytes < 256:
+        raise ValueError(f"nbytes must be at least 256, got {nbytes}")
+    d = _device(device)
+    total = _device_memory(d)
+    if total is not None and nbytes > total:
+        raise ValueError(f"nbytes={nbytes} is more than the {total} bytes of memory of {d}; "
+                         "a pool chunk must fit in the device's memory")
+    _C.set_pool_chunk_bytes(d, nbytes)
+
+
+def _device_memory(d: torch.device) -> Optional[int]:
+    if d.type == "cuda":
+        return int(torch.cuda.get_device_properties(d).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def is_pooled(tensor: torch.Tensor) -> bool:

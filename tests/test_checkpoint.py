@@ -470,12 +470,6 @@ def test_determinism_check_none_skips_the_check():
     assert "differs from its forward" not in msg
 
 
-def test_determinism_check_bogus_raises():
-    x, = leaf_inputs((BATCH, DIM), seed=14)
-    with pytest.raises(ValueError, match="determinism_check"):
-        ckpt(_TOGGLE_BLOCK, x, determinism_check="bogus")
-
-
 # --------------------------------------------------------------------------------------------------
 # Nothing to checkpoint
 # --------------------------------------------------------------------------------------------------
@@ -706,14 +700,6 @@ def test_checkpoint_sequential_list_of_callables(no_warnings):
     assert_grads_close(plain, ours, exact=True)
 
 
-@pytest.mark.parametrize("segments", [0, -1, 6])
-def test_checkpoint_sequential_invalid_segments(segments):
-    stack = make_stack(5, p=0.0, seed=22)
-    x, = leaf_inputs((7, DIM), seed=22)
-    with pytest.raises(ValueError, match="segments"):
-        ckpt_ext.checkpoint_sequential(stack, segments, x)
-
-
 # --------------------------------------------------------------------------------------------------
 # Autocast
 # --------------------------------------------------------------------------------------------------
@@ -758,19 +744,6 @@ def test_use_reentrant_accepted_silently(use_reentrant, no_warnings):
                    [x], params=params, seed=2)
     twice = run_step(nn.Sequential(block, block), [x], params=params, seed=2)
     assert_grads_close(twice, seq, exact=True)
-
-
-def test_context_fn_unsupported():
-    block = make_block(p=0.0, seed=26)
-    x, = leaf_inputs((BATCH, DIM), seed=26)
-
-    def my_context_fn():
-        return torch_checkpoint.noop_context_fn()
-
-    with pytest.raises(NotImplementedError, match="context_fn"):
-        ckpt(block, x, context_fn=my_context_fn)
-    # torch's default is accepted.
-    assert ckpt_ext.is_pooled(ckpt(block, x, context_fn=torch_checkpoint.noop_context_fn))
 
 
 def test_undiscoverable_parameters_warn_that_the_call_was_not_checkpointed():

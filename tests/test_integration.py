@@ -239,22 +239,3 @@ def test_grouping_detects_transformed_hidden_states():
     model(torch.randn(3, 24)).sum().backward()
 
 
-def test_errors():
-    with pytest.raises(ValueError, match="no layer stack"):
-        ckpt_ext.enable_checkpointing(nn.Linear(3, 3))
-    with pytest.raises(ValueError, match="at least 1"):
-        ckpt_ext.enable_checkpointing(Net(), every=0)
-    with pytest.raises(TypeError):
-        ckpt_ext.enable_checkpointing(Net(), every=1.5)
-    with pytest.raises(ValueError, match="larger than"):
-        ckpt_ext.enable_checkpointing(Net(n=3), every=4)
-    with pytest.raises(TypeError):
-        ckpt_ext.enable_checkpointing("model")
-    with pytest.raises(TypeError, match="layers"):
-        ckpt_ext.enable_checkpointing(Net(), layers=[1, 2])
-    with pytest.raises(ValueError, match="of the model"):
-        ckpt_ext.enable_checkpointing(Net(), layers=[Block(24), Block(24)])
-    model = _gpt2()
-    hf_checkpointing(model, True)
-    with pytest.raises(ValueError, match="checkpointing_disable"):
-        ckpt_ext.enable_checkpointing(model)

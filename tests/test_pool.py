@@ -249,10 +249,11 @@ def test_empty_tensors_are_not_pooled():
 # --------------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("nbytes", [0, -1, 255, 2.0, True, "4096", None])
-def test_set_pool_chunk_bytes_invalid(nbytes):
+@pytest.mark.parametrize("nbytes,error", [(0, ValueError), (-1, ValueError), (255, ValueError), (1 << 62, ValueError),
+                                          (2.0, TypeError), (True, TypeError), ("4096", TypeError), (None, TypeError)])
+def test_set_pool_chunk_bytes_invalid(nbytes, error):
     before = ckpt_ext._C.pool_chunk_bytes(CPU)
-    with pytest.raises(ValueError, match="nbytes"):
+    with pytest.raises(error, match="nbytes"):
         ckpt_ext.set_pool_chunk_bytes(nbytes, "cpu")
     assert ckpt_ext._C.pool_chunk_bytes(CPU) == before
 

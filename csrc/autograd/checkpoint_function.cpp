@@ -158,7 +158,14 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
   static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<ReplayState> st, at::TensorList tensors) {
     const size_t n_in = st->num_inputs;
     std::vector<c10::Device> devices;
-    for (const auto& t : tensors) devices.push_back(t.device());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto& t = tensors[i];
+      TORCH_CHECK(t.is_cpu() || t.is_cuda(), "ckpt_ext.checkpoint: `", st->name, "` got ",
+                  i < n_in ? "tensor argument " : "parameter ", i < n_in ? i : i - n_in, " on device ", t.device(),
+                  "; ckpt_ext checkpoints CPU and CUDA tensors only. Run the function without checkpointing, or "
+                  "use torch.utils.checkpoint.checkpoint for other devices.");
+      devices.push_back(t.device());
+    }
     st->snapshot = ExecutionSnapshot::capture(devices, st->options.preserve_rng_state);
 
     variable_list inputs(tensors.begin(), tensors.begin() + static_cast<std::ptrdiff_t>(n_in));
@@ -178,6 +185,17 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
     variable_list non_differentiable;
     result.reserve(outs.size());
     st->outputs.reserve(outs.size());
+    for (size_t i = 0; i < outs.size(); ++i) {
+      const auto& o = outs[i];
+      TORCH_CHECK(o.layout() == c10::kStrided && (o.is_cpu() || o.is_cuda()), "ckpt_ext.checkpoint: `", st->name,
+                  "` returned tensor output ", i, " with layout ", o.layout(), " on ", o.device(),
+                  "; the boundary pool holds dense (strided) CPU and CUDA tensors only. Return a dense tensor "
+                  "(.to_dense()), or use torch.utils.checkpoint.checkpoint for this function.");
+      TORCH_CHECK(!o.key_set().has(c10::DispatchKey::Python), "ckpt_ext.checkpoint: `", st->name,
+                  "` returned tensor output ", i, " that is a tensor subclass with __torch_dispatch__ (e.g. DTensor); "
+                  "ckpt_ext would store it as a plain tensor. Return a plain tensor (e.g. .to_local() / "
+                  ".full_tensor()), or use torch.utils.checkpoint.checkpoint for this function.");
+    }
     for (auto& o : outs) {
       st->outputs.push_back({o.sizes().vec(), o.scalar_type(), o.device()});
       // The boundary goes into the pool once; the function's own output is released right away.

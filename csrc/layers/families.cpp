@@ -298,7 +298,12 @@ LayerOutput layer_forward(const LayerSpec& spec, const Tensor& hidden, const Lay
               " layer: hidden_states must be [batch, seq, ", spec.hidden, "], got ", hidden.sizes());
   TORCH_CHECK(!stop_before_last_linear || can_stop_before_last_linear(spec.family),
               "ckpt_ext: stop_before_last_linear is only supported for GPT-2 and Llama layers");
+  TORCH_CHECK(hidden.is_cpu() || hidden.is_cuda(), "ckpt_ext fused ", family_name(spec.family),
+              " layer: hidden_states must be a CPU or CUDA tensor, got device ", hidden.device());
   if (in.mask.defined()) {
+    TORCH_CHECK(in.mask.device() == hidden.device(), "ckpt_ext fused ", family_name(spec.family),
+                " layer: attention_mask is on ", in.mask.device(), " but the hidden states are on ", hidden.device(),
+                "; move the mask to the hidden states' device");
     TORCH_CHECK(in.mask.dim() == 4, "ckpt_ext fused ", family_name(spec.family),
                 " layer: attention_mask must be the 4-D mask Hugging Face's models pass to their layers ([batch or "
                 "1, 1 or heads, seq, seq], bool with True = attend, or additive float), got shape ",
@@ -306,6 +311,21 @@ LayerOutput layer_forward(const LayerSpec& spec, const Tensor& hidden, const Lay
     TORCH_CHECK(in.mask.scalar_type() == at::kBool || in.mask.scalar_type() == hidden.scalar_type(),
                 "ckpt_ext fused ", family_name(spec.family), " layer: attention_mask must be bool or have the dtype "
                 "of the hidden states (", hidden.scalar_type(), "), got ", in.mask.scalar_type());
+    const int64_t b = hidden.size(0), seq = hidden.size(1);
+    TORCH_CHECK((in.mask.size(0) == 1 || in.mask.size(0) == b) &&
+                    (in.mask.size(1) == 1 || in.mask.size(1) == spec.num_heads) &&
+                    (in.mask.size(2) == 1 || in.mask.size(2) == seq) && in.mask.size(3) == seq,
+                "ckpt_ext fused ", family_name(spec.family), " layer: attention_mask of shape ", in.mask.sizes(),
+                " does not fit hidden states of shape ", hidden.sizes(), " with ", spec.num_heads,
+                " heads; it must broadcast to [batch=", b, ", heads=", spec.num_heads, ", seq=", seq, ", seq=", seq,
+                "] (dims of size 1 broadcast, the last must be ", seq, ")");
+  }
+  for (const Tensor* t : {&in.cos, &in.sin}) {
+    if (!t->defined()) continue;
+    TORCH_CHECK(t->device() == hidden.device() && t->scalar_type() == hidden.scalar_type(), "ckpt_ext fused ",
+                family_name(spec.family), " layer: position_embeddings (cos, sin) are ", t->scalar_type(), " on ",
+                t->device(), " but the hidden states are ", hidden.scalar_type(), " on ", hidden.device(),
+                "; pass the tables the model computed for these hidden states");
   }
   TORCH_CHECK(!out_slot.defined() || !c10::GradMode::is_enabled(),
               "ckpt_ext: a layer writes into a preallocated output only under no_grad");
