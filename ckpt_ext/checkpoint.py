@@ -6,6 +6,7 @@ rest, finding the parameters the callable uses, and running the callable. Everyt
 saving, pooling, RNG/autocast/device state, the replay and its gradients -- happens in C++.
 """
 import functools
+import sys
 import types
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -93,19 +94,29 @@ def _rebuild_output(plan: Optional[_Plan], tensors: List[_Tensor]):
 # inputs of the C++ node, so their gradients flow through the outer graph exactly once.
 # --------------------------------------------------------------------------------------------------
 class _Found:
-    __slots__ = ("params", "batchnorms", "seen")
+    __slots__ = ("params", "batchnorms", "fsdp_units", "seen")
 
     def __init__(self):
         self.params: List[_Tensor] = []
         self.batchnorms: List[_BatchNorm] = []
+        self.fsdp_units: List[nn.Module] = []  # modules sharded with fully_shard (see _check_fsdp_units)
         self.seen = set()
 
 
+def _fsdp_unit_class():
+    """torch.distributed.fsdp.FSDPModule, or None while FSDP was never imported (then no module is one)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+
+
 def _add_module(mod: nn.Module, found: _Found):
+    fsdp_unit = _fsdp_unit_class()
     for m in mod.modules():
         if id(m) in found.seen:
             continue
         found.seen.add(id(m))
+        if fsdp_unit is not None and isinstance(m, fsdp_unit):
+            found.fsdp_units.append(m)
         for p in m._parameters.values():
             if p is not None and p.requires_grad and id(p) not in found.seen:
                 found.seen.add(id(p))
@@ -179,6 +190,65 @@ def _discover(function: Callable, plan_leaves: Sequence[Any], input_ids: set) ->
         if leaf is not None and not isinstance(leaf, _ATOMS):
             _collect(leaf, found, 1)
     return found
+
+
+# --------------------------------------------------------------------------------------------------
+# FSDP2. fully_shard makes a module a unit whose parameters are DTensor shards outside its forward: its
+# forward pre-hook gathers them, and on the call's inputs and outputs it registers the autograd hooks
+# that gather them again before their backward and reduce-scatter their gradients after it. Those hooks
+# must wrap the checkpoint's node. Run inside it they would run without grad in forward (registering
+# nothing) and again inside the replay's own backward, where the gathered parameters' gradients are
+# captured by the node rather than accumulated for FSDP, so FSDP would reduce nothing.
+# --------------------------------------------------------------------------------------------------
+def _fsdp_units_in(modules: Iterable[nn.Module]) -> List[nn.Module]:
+    """The FSDP units among `modules` and their submodules, in order."""
+    fsdp_unit = _fsdp_unit_class()
+    if fsdp_unit is None:
+        return []
+    units: List[nn.Module] = []
+    seen = set()
+    for mod in modules:
+        for m in mod.modules():
+            if id(m) not in seen:
+                seen.add(id(m))
+                if isinstance(m, fsdp_unit):
+                    units.append(m)
+    return units
+
+
+def _check_fsdp_units(name: str, units: Sequence[nn.Module], outside: Optional[nn.Module] = None):
+    """Raises when a checkpointed function would run an FSDP unit inside the checkpoint. `outside`: the
+    unit whose hooks already wrap this call (checkpoint(unit, ...), enable_checkpointing's layers)."""
+    inside = [u for u in units if u is not outside]
+    if not inside:
+        return
+    what = ", ".join(sorted({type(u).__name__ for u in inside}))
+    raise RuntimeError(
+        f"ckpt_ext.checkpoint: `{name}` runs {len(inside)} module(s) sharded with "
+        f"torch.distributed.fsdp.fully_shard ({what}) inside the checkpoint. FSDP gathers their parameters "
+        "and reduces their gradients in hooks that must wrap the checkpointed computation, not run inside "
+        "it. Checkpoint inside the FSDP units instead: pass the sharded module itself "
+        "(ckpt_ext.checkpoint(unit, x): its hooks then run outside), use ckpt_ext.enable_checkpointing(model) "
+        "with fully_shard on the layers, or fully_shard a module that contains the checkpointed call.")
+
+
+_MISSING = object()
+
+
+def _checkpoint_fsdp_unit(unit: nn.Module, args: tuple, kwargs: dict, options: Dict[str, Any]):
+    """checkpoint(unit, ...) on an FSDP unit: the unit is called as usual, so that its hooks run around
+    the call, and only its forward is checkpointed (as enable_checkpointing does for every layer); its
+    parameters are discovered after the pre-hook gathered them."""
+    inner = unit.forward
+    previous = unit.__dict__.get("forward", _MISSING)
+    unit.__dict__["forward"] = lambda *a, **k: _checkpoint(inner, a, k, outside=unit, **options)
+    try:
+        return unit(*args, **kwargs)
+    finally:
+        if previous is _MISSING:
+            del unit.__dict__["forward"]
+        else:
+            unit.__dict__["forward"] = previous
 
 
 # --------------------------------------------------------------------------------------------------
@@ -306,14 +376,18 @@ def _warn_not_checkpointed(function):
 
 
 def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] = None,
-                preserve_rng_state: bool = True, determinism_check: str = "default", debug: bool = False):
+                outside: Optional[nn.Module] = None, preserve_rng_state: bool = True,
+                determinism_check: str = "default", debug: bool = False):
     """checkpoint() without argument checks. `found`: the parameters and BatchNorm modules the function
-    uses, when the caller knows them (otherwise they are discovered)."""
+    uses, when the caller knows them (otherwise they are discovered). `outside`: the FSDP unit whose
+    hooks wrap this call, if any."""
     if not torch.is_grad_enabled():  # no_grad and inference_mode: nothing to save
         return function(*args, **kwargs)
     tensors, plan = _split_call(args, kwargs)
     if found is None:
         found = _discover(function, plan.leaves, {id(t) for t in tensors})
+    if found.fsdp_units:
+        _check_fsdp_units(_function_name(function), found.fsdp_units, outside)
     params, batchnorms = found.params, found.batchnorms
     if not any(t.requires_grad for t in tensors) and not any(p.requires_grad for p in params):
         out = function(*args, **kwargs)
@@ -352,8 +426,11 @@ def checkpoint(function: Callable, *args, use_reentrant: Optional[bool] = None, 
     _check_options(use_reentrant, determinism_check, debug, preserve_rng_state)
     if not isinstance(early_stop, bool):
         raise TypeError(f"early_stop must be True or False, got {early_stop!r}")
-    return _checkpoint(function, args, kwargs, preserve_rng_state=preserve_rng_state,
-                       determinism_check=determinism_check, debug=debug)
+    options = dict(preserve_rng_state=preserve_rng_state, determinism_check=determinism_check, debug=debug)
+    fsdp_unit = _fsdp_unit_class()
+    if fsdp_unit is not None and isinstance(function, fsdp_unit):
+        return _checkpoint_fsdp_unit(function, args, kwargs, options)
+    return _checkpoint(function, args, kwargs, **options)
 
 
 def _run_range(functions: Sequence[Callable], start: int, end: int):

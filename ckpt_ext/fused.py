@@ -16,6 +16,7 @@ makes runs reproducible) and derives a Philox mask per dropout site from it; wit
 ``ckpt_ext.enable_checkpointing`` the layers of a group run as one C++ ``SegmentFunction`` that replays
 them in backward with the same seeds.
 """
+import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -316,7 +317,17 @@ class FusedTransformerLayer(nn.Module):
 
     def fused_weights(self) -> List[Optional[torch.Tensor]]:
         """The parameters in the order the C++ layer takes them (None for absent biases)."""
-        return [m._parameters[n] for m, n in self._weight_slots]
+        weights = [m._parameters[n] for m, n in self._weight_slots]
+        dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+        if dtensor is not None:
+            for path, w in zip(_WEIGHTS[self.family], weights):
+                if isinstance(w, dtensor.DTensor):
+                    raise RuntimeError(
+                        f"fused {self.layer_class}: weight {path} is a DTensor (a sharded parameter). The fused "
+                        "layer computes with whole tensors: shard the fused layer as one FSDP unit "
+                        "(fully_shard(layer) or fully_shard(model)), not its submodules, and call it through its "
+                        "module call so FSDP gathers its parameters first. Tensor-parallel layers cannot be fused.")
+        return weights
 
     def extra_repr(self) -> str:
         return f"{self.layer_class} -> C++ {_FAMILY_NAMES[self.family]}: {self.spec!r}"

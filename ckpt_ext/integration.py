@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from .checkpoint import _ATOMS, _add_module, _checkpoint, _Found
+from .checkpoint import _ATOMS, _add_module, _check_fsdp_units, _checkpoint, _Found, _fsdp_units_in
 from .fused import run_segment
 from .planner import LayerCost, Plan, parse_bytes, plan_chain
 
@@ -63,13 +63,32 @@ class _Group:
     def checkpointed(self, layer_args: Tuple, layer_kwargs: Dict):
         """Runs the group checkpointed: fused layers (ckpt_ext.fuse) as one C++ SegmentFunction, other
         layers through ckpt_ext.checkpoint."""
+        units = _fsdp_units_in(self.layers)
+        if units:
+            self._check_fsdp(units)
         out = run_segment(self.layers, layer_args, layer_kwargs)
         if out is not NotImplemented:
             return out
         found = _Found()
         for layer in self.layers:
             _add_module(layer, found)
-        return _checkpoint(self.run, (layer_args, layer_kwargs), {}, found=found)
+        return _checkpoint(self.run, (layer_args, layer_kwargs), {}, found=found, outside=self.layers[0])
+
+    def _check_fsdp(self, units: List[nn.Module]):
+        """The first layer's FSDP hooks wrap the group's call (the layer's forward is what is wrapped);
+        a later layer that is an FSDP unit of its own has not gathered its parameters at that point."""
+        ids = {id(u) for u in units}
+        later = [i for i, layer in enumerate(self.layers[1:], 1) if id(layer) in ids]
+        if later:
+            i = self.index + later[0]
+            raise RuntimeError(
+                f"ckpt_ext.enable_checkpointing: layers {self.index}-{self.index + len(self.layers) - 1} are one "
+                f"checkpointed group, but layer {i} ({type(self.layers[later[0]]).__name__}) is an FSDP unit of its "
+                "own (torch.distributed.fsdp.fully_shard). A group runs all its layers inside the first layer's "
+                "call, before FSDP gathers the parameters of the others. With layers sharded one by one use "
+                "every=1 (each layer checkpointed inside its own unit), or fully_shard the model alone to group "
+                "layers.")
+        _check_fsdp_units(f"{type(self.layers[0]).__name__} (enable_checkpointing)", units, outside=self.layers[0])
 
     def run(self, layer_args: Tuple, layer_kwargs: Dict):
         """Runs every layer of the group (unwrapped), feeding each output's hidden state to the next."""
@@ -228,7 +247,7 @@ def _layer_forward(self: nn.Module, *args, **kwargs):
         out = run_segment([self], args, kwargs)
         if out is not NotImplemented:
             return out
-        return _checkpoint(lambda a, k: type(self).forward(self, *a, **k), (args, kwargs), {})
+        return _checkpoint(lambda a, k: type(self).forward(self, *a, **k), (args, kwargs), {}, outside=self)
     out, done, g_args, g_kwargs = group.pending
     expected = group.layers[done]
     args, kwargs = _drop_cache(self, args, kwargs)
