@@ -58,7 +58,8 @@ class _Group:
         self.index = index  # position of the first layer in its stack
         self.planner = planner
         self.kept = kept
-        self.pending = None  # (output, remaining layers, args, kwargs) after a checkpointed group run
+        self.pending = None  # (output, next layer's position in the group, args, kwargs) after a group run
+        self.siblings: List["_Group"] = []  # the multi-layer groups of the stack (see _check_order)
 
     def checkpointed(self, layer_args: Tuple, layer_kwargs: Dict):
         """Runs the group checkpointed: fused layers (ckpt_ext.fuse) as one C++ SegmentFunction, other
@@ -158,14 +159,13 @@ class _StackPlanner:
             _attach(layer, _Group([layer], i, self))
 
     def install_plan(self):
+        groups = []
         for s, e, ckpt in self.plan.segments:
             if ckpt:
-                group = _Group(self.layers[s:e], s, self)
-                for layer in group.layers:
-                    _attach(layer, group)
+                groups.append(_Group(self.layers[s:e], s, self))
             else:
-                for i in range(s, e):
-                    _attach(self.layers[i], _Group([self.layers[i]], i, self, kept=True))
+                groups.extend(_Group([self.layers[i]], i, self, kept=True) for i in range(s, e))
+        _attach_groups(groups)
         self.installed = True
 
     def probe(self, layer: nn.Module, args: Tuple, kwargs: Dict):
@@ -214,6 +214,34 @@ def _never_unpacked(_):
     raise RuntimeError("ckpt_ext: the planner's probe graph cannot be differentiated")
 
 
+def _attach_groups(groups: List[_Group]):
+    """Installs the groups of one stack."""
+    siblings = [g for g in groups if len(g.layers) > 1]
+    for group in groups:
+        group.siblings = siblings
+        for layer in group.layers:
+            _attach(layer, group)
+
+
+def _check_order(group: _Group, args: Tuple):
+    """A group's first layer runs all its layers; the stack must then call the others in order. Raises
+    when this call receives the output of a group whose later layers were not called yet: the model
+    skips, repeats or reorders layers, and the group ran layers the model did not ask for."""
+    hidden = args[0] if args else None
+    if hidden is None:
+        return
+    for g in group.siblings:
+        if g.pending is not None and hidden is _hidden_of(g.pending[0]):
+            skipped = g.index + g.pending[1]
+            g.pending = None
+            raise RuntimeError(
+                f"ckpt_ext.enable_checkpointing(every={len(g.layers)}): layer {group.index} "
+                f"({type(group.layers[0]).__name__}) received the output of the group of layers {g.index}-"
+                f"{g.index + len(g.layers) - 1} before layer {skipped} was called. That group runs all its layers "
+                "when its first layer is called, so this model, which skips, repeats or reorders its layers, "
+                "would get layers it did not call. Use every=1.")
+
+
 def _attach(layer: nn.Module, group: _Group):
     object.__setattr__(layer, _ATTR, group)
     object.__setattr__(layer, "forward", types.MethodType(_layer_forward, layer))
@@ -228,6 +256,8 @@ def _layer_forward(self: nn.Module, *args, **kwargs):
             group = getattr(self, _ATTR)
         elif planner.plan is None:
             planner.probe(self, *_drop_cache(self, args, kwargs))
+    if group.siblings and group.layers[0] is self:
+        _check_order(group, args)
     if group.kept:
         return type(self).forward(self, *args, **kwargs)
     if group.layers[0] is self:
@@ -354,10 +384,7 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
         if budget_bytes is not None:
             _StackPlanner(name, mods, budget_bytes).install_probe_groups()
             continue
-        for start in range(0, len(mods), every):
-            group = _Group(mods[start:start + every], start)
-            for layer in group.layers:
-                _attach(layer, group)
+        _attach_groups([_Group(mods[start:start + every], start) for start in range(0, len(mods), every)])
     return model
 
 

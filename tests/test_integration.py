@@ -224,6 +224,33 @@ def test_layer_called_directly_after_grouping_still_correct():
     assert torch.equal(y, y_ref)
 
 
+@pytest.mark.parametrize("order,bad_layer", [([0, 1, 0, 2, 3, 4], 2), ([0, 2, 3, 4], 2), ([0, 1, 2, 3, 2, 4], 4)])
+def test_grouping_detects_layers_called_out_of_order(order, bad_layer):
+    class Repeats(Net):
+        def forward(self, x):
+            for i in order:
+                x = self.blocks[i](x, scale=0.5)
+            return self.head(x)
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        y = model(x)
+        y.pow(2).sum().backward()
+        return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    torch.manual_seed(0)
+    model = Repeats().train()
+    x = torch.randn(3, 24)
+    ref = step(model)
+    ckpt_ext.enable_checkpointing(model, every=2)
+    with pytest.raises(RuntimeError, match=rf"layer {bad_layer} \(Block\) received the output of the group of layers "
+                                           r".*Use every=1"):
+        model(x)
+    ckpt_ext.enable_checkpointing(model, every=1)
+    _assert_same(ref, step(model))
+
+
 def test_grouping_detects_transformed_hidden_states():
     class Odd(Net):
         def forward(self, x):

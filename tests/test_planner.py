@@ -149,7 +149,7 @@ def test_budget_plans_fit_and_give_identical_gradients():
     model = Net().train()
     x = torch.randn(64, 32)
     ref_out, ref_grads, full = _grads(model, x, seed=1)
-    recomputes = []
+    plans = []
     least = None
     for frac in (1.0, 0.75, 0.5, 0.1):
         budget = int(full * frac)
@@ -171,10 +171,15 @@ def test_budget_plans_fit_and_give_identical_gradients():
         for n in ref_grads:
             assert torch.equal(grads2[n], ref_grads[n]), n
         plan = next(m.__dict__["_ckpt_ext_group"].planner for m in model.modules() if "_ckpt_ext_group" in m.__dict__).plan
-        recomputes.append(plan.recompute / plan.total_compute)
-    assert least is not None and len(recomputes) == 3
-    assert recomputes == sorted(recomputes)  # smaller budget, never less recompute
+        plans.append((budget, plan))
+    assert least is not None and len(plans) == 3
+    # Each step measured the layers' times anew (noisy on a loaded machine), so recompute is compared
+    # under one set of measurements: a smaller budget never gives less recompute.
+    costs = plans[0][1].costs
+    recomputes = [plan_chain(costs, budget).recompute / plans[0][1].total_compute for budget, _ in plans]
+    assert recomputes == sorted(recomputes)
     assert recomputes[0] < 0.25 < recomputes[-1]  # the full budget keeps nearly everything
+    assert plans[0][1].recompute / plans[0][1].total_compute < 0.25
     ckpt_ext.disable_checkpointing(model)
     assert "not enabled" in ckpt_ext.explain(model)
     del out1, out2, least
