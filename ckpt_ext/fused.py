@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ._compiler import eager_under_compile
 from ._extension import load
 
 _C = load()
@@ -375,6 +376,7 @@ class FusedTransformerLayer(nn.Module):
         hf._modules.update(self._modules)  # children replaced on this module since fuse()
         return hf.forward(*args, **kwargs)
 
+    @eager_under_compile  # one C++ call: torch.compile graph-breaks around the layer
     def forward(self, *args, **kwargs):
         call = self._parse(args, kwargs)
         if call.fallback is not None:
