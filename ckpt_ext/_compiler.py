@@ -1,17 +1,21 @@
-"""How ckpt_ext meets torch.compile.
+"""How ckpt_ext meets torch.compile and CUDA graph capture.
 
 torch.compile: the engine (CheckpointFunction, SegmentFunction, the fused layers) is C++ reached through
 pybind, which Dynamo cannot trace. Its Python entry points are wrapped with :func:`eager_under_compile`:
 Dynamo graph-breaks at the call, once and quietly, and the call runs eagerly -- the user's function
 included, so that its forward and its replay in backward run the same (eager) code and draw the same
 random numbers. What runs without grad (inference) is not wrapped and compiles as usual.
+
+CUDA graphs: the engine reads and restores generator state on the host, draws dropout seeds on the host
+and hands out BoundaryPool memory outside the graph's private pool; none of it can be captured.
+:func:`check_not_capturing` raises a clear error instead.
 """
 import functools
 import sys
 
 import torch
 
-__all__ = ["eager_under_compile"]
+__all__ = ["eager_under_compile", "check_not_capturing"]
 
 
 def eager_under_compile(fn):
@@ -30,3 +34,15 @@ def eager_under_compile(fn):
 
     return call
 
+
+def _stream_capturing() -> bool:
+    # torch.cuda.is_initialized(): no CUDA context, no capture -- and no context created to ask.
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def check_not_capturing(what: str, instead: str):
+    """Raises RuntimeError if the current CUDA stream is capturing a CUDA graph."""
+    if _stream_capturing():
+        raise RuntimeError(
+            f"ckpt_ext: {what} cannot be captured in a CUDA graph (torch.cuda.graph / make_graphed_callables): "
+            f"{instead}")

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
-from ._compiler import eager_under_compile
+from ._compiler import check_not_capturing, eager_under_compile
 from ._extension import load
 
 _C = load()
@@ -328,6 +328,12 @@ def _checkpoint_with_grad(function, args: tuple, kwargs: dict, found: Optional[_
         if any(isinstance(t, _Tensor) and t.requires_grad for t in pytree.tree_leaves(out)):
             _warn_not_checkpointed(function)
         return out
+    check_not_capturing(
+        f"checkpointing `{_function_name(function)}` (checkpoint, checkpoint_sequential, enable_checkpointing)",
+        "the node saves and restores generator state on the host and keeps its output in the BoundaryPool, "
+        "outside the graph's memory pool. Capture the model without ckpt_ext checkpointing "
+        "(ckpt_ext.disable_checkpointing(model)), or keep the checkpointed part outside the captured region "
+        "(under torch.no_grad() nothing is checkpointed, and capture works).")
     runner = _Runner(function, plan, batchnorms, debug)
     outs = _C.checkpoint_apply(runner, _function_name(function), tensors, list(params), preserve_rng_state,
                                _DETERMINISM[determinism_check], debug, bool(batchnorms))
