@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
+from ._compiler import check_not_capturing, eager_under_compile
 from ._extension import load
 
 _C = load()
@@ -381,8 +382,15 @@ def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] 
     """checkpoint() without argument checks. `found`: the parameters and BatchNorm modules the function
     uses, when the caller knows them (otherwise they are discovered). `outside`: the FSDP unit whose
     hooks wrap this call, if any."""
-    if not torch.is_grad_enabled():  # no_grad and inference_mode: nothing to save
+    if not torch.is_grad_enabled():  # no_grad and inference_mode: nothing to save (and torch.compile traces it)
         return function(*args, **kwargs)
+    return _checkpoint_with_grad(function, args, kwargs, found, outside, preserve_rng_state, determinism_check, debug)
+
+
+@eager_under_compile
+def _checkpoint_with_grad(function, args: tuple, kwargs: dict, found: Optional[_Found], outside: Optional[nn.Module],
+                          preserve_rng_state: bool, determinism_check: str, debug: bool):
+    """_checkpoint with grad enabled: the call into the C++ node (one graph break under torch.compile)."""
     tensors, plan = _split_call(args, kwargs)
     if found is None:
         found = _discover(function, plan.leaves, {id(t) for t in tensors})
@@ -394,6 +402,12 @@ def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] 
         if any(isinstance(t, _Tensor) and t.requires_grad for t in pytree.tree_leaves(out)):
             _warn_not_checkpointed(function)
         return out
+    check_not_capturing(
+        f"checkpointing `{_function_name(function)}` (checkpoint, checkpoint_sequential, enable_checkpointing)",
+        "the node saves and restores generator state on the host and keeps its output in the BoundaryPool, "
+        "outside the graph's memory pool. Capture the model without ckpt_ext checkpointing "
+        "(ckpt_ext.disable_checkpointing(model)), or keep the checkpointed part outside the captured region "
+        "(under torch.no_grad() nothing is checkpointed, and capture works).")
     runner = _Runner(function, plan, batchnorms, debug)
     outs = _C.checkpoint_apply(runner, _function_name(function), tensors, list(params), preserve_rng_state,
                                _DETERMINISM[determinism_check], debug, bool(batchnorms))
@@ -468,13 +482,23 @@ def checkpoint_sequential(functions, segments: int, input, use_reentrant: Option
         raise ValueError(f"checkpoint_sequential: segments must be between 1 and the number of functions "
                          f"({len(functions)}), got {segments}")
     segment_size = len(functions) // segments
-    end = -1
-    for start in range(0, segment_size * (segments - 1), segment_size):
-        end = start + segment_size - 1
-        run = _run_range(functions, start, end)
+    end = segment_size * (segments - 1) - 1
+    if torch.is_grad_enabled():
+        input = _checkpoint_segments(functions, segment_size, end, input, preserve, determinism_check, debug)
+    else:  # nothing to save (and torch.compile traces it)
+        input = _run_range(functions, 0, end)(input)
+    return _run_range(functions, end + 1, len(functions) - 1)(input)
+
+
+@eager_under_compile
+def _checkpoint_segments(functions, segment_size: int, end: int, input, preserve: bool, determinism_check: str,
+                         debug: bool):
+    """The checkpointed segments of checkpoint_sequential, ending with function `end`."""
+    for start in range(0, end + 1, segment_size):
+        run = _run_range(functions, start, start + segment_size - 1)
         found = _Found()
-        for f in functions[start:end + 1]:
+        for f in functions[start:start + segment_size]:
             _collect(f, found, 0)
         input = _checkpoint(run, (input,), {}, found=found, preserve_rng_state=preserve,
                             determinism_check=determinism_check, debug=debug)
-    return _run_range(functions, end + 1, len(functions) - 1)(input)
+    return input

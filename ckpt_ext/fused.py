@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ._compiler import check_not_capturing, eager_under_compile
 from ._extension import load
 
 _C = load()
@@ -393,16 +394,32 @@ class FusedTransformerLayer(nn.Module):
         hf._modules.update(self._modules)  # children replaced on this module since fuse()
         return hf.forward(*args, **kwargs)
 
+    @eager_under_compile  # one C++ call: torch.compile graph-breaks around the layer
     def forward(self, *args, **kwargs):
         call = self._parse(args, kwargs)
         if call.fallback is not None:
             return self._hf_forward(args, kwargs)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and \
                 not any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
+            _check_segment_not_capturing()
             return _C.segment_apply([self.spec], call.hidden, call.mask, call.cos, call.sin, [self.fused_weights()],
                                     True)
+        if self.training and (self.spec.attn_p > 0 or self.spec.hidden_p > 0):  # csrc/layers: uses_dropout
+            check_not_capturing(
+                f"a fused {self.layer_class} with dropout in training",
+                "its dropout seed is drawn from the generator on the host, so every replay of the graph would "
+                "reuse one mask. Capture it with dropout off (model.eval(), or dropout probabilities 0), or "
+                "run it outside the captured region.")
         return _C.fused_layer_forward(self.spec, call.hidden, call.mask, call.cos, call.sin, self.fused_weights(),
                                       self.training)
+
+
+def _check_segment_not_capturing():
+    check_not_capturing(
+        "checkpointed fused layers (a SegmentFunction)",
+        "the node draws dropout seeds on the host and keeps its output in the BoundaryPool, outside the graph's "
+        "memory pool. Capture the model without ckpt_ext checkpointing (ckpt_ext.disable_checkpointing(model)), or "
+        "keep the checkpointed part outside the captured region (under torch.no_grad() nothing is checkpointed).")
 
 
 def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict):
@@ -423,6 +440,7 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict):
         return NotImplemented
     if any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
         return NotImplemented
+    _check_segment_not_capturing()
     return _C.segment_apply([layer.spec for layer in layers], call.hidden, call.mask, call.cos, call.sin,
                             [layer.fused_weights() for layer in layers], first.training)
 

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from ._compiler import eager_under_compile
 from .checkpoint import _ATOMS, _add_module, _check_fsdp_units, _checkpoint, _Found, _fsdp_units_in
 from .fused import run_segment
 from .planner import LayerCost, Plan, parse_bytes, plan_chain
@@ -248,9 +249,18 @@ def _attach(layer: nn.Module, group: _Group):
 
 
 def _layer_forward(self: nn.Module, *args, **kwargs):
+    if not (self.training and torch.is_grad_enabled()):
+        # Nothing is checkpointed: the layer's own forward (which torch.compile traces).
+        getattr(self, _ATTR).pending = None
+        return type(self).forward(self, *args, **kwargs)
+    return _training_layer_forward(self, args, kwargs)
+
+
+@eager_under_compile
+def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     group: _Group = getattr(self, _ATTR)
     planner = group.planner
-    if planner is not None and self.training and torch.is_grad_enabled():
+    if planner is not None:
         if planner.plan is not None and not planner.installed and self is planner.layers[0]:
             planner.install_plan()  # a new step begins: switch from probing to the plan
             group = getattr(self, _ATTR)
@@ -261,9 +271,6 @@ def _layer_forward(self: nn.Module, *args, **kwargs):
     if group.kept:
         return type(self).forward(self, *args, **kwargs)
     if group.layers[0] is self:
-        if not (self.training and torch.is_grad_enabled()):
-            group.pending = None
-            return type(self).forward(self, *args, **kwargs)
         args, kwargs = _drop_cache(self, args, kwargs)
         out = group.checkpointed(args, kwargs)
         if len(group.layers) > 1:
@@ -271,8 +278,6 @@ def _layer_forward(self: nn.Module, *args, **kwargs):
         return out
     # A later layer of the group: the group already ran it.
     if group.pending is None:  # called on its own (e.g. by the user): run it, checkpointed alone
-        if not (self.training and torch.is_grad_enabled()):
-            return type(self).forward(self, *args, **kwargs)
         args, kwargs = _drop_cache(self, args, kwargs)
         out = run_segment([self], args, kwargs)
         if out is not NotImplemented:

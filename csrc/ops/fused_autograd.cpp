@@ -36,8 +36,9 @@ bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
 
 Tensor value_or_undefined(const OptTensor& t) { return present(t) ? *t : Tensor(); }
 
-// Gradient of a bias broadcast over the last dimension.
-Tensor sum_rows(const Tensor& t) { return t.reshape({-1, t.size(-1)}).sum(0); }
+// Gradient of a bias broadcast over the last dimension. Sizes are read as SymInts throughout this file:
+// under torch.compile, plain sizes() would specialise the traced graph to the example's shape.
+Tensor sum_rows(const Tensor& t) { return t.reshape_symint({-1, t.sym_size(-1)}).sum(0); }
 
 // Maps forward argument positions to autograd edge indices (only present tensors are edges).
 struct Edges {
@@ -59,6 +60,9 @@ void store_edges(AutogradContext* ctx, const Edges& e, int64_t n) {
 }
 
 std::vector<int64_t> load_edges(AutogradContext* ctx) { return ctx->saved_data.at("edges").toIntVector(); }
+
+// Dropout seeds and offsets are SymInts (symbolic under torch.compile, so that a new seed is no recompilation).
+c10::SymInt saved_symint(AutogradContext* ctx, const char* key) { return ctx->saved_data.at(key).toSymInt(); }
 
 // ---- bias_gelu(x, bias?, approximate) ------------------------------------------------------------------------
 
@@ -88,7 +92,7 @@ struct BiasGeluFunction : torch::autograd::Function<BiasGeluFunction> {
 
 struct BiasDropoutAddFunction : torch::autograd::Function<BiasDropoutAddFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const Tensor& residual,
-                        double p, int64_t seed, int64_t offset) {
+                        double p, c10::SymInt seed, c10::SymInt offset) {
     at::AutoDispatchBelowADInplaceOrView below;
     ctx->saved_data["p"] = p;
     ctx->saved_data["seed"] = seed;
@@ -103,8 +107,8 @@ struct BiasDropoutAddFunction : torch::autograd::Function<BiasDropoutAddFunction
     const Tensor& grad = grads[0];
     if (!grad.defined()) return out;
     if (needs(ctx, e[0]) || needs(ctx, e[1])) {
-      Tensor grad_x = ops::dropout_backward(grad, ctx->saved_data.at("p").toDouble(), ctx->saved_data.at("seed").toInt(),
-                                            ctx->saved_data.at("offset").toInt());
+      Tensor grad_x = ops::dropout_backward(grad, ctx->saved_data.at("p").toDouble(), saved_symint(ctx, "seed"),
+                                            saved_symint(ctx, "offset"));
       if (needs(ctx, e[1])) out[1] = sum_rows(grad_x);
       if (needs(ctx, e[0])) out[0] = grad_x;
     }
@@ -116,7 +120,7 @@ struct BiasDropoutAddFunction : torch::autograd::Function<BiasDropoutAddFunction
 // ---- dropout_backward(grad, p, seed, offset): linear in grad, so its gradient is itself ------------------------
 
 struct DropoutFunction : torch::autograd::Function<DropoutFunction> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& grad, double p, int64_t seed, int64_t offset) {
+  static Tensor forward(AutogradContext* ctx, const Tensor& grad, double p, c10::SymInt seed, c10::SymInt offset) {
     at::AutoDispatchBelowADInplaceOrView below;
     ctx->saved_data["p"] = p;
     ctx->saved_data["seed"] = seed;
@@ -127,8 +131,8 @@ struct DropoutFunction : torch::autograd::Function<DropoutFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list out(4);
     if (grads[0].defined() && ctx->needs_input_grad(0))
-      out[0] = ops::dropout_backward(grads[0], ctx->saved_data.at("p").toDouble(), ctx->saved_data.at("seed").toInt(),
-                                     ctx->saved_data.at("offset").toInt());
+      out[0] = ops::dropout_backward(grads[0], ctx->saved_data.at("p").toDouble(), saved_symint(ctx, "seed"),
+                                     saved_symint(ctx, "offset"));
     return out;
   }
 };
@@ -137,8 +141,8 @@ struct DropoutFunction : torch::autograd::Function<DropoutFunction> {
 
 struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAddLayerNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const Tensor& residual,
-                               const Tensor& weight, const OptTensor& ln_bias, double p, double eps, int64_t seed,
-                               int64_t offset) {
+                               const Tensor& weight, const OptTensor& ln_bias, double p, double eps,
+                               c10::SymInt seed, c10::SymInt offset) {
     at::AutoDispatchBelowADInplaceOrView below;
     auto [out, pre_norm, mean, rstd] =
         ops::bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p, eps, seed, offset);
@@ -162,7 +166,7 @@ struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAd
     const OptTensor grad_pre = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
     auto [grad_x, grad_residual, grad_weight, grad_ln_bias] = ops::bias_dropout_add_layer_norm_backward(
         grad_out, grad_pre, pre_norm, saved[1], saved[2], saved[3], ctx->saved_data.at("p").toDouble(),
-        ctx->saved_data.at("seed").toInt(), ctx->saved_data.at("offset").toInt());
+        saved_symint(ctx, "seed"), saved_symint(ctx, "offset"));
     if (needs(ctx, e[1])) out[1] = sum_rows(grad_x);
     if (needs(ctx, e[0])) out[0] = grad_x;
     if (needs(ctx, e[2])) out[2] = grad_residual;
@@ -265,7 +269,7 @@ Tensor rotate_half(const Tensor& x) {
 Tensor reduce_to(const Tensor& t, const Tensor& like) {
   Tensor r = t.sum(1);
   if (like.dim() == 2) return r.sum(0);
-  return like.size(0) == 1 ? r.sum(0, /*keepdim=*/true) : r;
+  return like.sym_size(0) == 1 ? r.sum(0, /*keepdim=*/true) : r;
 }
 
 struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
@@ -297,17 +301,17 @@ Tensor bias_gelu_autograd(const Tensor& x, const OptTensor& bias, c10::string_vi
 }
 
 Tensor bias_dropout_add_autograd(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p,
-                                 int64_t seed, int64_t offset) {
+                                 c10::SymInt seed, c10::SymInt offset) {
   return BiasDropoutAddFunction::apply(x, bias, residual, p, seed, offset);
 }
 
-Tensor dropout_backward_autograd(const Tensor& grad, double p, int64_t seed, int64_t offset) {
+Tensor dropout_backward_autograd(const Tensor& grad, double p, c10::SymInt seed, c10::SymInt offset) {
   return DropoutFunction::apply(grad, p, seed, offset);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_autograd(
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
-    double p, double eps, int64_t seed, int64_t offset) {
+    double p, double eps, c10::SymInt seed, c10::SymInt offset) {
   auto r = BiasDropoutAddLayerNormFunction::apply(x, bias, residual, weight, ln_bias, p, eps, seed, offset);
   return {r[0], r[1], r[2], r[3]};
 }

@@ -405,15 +405,15 @@ std::tuple<Tensor, Tensor> add_rms_norm_backward(const Tensor& grad_out, const O
 TORCH_LIBRARY(ckpt_ext, m) {
   m.def("bias_gelu(Tensor x, Tensor? bias, str approximate) -> Tensor");
   m.def("bias_gelu_backward(Tensor grad, Tensor x, Tensor? bias, str approximate) -> Tensor");
-  m.def("bias_dropout_add(Tensor x, Tensor? bias, Tensor residual, float p, int seed, int offset) -> Tensor");
-  m.def("dropout_backward(Tensor grad, float p, int seed, int offset) -> Tensor");
-  m.def("dropout_mask(int numel, float p, int seed, int offset, Device device) -> Tensor");
+  m.def("bias_dropout_add(Tensor x, Tensor? bias, Tensor residual, float p, SymInt seed, SymInt offset) -> Tensor");
+  m.def("dropout_backward(Tensor grad, float p, SymInt seed, SymInt offset) -> Tensor");
+  m.def("dropout_mask(SymInt numel, float p, SymInt seed, SymInt offset, Device device) -> Tensor");
   m.def(
       "bias_dropout_add_layer_norm(Tensor x, Tensor? bias, Tensor residual, Tensor weight, Tensor? ln_bias, "
-      "float p, float eps, int seed, int offset) -> (Tensor out, Tensor pre_norm, Tensor mean, Tensor rstd)");
+      "float p, float eps, SymInt seed, SymInt offset) -> (Tensor out, Tensor pre_norm, Tensor mean, Tensor rstd)");
   m.def(
       "bias_dropout_add_layer_norm_backward(Tensor grad_out, Tensor? grad_pre_norm, Tensor pre_norm, Tensor weight, "
-      "Tensor mean, Tensor rstd, float p, int seed, int offset) "
+      "Tensor mean, Tensor rstd, float p, SymInt seed, SymInt offset) "
       "-> (Tensor grad_x, Tensor grad_residual, Tensor grad_weight, Tensor grad_ln_bias)");
   m.def(
       "add_layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps) "
@@ -486,27 +486,28 @@ Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& 
   CKPT_EXT_CALL("bias_gelu_backward", Tensor(const Tensor&, const Tensor&, const OptTensor&, c10::string_view), grad,
                 x, bias, approximate);
 }
-Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
-                        int64_t offset) {
-  CKPT_EXT_CALL("bias_dropout_add", Tensor(const Tensor&, const OptTensor&, const Tensor&, double, int64_t, int64_t),
-                x, bias, residual, p, seed, offset);
+Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, c10::SymInt seed,
+                        c10::SymInt offset) {
+  CKPT_EXT_CALL("bias_dropout_add",
+                Tensor(const Tensor&, const OptTensor&, const Tensor&, double, c10::SymInt, c10::SymInt), x, bias,
+                residual, p, seed, offset);
 }
-Tensor dropout_backward(const Tensor& grad, double p, int64_t seed, int64_t offset) {
-  CKPT_EXT_CALL("dropout_backward", Tensor(const Tensor&, double, int64_t, int64_t), grad, p, seed, offset);
+Tensor dropout_backward(const Tensor& grad, double p, c10::SymInt seed, c10::SymInt offset) {
+  CKPT_EXT_CALL("dropout_backward", Tensor(const Tensor&, double, c10::SymInt, c10::SymInt), grad, p, seed, offset);
 }
 T4 bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight,
-                               const OptTensor& ln_bias, double p, double eps, int64_t seed, int64_t offset) {
+                               const OptTensor& ln_bias, double p, double eps, c10::SymInt seed, c10::SymInt offset) {
   CKPT_EXT_CALL("bias_dropout_add_layer_norm",
                 T4(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const OptTensor&, double, double,
-                   int64_t, int64_t),
+                   c10::SymInt, c10::SymInt),
                 x, bias, residual, weight, ln_bias, p, eps, seed, offset);
 }
 T4 bias_dropout_add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm,
                                         const Tensor& weight, const Tensor& mean, const Tensor& rstd, double p,
-                                        int64_t seed, int64_t offset) {
+                                        c10::SymInt seed, c10::SymInt offset) {
   CKPT_EXT_CALL("bias_dropout_add_layer_norm_backward",
                 T4(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                   int64_t, int64_t),
+                   c10::SymInt, c10::SymInt),
                 grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset);
 }
 T4 add_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
 #include <c10/util/string_view.h>
 
 #include <cstdint>
@@ -17,21 +18,23 @@
 namespace ckpt_ext {
 namespace ops {
 
+// Dropout seeds and offsets are SymInts in the schemas, so that torch.compile can pass them as graph
+// inputs instead of recompiling for each value; C++ callers pass plain int64_t (converted implicitly).
 using at::Tensor;
 using OptTensor = std::optional<at::Tensor>;
 
 Tensor bias_gelu(const Tensor& x, const OptTensor& bias, c10::string_view approximate);
 Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias, c10::string_view approximate);
-Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
-                        int64_t offset);
-Tensor dropout_backward(const Tensor& grad, double p, int64_t seed, int64_t offset);
+Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, c10::SymInt seed,
+                        c10::SymInt offset);
+Tensor dropout_backward(const Tensor& grad, double p, c10::SymInt seed, c10::SymInt offset);
 std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias,
                                                                        const Tensor& residual, const Tensor& weight,
                                                                        const OptTensor& ln_bias, double p, double eps,
-                                                                       int64_t seed, int64_t offset);
+                                                                       c10::SymInt seed, c10::SymInt offset);
 std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
     const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
-    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset);
+    const Tensor& mean, const Tensor& rstd, double p, c10::SymInt seed, c10::SymInt offset);
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
                                                           const Tensor& weight, const OptTensor& bias, double eps);
 std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum,
