@@ -191,7 +191,11 @@ class Path:
         return self.kind.startswith("fused")
 
     def trap(self):
-        return self.ck.blocks[2][2]  # in the last group of the stack, after its BatchNorm
+        return self.trap_of(self.ck)
+
+    @staticmethod
+    def trap_of(model):
+        return model.blocks[2][2]  # in the last group of the stack, after its BatchNorm
 
     def batchnorm(self):
         return self.ck.blocks[2][1]
@@ -321,7 +325,37 @@ def test_exception_in_forward(path, exc_type):
     assert text == "no luck in forward" and not notes
     assert thread_state() == state
     assert in_use() == start  # the groups that ran before hold nothing once the frames are gone
+    if not path.fused:
+        # The interrupted forward drew the random numbers the model without checkpointing draws up to the
+        # same point. (Not so for fused groups: a SegmentFunction draws the seeds of all its layers first.)
+        rng = torch.get_rng_state()
+        path.trap_of(path.ref).arm("forward", exc_type)
+        raise_caught(lambda: path.loss(path.ref), exc_type)
+        assert torch.equal(torch.get_rng_state(), rng)
     path.assert_next_step_right()
+
+
+def test_interrupt_during_the_planners_first_step():
+    """enable_checkpointing(budget=...): the first step measures each layer on a throw-away run with the RNG
+    forked. Interrupted there, the RNG fork is undone, nothing is held, and the next steps measure the rest,
+    plan and stay bit-identical to the model without checkpointing."""
+    path = Path("stack")
+    ckpt_ext.disable_checkpointing(path.ck)
+    ckpt_ext.enable_checkpointing(path.ck, layers=path.ck.blocks, budget="1GiB")
+    start = in_use()
+    state = thread_state()
+    path.trap().arm("forward", KeyboardInterrupt, "probe")
+    raise_caught(path.loss, KeyboardInterrupt)
+    assert thread_state() == state and in_use() == start
+    rng = torch.get_rng_state()
+    path.trap_of(path.ref).arm("forward", KeyboardInterrupt)
+    raise_caught(lambda: path.loss(path.ref), KeyboardInterrupt)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert "plan pending" in ckpt_ext.explain(path.ck)
+    for _ in range(3):  # measure the rest, plan, run the plan
+        path.assert_next_step_right()
+    assert "plan in use" in ckpt_ext.explain(path.ck)
+    assert in_use() == start
 
 
 @pytest.mark.parametrize("kind", ["stack", "fused-bert"])
