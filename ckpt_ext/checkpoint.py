@@ -318,7 +318,16 @@ class _Runner:
                 [b.clone() if b is not None else None for b in (m.running_mean, m.running_var, m.num_batches_tracked)]
                 for m in self.batchnorms
             ]
-        out = self._call(tensors, 1)
+        try:
+            out = self._call(tensors, 1)
+        except BaseException as e:  # KeyboardInterrupt too: the note is what tells where it landed
+            # The traceback shows the function's own frames under loss.backward(); say why they ran there.
+            # The exception itself passes through C++ unchanged (pybind11 carries the Python object).
+            if hasattr(e, "add_note"):  # Python 3.11+
+                e.add_note(f"(raised while ckpt_ext replayed the checkpointed function `{_function_name(self.fn)}` "
+                           "during backward: a checkpointed function runs again in backward, with "
+                           "ckpt_ext.is_recomputing() True)")
+            raise
         return _split_output(out)[0]
 
     def replay_done(self):

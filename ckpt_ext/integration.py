@@ -9,6 +9,7 @@ import inspect
 import logging
 import time
 import types
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -48,6 +49,49 @@ def _same_args(a: Tuple, ka: Dict, b: Tuple, kb: Dict) -> bool:
             and all(same(ka[k], kb[k]) for k in ka))
 
 
+def _weak(value):
+    return weakref.ref(value) if isinstance(value, torch.Tensor) else value
+
+
+def _strong(value):
+    return value() if isinstance(value, weakref.ref) else value
+
+
+class _Pending:
+    """A checkpointed group's output, waiting for the group's later layers to hand it on, and the
+    arguments the group ran with (to check that the later layers get the same ones).
+
+    Tensors are held weakly: the stack's loop holds them while it runs, and when the step stops between
+    two layers of a group (KeyboardInterrupt, an exception in a hook) a strong reference would keep the
+    output, its graph and every pooled boundary before it alive until the next step."""
+
+    __slots__ = ("output", "done", "args", "kwargs")
+
+    def __init__(self, output, done: int, args: Tuple, kwargs: Dict):
+        if isinstance(output, torch.Tensor):
+            self.output = weakref.ref(output)
+        elif type(output) is tuple and output and isinstance(output[0], torch.Tensor):
+            self.output = (weakref.ref(output[0]),) + output[1:]
+        else:
+            self.output = output  # another structure: held as it is
+        self.done = done
+        self.args = tuple(_weak(a) for a in args[1:])  # args[0] is the hidden state, never compared
+        self.kwargs = {k: _weak(v) for k, v in kwargs.items()}
+
+    def get(self):
+        """(output, args after the hidden state, kwargs), or None when the output is gone."""
+        if isinstance(self.output, weakref.ref):
+            out = self.output()
+        elif type(self.output) is tuple and self.output and isinstance(self.output[0], weakref.ref):
+            hidden = self.output[0]()
+            out = None if hidden is None else (hidden,) + self.output[1:]
+        else:
+            out = self.output
+        if out is None:
+            return None
+        return out, tuple(_strong(a) for a in self.args), {k: _strong(v) for k, v in self.kwargs.items()}
+
+
 class _Group:
     """Consecutive layers checkpointed as one call. The first layer's forward runs the whole group;
     the others hand the group's output on when the stack's loop reaches them. A `kept` group (chosen
@@ -59,7 +103,7 @@ class _Group:
         self.index = index  # position of the first layer in its stack
         self.planner = planner
         self.kept = kept
-        self.pending = None  # (output, next layer's position in the group, args, kwargs) after a group run
+        self.pending: Optional[_Pending] = None  # after a checkpointed group run, until its last layer
         self.siblings: List["_Group"] = []  # the multi-layer groups of the stack (see _check_order)
 
     def checkpointed(self, layer_args: Tuple, layer_kwargs: Dict):
@@ -232,8 +276,9 @@ def _check_order(group: _Group, args: Tuple):
     if hidden is None:
         return
     for g in group.siblings:
-        if g.pending is not None and hidden is _hidden_of(g.pending[0]):
-            skipped = g.index + g.pending[1]
+        pending = g.pending.get() if g.pending is not None else None
+        if pending is not None and hidden is _hidden_of(pending[0]):
+            skipped = g.index + g.pending.done
             g.pending = None
             raise RuntimeError(
                 f"ckpt_ext.enable_checkpointing(every={len(g.layers)}): layer {group.index} "
@@ -274,7 +319,7 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
         args, kwargs = _drop_cache(self, args, kwargs)
         out = group.checkpointed(args, kwargs)
         if len(group.layers) > 1:
-            group.pending = (out, 1, args, kwargs)
+            group.pending = _Pending(out, 1, args, kwargs)
         return out
     # A later layer of the group: the group already ran it.
     if group.pending is None:  # called on its own (e.g. by the user): run it, checkpointed alone
@@ -283,22 +328,28 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
         if out is not NotImplemented:
             return out
         return _checkpoint(lambda a, k: type(self).forward(self, *a, **k), (args, kwargs), {}, outside=self)
-    out, done, g_args, g_kwargs = group.pending
+    # The group's output is gone when the stack transformed it before this layer (`layer(x) * 2`).
+    pending = group.pending.get()
+    out, g_args, g_kwargs = pending if pending is not None else (None, (), {})
+    done = group.pending.done
     expected = group.layers[done]
     args, kwargs = _drop_cache(self, args, kwargs)
-    if expected is not self or not args or args[0] is not _hidden_of(out):
+    if pending is None or expected is not self or not args or args[0] is not _hidden_of(out):
         group.pending = None
         raise RuntimeError(
             f"ckpt_ext.enable_checkpointing(every={len(group.layers)}): layer {group.index + done} "
             f"({type(self).__name__}) did not receive the output of the layer before it unchanged; this model "
             "transforms hidden states between layers, so layers cannot be grouped. Use every=1.")
-    if not _same_args(args[1:], kwargs, g_args[1:], g_kwargs):
+    if not _same_args(args[1:], kwargs, g_args, g_kwargs):
         group.pending = None
         raise RuntimeError(
             f"ckpt_ext.enable_checkpointing(every={len(group.layers)}): layer {group.index + done} "
             f"({type(self).__name__}) receives different arguments than layer {group.index}, but a group runs "
             "all its layers with the first layer's arguments. Use every=1.")
-    group.pending = (out, done + 1, g_args, g_kwargs) if done + 1 < len(group.layers) else None
+    if done + 1 < len(group.layers):
+        group.pending.done = done + 1
+    else:
+        group.pending = None
     return out
 
 
