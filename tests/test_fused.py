@@ -484,6 +484,29 @@ def test_segment_is_one_node_with_pooled_output():
     assert len(out.grad_fn.next_functions) == 1 + n_params
 
 
+def test_is_recomputing_during_the_segment_replay_only():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append((str(func), ckpt_ext.is_recomputing()))
+            return func(*args, **(kwargs or {}))
+
+    _, ck = _checkpointed_pair("gpt2", every=2, layers=2)
+    with Record() as fwd:
+        out = ck(**inputs_for("gpt2", padding=False)).last_hidden_state
+    assert fwd.seen and not any(flag for _, flag in fwd.seen)
+    with Record() as bwd:
+        out.sum().backward()
+    replayed = [op for op, flag in bwd.seen if flag]
+    assert any("addmm" in op or "mm" in op for op in replayed), bwd.seen  # the layers' GEMMs, rerun
+    assert not ckpt_ext.is_recomputing()
+
+
 def test_segment_grad_wrt_input_only_and_eval():
     model, ck = _checkpointed_pair("gpt2", every=2, layers=2)
     kw = inputs_for("gpt2", padding=False)

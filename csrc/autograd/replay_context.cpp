@@ -28,6 +28,9 @@ void set_current_device(const c10::Device& d) {
 
 bool is_recomputing() { return recompute_depth > 0; }
 
+RecomputingScope::RecomputingScope() { ++recompute_depth; }
+RecomputingScope::~RecomputingScope() { --recompute_depth; }
+
 RngSnapshot RngSnapshot::capture(const std::vector<c10::Device>& devices) {
   RngSnapshot s;
   {

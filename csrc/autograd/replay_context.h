@@ -71,4 +71,14 @@ class ReplayGuard {
 // True while this thread runs a replay (ckpt_ext.is_recomputing()).
 bool is_recomputing();
 
+// Marks the thread as recomputing for its lifetime, without touching RNG/autocast state: for replays
+// that need no snapshot (the fused SegmentFunction draws its dropout from stored seeds).
+class RecomputingScope {
+ public:
+  RecomputingScope();
+  ~RecomputingScope();
+  RecomputingScope(const RecomputingScope&) = delete;
+  RecomputingScope& operator=(const RecomputingScope&) = delete;
+};
+
 }  // namespace ckpt_ext

@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "../pool/boundary_pool.h"
+#include "replay_context.h"
 
 namespace ckpt_ext {
 namespace {
@@ -102,6 +103,7 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
     std::vector<std::pair<int64_t, at::Tensor>> direct;
     {
       at::AutoGradMode grad_mode(true);
+      RecomputingScope recomputing;
       at::Tensor h = x;
       for (size_t l = 0; l + 1 < K; ++l)
         h = layers::layer_forward(st->specs[l], h, st->inputs, st->weights_of(l, st->params),
