@@ -26,9 +26,11 @@ ill-conditioned); float64 1e-10 (Llama's reference RMSNorm is made to compute in
 Face's does not); bfloat16/float16 ops within 2x/3x PyTorch's own error, test_kernels' scheme. Whole
 layers are not drawn in bfloat16: slow on this CPU, and the kernels' bfloat16 error is covered op by op.
 
-Found so far, each with a regression test here: a float32 softmax in float64 models' attention with
-dropout; CPU norm kernels summing rows in float (fixed); eager attention's gradient through a fully
-masked query, which differs from Hugging Face's because torch's SDPA differs (xfail, strict).
+Found so far, each with a test here: a float32 softmax in float64 models' attention with dropout (fixed);
+CPU norm kernels summing rows in float (fixed); rotary table gradients rounded twice in bfloat16 (fixed);
+a tensor returned several times from ckpt_ext.checkpoint gets its gradient summed in another order (strict
+xfail); eager attention's gradient through a fully masked query differs from Hugging Face's because torch's
+CPU SDPA differs (strict xfail).
 
 Reproducibility: every test is derandomized (its examples depend only on the test and the Hypothesis
 version) and uses no example database, so CI runs the same examples every time and cannot go red on a
