@@ -31,7 +31,7 @@ layer = st.builds(LayerCost, act_bytes=st.integers(0, 1000), boundary_bytes=st.i
                   compute=st.integers(0, 50).map(float))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)  # same examples every CI run
 @given(costs=st.lists(layer, min_size=1, max_size=6), frac=st.floats(0.0, 1.2))
 def test_dp_matches_brute_force(costs, frac):
     total = sum(c.act_bytes for c in costs)

@@ -187,8 +187,9 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   } else if (use_causal) {
     scores4.masked_fill_(at::ones({S, Sk}, q.options().dtype(at::kBool)).triu(1), lowest_of(scores.scalar_type()));
   }
-  const Tensor probs = (safe ? at::_safe_softmax(scores, -1, at::kFloat) : at::softmax(scores, -1, at::kFloat))
-                           .to(q.scalar_type());
+  // The softmax accumulates in float32, float64 for float64 models (as the ckpt_ext ops do).
+  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const Tensor probs = (safe ? at::_safe_softmax(scores, -1, acc) : at::softmax(scores, -1, acc)).to(q.scalar_type());
   return at::bmm(philox_dropout(probs, p, seed, offset), v3).view({B, heads, S, v.size(3)});
 }
 

@@ -265,11 +265,11 @@ Tensor rotate_half(const Tensor& x) {
   return at::cat({halves[1].neg(), halves[0]}, -1);
 }
 
-// Sums a [B, H, S, D] product over the dims that `like` ([B or 1, S, D] or [S, D]) broadcasts.
+// Sums a [B, H, S, D] product over the dims that `like` ([B or 1, S, D] or [S, D]) broadcasts, in one
+// reduction: one rounding in low precision, as autograd's sum_to_size (two sums in a row round twice).
 Tensor reduce_to(const Tensor& t, const Tensor& like) {
-  Tensor r = t.sum(1);
-  if (like.dim() == 2) return r.sum(0);
-  return like.sym_size(0) == 1 ? r.sum(0, /*keepdim=*/true) : r;
+  if (like.dim() == 2) return t.sum({0, 1});
+  return like.sym_size(0) == 1 ? t.sum({0, 1}).unsqueeze(0) : t.sum(1);
 }
 
 struct RotaryFunction : torch::autograd::Function<RotaryFunction> {

@@ -1,9 +1,11 @@
 // CPU kernels of the fused-layer building blocks (declared in kernels/fused_kernels.h).
 //
 // Every dtype (float32, float64, float16, bfloat16) computes in at::opmath_type (float, or double for
-// float64) and rounds once when it stores. Work is split with at::parallel_for; reductions over rows
-// (grad_weight, grad_bias) use a fixed partition into chunks, so results do not depend on the number of
-// threads.
+// float64) and rounds once when it stores. The per-row sums of the norms accumulate in double (RowSum): a
+// serial float sum of `hidden` terms is off by up to hidden/2 ulps, which normalisation multiplies by rstd
+// (a row with a large mean relative to its spread, a constant row) -- PyTorch's own kernels are exact there.
+// Work is split with at::parallel_for; reductions over rows (grad_weight, grad_bias) use a fixed partition
+// into chunks, so results do not depend on the number of threads.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -437,6 +439,9 @@ struct RowChunks {
         rows_per_chunk((rows + count - 1) / count) {}
 };
 
+// Accumulator of the norms' per-row sums (see the top of this file).
+using RowSum = double;
+
 // Sums per-chunk partials [chunks, hidden] (in chunk order) into out[hidden].
 template <typename T, typename A>
 void reduce_chunks(const std::vector<A>& partial, int64_t chunks, int64_t hidden, T* out) {
@@ -477,7 +482,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
       for (int64_t r = begin; r < end; ++r) {
         const int64_t base = r * hidden;
         const uint32_t* words = drop ? mask.fill(base, hidden) : nullptr;
-        A sum = 0;
+        RowSum sum = 0;
         for (int64_t j = 0; j < hidden; ++j) {
           A val = static_cast<A>(xp[base + j]) + (bp ? static_cast<A>(bp[j]) : A(0));
           if (drop) val = mask.keep(words[j]) ? val * scale : A(0);
@@ -487,10 +492,10 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
           v[j] = static_cast<A>(stored);  // normalise exactly what is stored (and what backward reads)
           sum += v[j];
         }
-        const A mu = sum / hidden;
-        A var = 0;
-        for (int64_t j = 0; j < hidden; ++j) var += (v[j] - mu) * (v[j] - mu);
-        const A rs = A(1) / std::sqrt(var / hidden + static_cast<A>(eps));
+        const A mu = static_cast<A>(sum / hidden);
+        RowSum var = 0;
+        for (int64_t j = 0; j < hidden; ++j) var += static_cast<RowSum>((v[j] - mu) * (v[j] - mu));
+        const A rs = static_cast<A>(1 / std::sqrt(var / hidden + eps));
         mp[r] = mu;
         sp[r] = rs;
         for (int64_t j = 0; j < hidden; ++j) {
@@ -534,7 +539,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
           const int64_t base = r * hidden;
           const A mu = mp[r], rs = sp[r];
-          A sum_dy = 0, sum_dy_xhat = 0;  // dy = grad_out * weight
+          RowSum sum_dy = 0, sum_dy_xhat = 0;  // dy = grad_out * weight
           for (int64_t j = 0; j < hidden; ++j) {
             const A g = static_cast<A>(gp[base + j]);
             const A xhat = (static_cast<A>(vp[base + j]) - mu) * rs;
@@ -544,7 +549,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
             pw[j] += g * xhat;
             pb[j] += g;
           }
-          const A c_mean = sum_dy / hidden, c_xhat = sum_dy_xhat / hidden;
+          const A c_mean = static_cast<A>(sum_dy / hidden), c_xhat = static_cast<A>(sum_dy_xhat / hidden);
           const uint32_t* words = drop && dx ? mask.fill(base, hidden) : nullptr;
           for (int64_t j = 0; j < hidden; ++j) {
             const A xhat = (static_cast<A>(vp[base + j]) - mu) * rs;
@@ -576,15 +581,15 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
     at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int64_t base = r * hidden;
-        A sum_sq = 0;
+        RowSum sum_sq = 0;
         for (int64_t j = 0; j < hidden; ++j) {
           A val = static_cast<A>(xp[base + j]);
           if (rp) val += static_cast<A>(rp[base + j]);
           const scalar_t stored = static_cast<scalar_t>(val);
           sump[base + j] = stored;
-          sum_sq += static_cast<A>(stored) * static_cast<A>(stored);
+          sum_sq += static_cast<RowSum>(stored) * static_cast<RowSum>(stored);
         }
-        const A rs = A(1) / std::sqrt(sum_sq / hidden + static_cast<A>(eps));
+        const A rs = static_cast<A>(1 / std::sqrt(sum_sq / hidden + eps));
         sp[r] = rs;
         for (int64_t j = 0; j < hidden; ++j) {
           // LlamaRMSNorm: normalise in float, cast back to the input dtype, then multiply by the weight.
@@ -618,14 +623,14 @@ void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, c
         for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
           const int64_t base = r * hidden;
           const A rs = sp[r];
-          A sum_dn_n = 0;  // dn = grad_out * weight, n = sum * rstd
+          RowSum sum_dn_n = 0;  // dn = grad_out * weight, n = sum * rstd
           for (int64_t j = 0; j < hidden; ++j) {
             const A g = static_cast<A>(gp[base + j]);
             const A n = static_cast<A>(vp[base + j]) * rs;
             sum_dn_n += g * static_cast<A>(wp[j]) * n;
             pw[j] += g * static_cast<A>(static_cast<scalar_t>(n));  // out = weight * to_dtype(n)
           }
-          const A c_n = sum_dn_n / hidden;
+          const A c_n = static_cast<A>(sum_dn_n / hidden);
           for (int64_t j = 0; j < hidden; ++j) {
             const A n = static_cast<A>(vp[base + j]) * rs;
             A d = rs * (static_cast<A>(gp[base + j]) * static_cast<A>(wp[j]) - n * c_n);
