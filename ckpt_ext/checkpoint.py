@@ -281,13 +281,30 @@ def _function_name(fn: Any) -> str:
     return name
 
 
+def _distinct(tensors: List[_Tensor]) -> Tuple[List[_Tensor], Optional[List[int]]]:
+    """A tensor returned several times leaves the node once (one pool slot, `out[0] is out[1]` holds, and
+    autograd sums its gradient terms as it does without checkpointing); `index` maps positions back."""
+    if len({id(t) for t in tensors}) == len(tensors):
+        return tensors, None
+    first: Dict[int, int] = {}
+    distinct: List[_Tensor] = []
+    index = []
+    for t in tensors:
+        if id(t) not in first:
+            first[id(t)] = len(distinct)
+            distinct.append(t)
+        index.append(first[id(t)])
+    return distinct, index
+
+
 class _Runner:
-    __slots__ = ("fn", "plan", "out_plan", "batchnorms", "bn_saved", "debug", "logs")
+    __slots__ = ("fn", "plan", "out_plan", "out_index", "batchnorms", "bn_saved", "debug", "logs")
 
     def __init__(self, fn, plan: _Plan, batchnorms, debug: bool):
         self.fn = fn
         self.plan = plan
         self.out_plan = None
+        self.out_index = None  # output position -> distinct output, when a tensor is returned several times
         self.batchnorms = batchnorms
         self.bn_saved = None
         self.debug = debug
@@ -309,6 +326,7 @@ class _Runner:
     def forward(self, tensors):
         out = self._call(tensors, 0)
         out_tensors, self.out_plan = _split_output(out)
+        out_tensors, self.out_index = _distinct(out_tensors)
         return out_tensors
 
     def replay(self, tensors):
@@ -328,7 +346,7 @@ class _Runner:
                            "during backward: a checkpointed function runs again in backward, with "
                            "ckpt_ext.is_recomputing() True)")
             raise
-        return _split_output(out)[0]
+        return _distinct(_split_output(out)[0])[0]
 
     def replay_done(self):
         if not self.bn_saved:
@@ -420,6 +438,8 @@ def _checkpoint_with_grad(function, args: tuple, kwargs: dict, found: Optional[_
     runner = _Runner(function, plan, batchnorms, debug)
     outs = _C.checkpoint_apply(runner, _function_name(function), tensors, list(params), preserve_rng_state,
                                _DETERMINISM[determinism_check], debug, bool(batchnorms))
+    if runner.out_index is not None:
+        outs = [outs[i] for i in runner.out_index]
     return _rebuild_output(runner.out_plan, outs)
 
 

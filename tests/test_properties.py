@@ -414,20 +414,21 @@ def test_checkpoint_matches_the_plain_call(dim, hidden, n_blocks, p, batch, tree
     assert all(pooled) if anything_needs_grad else not any(pooled)  # checkpointed for real, or a plain call
 
 
-@pytest.mark.xfail(strict=True, reason="a tensor returned several times leaves the checkpoint as separate copies, whose "
-                   "gradients the replay sums in another order than autograd does without checkpointing")
 def test_checkpoint_of_a_tensor_returned_several_times_is_bit_identical():
     """Found by test_checkpoint_matches_the_plain_call (under --hypothesis-seed). fn returns (h, h, h, h): without
-    checkpointing h is one tensor whose gradient autograd sums as the terms arrive, g3 + g2 + g1 + g0; ckpt_ext
-    returns four pooled copies of h (so out[0] is out[1] no longer holds, and h is stored four times) and the
-    replay's autograd.grad sums g0 + g1 + g2 + g3 -- 1 ulp apart. Storing one slot per distinct output tensor
-    and returning it for each occurrence would restore the bits, the aliasing and the memory."""
+    checkpointing h is one tensor whose gradient autograd sums as the terms arrive, g3 + g2 + g1 + g0. ckpt_ext
+    used to return four pooled copies of h (out[0] is out[1] no longer held, h was stored four times) and the
+    replay's autograd.grad summed g0 + g1 + g2 + g3 -- 1 ulp apart. Now one slot per distinct output tensor."""
     block = make_block(p=0.0, seed=3)
     x, = leaf_inputs((3, 19), seed=3)
     fn = lambda t: (lambda h: (h, h, h, h))(block(t))  # noqa: E731
     params = dict(block.named_parameters())
     assert_grads_close(_step(fn, [x], params, 0), _step(lambda t: ckpt_ext.checkpoint(fn, t), [x], params, 0),
                        exact=True)
+    before = ckpt_ext.pool_stats("cpu")["live_slots"]
+    out = ckpt_ext.checkpoint(fn, x)
+    assert out[0] is out[1] is out[3] and ckpt_ext.is_pooled(out[0])
+    assert ckpt_ext.pool_stats("cpu")["live_slots"] == before + 1
 
 
 @examples(30)
