@@ -78,15 +78,23 @@ class _Pending:
         self.args = tuple(_weak(a) for a in args[1:])  # args[0] is the hidden state, never compared
         self.kwargs = {k: _weak(v) for k, v in kwargs.items()}
 
+    def _output(self):
+        """The output, or None when it is gone."""
+        if isinstance(self.output, weakref.ref):
+            return self.output()
+        if type(self.output) is tuple and self.output and isinstance(self.output[0], weakref.ref):
+            hidden = self.output[0]()
+            return None if hidden is None else (hidden,) + self.output[1:]
+        return self.output
+
+    def hidden(self):
+        """The output's hidden state, or None when the output is gone."""
+        out = self._output()
+        return None if out is None else _hidden_of(out)
+
     def get(self):
         """(output, args after the hidden state, kwargs), or None when the output is gone."""
-        if isinstance(self.output, weakref.ref):
-            out = self.output()
-        elif type(self.output) is tuple and self.output and isinstance(self.output[0], weakref.ref):
-            hidden = self.output[0]()
-            out = None if hidden is None else (hidden,) + self.output[1:]
-        else:
-            out = self.output
+        out = self._output()
         if out is None:
             return None
         return out, tuple(_strong(a) for a in self.args), {k: _strong(v) for k, v in self.kwargs.items()}
@@ -200,8 +208,7 @@ class _StackPlanner:
         self.shape = None  # input shape the plan was made for
 
     def install_probe_groups(self):
-        for i, layer in enumerate(self.layers):
-            _attach(layer, _Group([layer], i, self))
+        _attach_groups([_Group([layer], i, self) for i, layer in enumerate(self.layers)])
 
     def install_plan(self):
         groups = []
@@ -276,8 +283,7 @@ def _check_order(group: _Group, args: Tuple):
     if hidden is None:
         return
     for g in group.siblings:
-        pending = g.pending.get() if g.pending is not None else None
-        if pending is not None and hidden is _hidden_of(pending[0]):
+        if g.pending is not None and hidden is g.pending.hidden():
             skipped = g.index + g.pending.done
             g.pending = None
             raise RuntimeError(

@@ -126,6 +126,18 @@ def grads_close(ref_model, fused_model, rtol=RTOL, atol=ATOL):
                 raise AssertionError(f"gradient of {name}: {e}") from None
 
 
+def assert_training_parity(model, fused, family, kw):
+    """Outputs, the stack's input gradient and every parameter's gradient of `fused` match `model`."""
+    e_ref, out_ref = embeds_call(model, family, kw)
+    e_fus, out_fus = embeds_call(fused, family, kw)
+    close(out_fus, out_ref)
+    g = torch.randn_like(out_ref)
+    out_ref.backward(g)
+    out_fus.backward(g)
+    close(e_fus.grad, e_ref.grad)
+    grads_close(model, fused)
+
+
 def fused_copy(model):
     return fuse(copy.deepcopy(model))
 
@@ -141,14 +153,7 @@ def test_training_parity_outputs_and_all_grads(family, padding, device):
     fused = fused_copy(model)
     assert all(isinstance(m, FusedTransformerLayer) for m in layers_of(fused))
     kw = inputs_for(family, padding, device)
-    e_ref, out_ref = embeds_call(model, family, kw)
-    e_fus, out_fus = embeds_call(fused, family, kw)
-    close(out_fus, out_ref)
-    g = torch.randn_like(out_ref)
-    out_ref.backward(g)
-    out_fus.backward(g)
-    close(e_fus.grad, e_ref.grad)
-    grads_close(model, fused)
+    assert_training_parity(model, fused, family, kw)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -275,14 +280,7 @@ def test_explicit_attention_path_matches(family, padding, attn):
         if hasattr(m, "attention_dropout"):
             m.attention_dropout = 0.0
     kw = inputs_for(family, padding)
-    e_ref, out_ref = embeds_call(model, family, kw)
-    e_fus, out_fus = embeds_call(fused, family, kw)
-    close(out_fus, out_ref)
-    g = torch.randn_like(out_ref)
-    out_ref.backward(g)
-    out_fus.backward(g)
-    close(e_fus.grad, e_ref.grad)
-    grads_close(model, fused)
+    assert_training_parity(model, fused, family, kw)
 
 
 # ---- dropout -------------------------------------------------------------------------------------------------------
