@@ -305,6 +305,8 @@ def noise_flags(stats: Optional[dict], none_stats: Optional[dict] = None, recomp
     if not stats:
         return []
     flags = []
+    if stats.get("n", 3) < 3:
+        flags.append(f"{stats['n']} timed round(s): spread unknown")
     spread = (stats["p80"] - stats["p20"]) / stats["median"]
     if spread > NOISY_SPREAD:
         flags.append(f"noisy: p20-p80 spread {spread:.0%} of the median")
