@@ -25,9 +25,16 @@ build: venv
 test: build check-cuda
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# The benchmarks' own dependencies are the pyproject extra [bench] (read from there, so that installing
+# them does not rebuild the extension). Results go to bench-out/ (untracked); --save-results writes the
+# committed benchmarks/results/<device>/.
 bench: build
+	$(PY) -m pip install -q $$($(PY) -c "from setuptools.config.pyprojecttoml import read_configuration as r; \
+	    print(*r('pyproject.toml', expand=False)['project']['optional-dependencies']['bench'])")
 	$(PY) benchmarks/bench_checkpoint.py
-	$(PY) -m ckpt_ext.bench
+	$(PY) benchmarks/bench_ops.py
+	$(PY) benchmarks/bench_fused.py
+	$(PY) benchmarks/suite.py
 
 # CI cannot run CUDA code, but it can compile it: every .cu source must build for sm_80 and sm_90.
 check-cuda: venv

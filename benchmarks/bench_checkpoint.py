@@ -7,13 +7,12 @@ Two workloads on the best device present (CUDA if available, else CPU):
   * a small BERT encoder (Hugging Face, random weights): median step time and the bytes held from
     forward to backward (saved tensors plus the ckpt_ext pool; on CUDA also peak allocated/reserved).
 Timings are medians over interleaved rounds (each round runs every variant once), with 20th/80th
-percentiles. Results: a markdown table on stdout and benchmarks/results/<device>/engine.{md,json}.
-The measurement helpers are ckpt_ext.bench's; the model-level suite is `python -m ckpt_ext.bench`.
+percentiles. Results: a markdown table on stdout and engine.{md,json} in bench-out/<device>/ (or --out;
+--save-results writes the committed benchmarks/results/<device>/). The model-level suite is
+benchmarks/suite.py.
 """
 import argparse
 import functools
-import json
-import os
 import sys
 
 import torch
@@ -21,10 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckpt_ext
-from ckpt_ext.bench import (device_dir_name, env_info, held_bytes, hf_checkpointing_disable, hf_checkpointing_enable,
-                            interleaved, mib, ms)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import (add_output_args, env_info, env_line, finish_env, held_bytes, hf_checkpointing_disable,
+                    hf_checkpointing_enable, interleaved, mib, ms, noise_flags, output_dir, write_results)
 
 VARIANTS = {
     "none": None,
@@ -57,11 +54,12 @@ def bench_per_call(device, n_blocks, width, rounds):
             h.sum().backward()
         return run
 
-    stats = interleaved({k: step(v) for k, v in VARIANTS.items()}, device, rounds, warmup=5)
+    stats, _ = interleaved({k: step(v) for k, v in VARIANTS.items()}, device, rounds, warmup=5)
     base = stats["none"]["median"]
     rows = []
     for k, s in stats.items():
-        rows.append({"variant": k, "step_s": s, "per_call_us": (s["median"] - base) / n_blocks * 1e6 if k != "none" else 0.0})
+        rows.append({"variant": k, "step_s": s, "per_call_us": (s["median"] - base) / n_blocks * 1e6 if k != "none" else 0.0,
+                     "flags": noise_flags(s, stats["none"], recomputes=k != "none")})
     return rows
 
 
@@ -91,13 +89,14 @@ def bench_bert(device, layers, hidden, heads, seq, batch, rounds, dtype):
         model.zero_grad(set_to_none=True)
         forward().backward()
 
-    stats = interleaved({k: step for k in VARIANTS}, device, rounds, warmup=2, setup=configure)
+    stats, _ = interleaved({k: step for k in VARIANTS}, device, rounds, warmup=2, setup=configure)
     rows = []
     for k in VARIANTS:
         configure(k)
         model.zero_grad(set_to_none=True)
         mem = held_bytes(forward, list(model.parameters()), device)
-        rows.append({"variant": k, "step_s": stats[k], **mem})
+        rows.append({"variant": k, "step_s": stats[k], "flags": noise_flags(stats[k], stats["none"], k != "none"),
+                     **mem})
     configure("none")
     return rows
 
@@ -105,24 +104,24 @@ def bench_bert(device, layers, hidden, heads, seq, batch, rounds, dtype):
 # ---------------------------------------------------------------------------------------------- output
 def to_markdown(info, per_call, per_call_cfg, bert, bert_cfg):
     lines = [f"# ckpt_ext engine benchmark — {info['device_name']} ({info['device']})", "",
-             f"{info['date']}, torch {info['torch']}, CUDA {info['cuda']}, commit {info['git_commit']}, "
-             f"{info['threads']} threads", "",
+             env_line(info), "",
              f"## Per-call cost: {per_call_cfg['blocks']} tiny blocks (Linear {per_call_cfg['width']} + tanh, batch 4), "
              "every block checkpointed", "",
-             "| variant | step ms, median (p20-p80) | per-call overhead µs | vs torch non-reentrant |",
-             "|---|---|---|---|"]
+             "| variant | step ms, median (p20-p80) | per-call overhead µs | vs torch non-reentrant | flags |",
+             "|---|---|---|---|---|"]
     ref = next(r for r in per_call if "non-reentrant" in r["variant"])["per_call_us"]
     for r in per_call:
         ratio = f"{r['per_call_us'] / ref:.2f}x" if r["variant"] != "none" and ref > 0 else "-"
-        lines.append(f"| {r['variant']} | {ms(r['step_s'])} | {r['per_call_us']:.1f} | {ratio} |")
+        lines.append(f"| {r['variant']} | {ms(r['step_s'])} | {r['per_call_us']:.1f} | {ratio} | {'; '.join(r['flags'])} |")
     lines += ["", f"## BERT encoder: {bert_cfg['layers']} layers, hidden {bert_cfg['hidden']}, {bert_cfg['heads']} heads, "
               f"seq {bert_cfg['seq']}, batch {bert_cfg['batch']}, {bert_cfg['dtype']}", ""]
     cuda = info["device"].startswith("cuda")
     if cuda:
-        lines += ["| variant | step ms, median (p20-p80) | vs none | held fwd→bwd MiB | peak allocated MiB | peak reserved MiB |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| variant | step ms, median (p20-p80) | vs none | held fwd→bwd MiB | peak allocated MiB | peak reserved MiB "
+                  "| flags |", "|---|---|---|---|---|---|---|"]
     else:
-        lines += ["| variant | step ms, median (p20-p80) | vs none | held fwd→bwd MiB (saved + pool) |", "|---|---|---|---|"]
+        lines += ["| variant | step ms, median (p20-p80) | vs none | held fwd→bwd MiB (saved + pool) | flags |",
+                  "|---|---|---|---|---|"]
     base = bert[0]["step_s"]["median"]
     for r in bert:
         row = f"| {r['variant']} | {ms(r['step_s'])} | {r['step_s']['median'] / base:.2f}x | "
@@ -130,9 +129,12 @@ def to_markdown(info, per_call, per_call_cfg, bert, bert_cfg):
             row += f"{mib(r['held_bytes'])} | {mib(r['peak_allocated'])} | {mib(r['peak_reserved'])} |"
         else:
             row += f"{mib(r['held_bytes'])} ({mib(r['saved_bytes'])} + {mib(r['pool_bytes'])}) |"
+        row += f" {'; '.join(r['flags'])} |"
         lines.append(row)
     lines += ["", "per-call overhead = (step time of the variant − step time without checkpointing) / blocks.",
-              "held fwd→bwd: bytes kept alive between forward and backward (parameters excluded)."]
+              "held fwd→bwd: bytes kept alive between forward and backward (parameters excluded).",
+              "flags: `noisy` when the p20-p80 range exceeds 25% of the median; `implausible` when a checkpointed "
+              "variant is faster than no checkpointing."]
     return "\n".join(lines) + "\n"
 
 
@@ -147,7 +149,7 @@ def main(argv=None):
     p.add_argument("--bert-seq", type=int, default=None)
     p.add_argument("--bert-batch", type=int, default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--out", default=None, help="directory for engine.md/json (default benchmarks/results/<device>)")
+    add_output_args(p)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -158,22 +160,19 @@ def main(argv=None):
     bert_cfg["heads"] = max(1, bert_cfg["hidden"] // 64)
     per_call_cfg = {"blocks": args.blocks, "width": args.width}
 
+    info = env_info(device)
     print(f"per-call benchmark: {args.blocks} blocks, {rounds} rounds on {device} ...", file=sys.stderr)
     per_call = bench_per_call(device, args.blocks, args.width, rounds)
     print(f"BERT benchmark: {bert_cfg} ...", file=sys.stderr)
     bert = bench_bert(device, bert_cfg["layers"], bert_cfg["hidden"], bert_cfg["heads"], bert_cfg["seq"],
                       bert_cfg["batch"], max(5, rounds // 6), getattr(torch, bert_cfg["dtype"]))
-    info = env_info(device)
-    md = to_markdown(info, per_call, per_call_cfg, bert, bert_cfg)
+    md = to_markdown(finish_env(info), per_call, per_call_cfg, bert, bert_cfg)
     print(md)
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", device_dir_name(info))
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "engine.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(out, "engine.json"), "w") as f:
-        json.dump({"env": info, "per_call": {"config": per_call_cfg, "rows": per_call},
-                   "bert": {"config": bert_cfg, "rows": bert}}, f, indent=2)
-    print(f"wrote {out}/engine.md and engine.json", file=sys.stderr)
+    result = {"env": info, "per_call": {"config": per_call_cfg, "rows": per_call},
+              "bert": {"config": bert_cfg, "rows": bert}}
+    result["files"] = write_results(output_dir(args, info), "engine", result, md)
+    print("wrote " + ", ".join(result["files"]), file=sys.stderr)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,185 +1,151 @@
-"""Fused layers benchmark: a Hugging Face BERT encoder, fused (ckpt_ext.fuse) or not, checkpointed or not.
+"""Fused layers against Hugging Face: the fused-GPU target table of issue 10.
 
-Variants, all on the same weights, in one process:
-  * HF eager                         -- transformers' BertLayer, no checkpointing
-  * HF + torch.utils.checkpoint      -- Hugging Face's activation checkpointing, non-reentrant
-  * HF + ckpt_ext.enable_checkpointing (the engine alone, no fusion)
-  * fused                            -- ckpt_ext.fuse, no checkpointing (C++ layers, C++ autograd ops)
-  * fused + ckpt_ext.enable_checkpointing(every=1) -- C++ SegmentFunction per layer
-  * fused + ckpt_ext.enable_checkpointing(every=2)
+Per (model, mode, variant): median step time (p20-p80), ratio to HF eager, and peak memory. The same
+measurement as the GPU yardstick (shared/gpu/side_by_side.py): one process, every variant on its own copy
+of the same weights, a trial and a memory step per variant, then interleaved rounds; medians. Variants:
+none (HF eager), hf-torch-nonreentrant (HF + torch.utils.checkpoint), ckpt_ext (HF layers +
+enable_checkpointing), fused (ckpt_ext.fuse), ckpt_ext-fused (fuse + enable_checkpointing).
 
-A step is zero_grad + forward + backward of mean(last_hidden_state^2), in training mode with the
-config's dropout. Timings are medians over interleaved rounds (each round runs every variant once, in
-a rotated order), with 20th/80th percentiles and the minimum. On a shared machine the load drifts
-between rounds; the per-round ratio to HF + torch.utils.checkpoint (both measured within the same
-round) is robust to that drift, so its median is reported too, with the load average before and after.
-Results: a markdown table on stdout and benchmarks/results/<device>/fused.{md,json}.
+Configurations, dropout as in the configs (0.1 in BERT and GPT-2 attention, none in Llama):
+  CUDA: BERT-large s512 b32 bf16 and autocast, GPT-2 medium s1024 b16 bf16, Llama 16x2048 s2048 b4 bf16
+  CPU:  the same families and modes, shrunk (4 layers, hidden 256, seq 128)
+Peak on CUDA: allocated above the weights during a step (the yardstick's "peak over weights"); on CPU,
+which has no allocator statistics, the activation bytes held from forward to backward.
 
-    python benchmarks/bench_fused.py                      # CPU defaults: 6 layers, hidden 256, seq 256, batch 4
+    python benchmarks/bench_fused.py                               # every configuration on the best device
+    python benchmarks/bench_fused.py --configs bert-large-bf16     # one of them
+    python benchmarks/bench_fused.py --device cuda --save-results  # into benchmarks/results/<device>/
 """
 import argparse
-import copy
-import json
-import os
 import sys
 import warnings
+from typing import List
 
 import torch
 
-import ckpt_ext
+from common import (Progress, add_output_args, env_info, env_line, finish_env, mib, ms, noise_flags, output_dir,
+                    write_results)
+from suite import Suite, empty_row, run_cases
+from variants import ModelSpec, Workload
 
-from ckpt_ext.bench import Timer, env_info, held_bytes, mib, ms, quantiles  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-HF_EAGER = "HF eager"
-HF_TORCH_CKPT = "HF + torch.utils.checkpoint (non-reentrant)"
-HF_CKPT_EXT = "HF + ckpt_ext.enable_checkpointing"
-FUSED = "fused"
-FUSED_CKPT = "fused + ckpt_ext.enable_checkpointing"
-FUSED_CKPT2 = "fused + ckpt_ext.enable_checkpointing(every=2)"
-VARIANTS = [HF_EAGER, HF_TORCH_CKPT, HF_CKPT_EXT, FUSED, FUSED_CKPT, FUSED_CKPT2]
-
-
-def load_average():
-    try:
-        return os.getloadavg()
-    except OSError:
-        return None
+VARIANTS = ["none", "hf-torch-nonreentrant", "ckpt_ext", "fused", "ckpt_ext-fused"]
+# name -> (CUDA spec, batch, mode); the CPU shapes are the same families, shrunk.
+CONFIGS = {
+    "bert-large-bf16": (ModelSpec("bert-large", "bert", 24, 1024, 16, 512, 4096, 30522), 32, "bf16"),
+    "bert-large-autocast": (ModelSpec("bert-large", "bert", 24, 1024, 16, 512, 4096, 30522), 32, "autocast"),
+    "gpt2-medium-bf16": (ModelSpec("gpt2-medium", "gpt2", 24, 1024, 16, 1024, 4096, 50257), 16, "bf16"),
+    "llama-bf16": (ModelSpec("llama", "llama", 16, 2048, 32, 2048, 8192, 32000, kv_heads=8), 4, "bf16"),
+}
+CPU_SHRINK = {"layers": 4, "hidden": 256, "heads": 4, "seq": 128, "intermediate": 1024, "vocab": 1000}
+# Issue 10's targets on the GPU: (fused / HF eager, fused + ckpt / HF eager).
+TARGETS = {"bert-large-bf16": (0.85, 1.10), "bert-large-autocast": (0.90, 1.15), "gpt2-medium-bf16": (0.85, 1.10),
+           "llama-bf16": (0.74, 0.95)}
 
 
-def hf_checkpointing(model, enable: bool):
-    if enable:
-        kw = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
-    elif hasattr(model, "activation_checkpointing_disable"):
-        model.activation_checkpointing_disable()
-    else:
-        model.gradient_checkpointing_disable()
+def shrink(spec: ModelSpec) -> ModelSpec:
+    kv = 2 if spec.kv_heads else None
+    return ModelSpec(spec.name + "-small", spec.family, kv_heads=kv, **CPU_SHRINK)
 
 
-def bench(device, layers, hidden, heads, seq, batch, dropout, rounds, warmup):
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(0)
-    cfg = BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                     intermediate_size=4 * hidden, max_position_embeddings=max(512, seq), vocab_size=1000,
-                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
-    hf = BertModel(cfg, add_pooling_layer=False).to(device).train()
-    fused = ckpt_ext.fuse(copy.deepcopy(hf)).train()
-    ids = torch.randint(0, 1000, (batch, seq), device=device)
-
-    def configure(variant):
-        for m in (hf, fused):
-            ckpt_ext.disable_checkpointing(m)
-        hf_checkpointing(hf, variant == HF_TORCH_CKPT)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename
-            if variant == HF_CKPT_EXT:
-                ckpt_ext.enable_checkpointing(hf)
-            elif variant == FUSED_CKPT:
-                ckpt_ext.enable_checkpointing(fused, every=1)
-            elif variant == FUSED_CKPT2:
-                ckpt_ext.enable_checkpointing(fused, every=2)
-
-    def model_of(variant):
-        return fused if variant.startswith("fused") else hf
-
-    def step_of(variant):
-        model = model_of(variant)
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
-
-        return step
-
-    steps = {v: step_of(v) for v in VARIANTS}
-    timer = Timer(device)
-    for _ in range(warmup):
-        for v in VARIANTS:
-            configure(v)
-            steps[v]()
-    load_before = load_average()
-    times = {v: [] for v in VARIANTS}
-    for r in range(rounds):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]  # no variant always runs first
-        for v in order:
-            configure(v)
-            times[v].append(timer(steps[v]))
-    load_after = load_average()
-    ref = times[HF_TORCH_CKPT]
-    rows = []
-    for v in VARIANTS:
-        configure(v)
-        model = model_of(v)
-        model.zero_grad(set_to_none=True)
-        mem = held_bytes(lambda: model(input_ids=ids).last_hidden_state.pow(2).mean(), list(model.parameters()),
-                         device)
-        ratios = [t / r for t, r in zip(times[v], ref)]
-        rows.append({"variant": v, "step_s": quantiles(times[v]), "min_s": min(times[v]),
-                     "ratio_vs_torch_ckpt": quantiles(ratios), "times_s": times[v], **mem})
-    configure(HF_EAGER)
-    return rows, {"before": load_before, "after": load_after}
-
-
-def to_markdown(info, rows, cfg, load):
-    cuda = info["device"].startswith("cuda")
-    ref = next(r for r in rows if r["variant"] == HF_TORCH_CKPT)["step_s"]["median"]
-    eager = next(r for r in rows if r["variant"] == HF_EAGER)["step_s"]["median"]
-    fmt_load = lambda la: "n/a" if la is None else ", ".join(f"{x:.2f}" for x in la)  # noqa: E731
-    lines = [f"# ckpt_ext fused layers — {info['device_name']} ({info['device']})", "",
-             f"{info['date']}, torch {info['torch']}, CUDA {info['cuda']}, commit {info['git_commit']}, "
-             f"{info['threads']} threads; load average (1, 5, 15 min) before {fmt_load(load['before'])}, "
-             f"after {fmt_load(load['after'])}", "",
-             f"## BERT encoder: {cfg['layers']} layers, hidden {cfg['hidden']}, {cfg['heads']} heads, seq {cfg['seq']}, "
-             f"batch {cfg['batch']}, dropout {cfg['dropout']}, float32, {cfg['rounds']} interleaved rounds", "",
-             "| variant | step ms, median (p20-p80) | min ms | vs HF + torch.utils.checkpoint: per-round ratio, "
-             "median (p20-p80) | ratio of medians | vs HF eager (medians) | held fwd→bwd MiB |",
-             "|---|---|---|---|---|---|---|"]
+def run_config(name: str, device, rounds: int, warmup: int, progress: Progress, notes: List[str]) -> List[dict]:
+    spec, batch, mode = CONFIGS[name]
+    cuda = torch.device(device).type == "cuda"
+    if not cuda:
+        spec, batch = shrink(spec), 4
+    progress.describe(f"{name}: building")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename
+        suite = Suite(Workload(spec, mode, device), VARIANTS, None, notes)
+        for v in list(suite.variants):
+            suite.build(v)
+        measured = {r["variant"]: r for r in run_cases(suite, {v: batch for v in suite.models}, rounds, warmup,
+                                                        progress)}
+        for v in list(suite.models):
+            suite.drop(v)
+    rows = [measured.get(v) or empty_row(v, batch, spec.seq, suite.status[v]) for v in VARIANTS]
+    eager = measured.get("none", {}).get("step_s")
     for r in rows:
-        held = mib(r["held_bytes"]) if cuda else f"{mib(r['held_bytes'])} ({mib(r['saved_bytes'])} + {mib(r['pool_bytes'])} pool)"
-        q = r["ratio_vs_torch_ckpt"]
-        lines.append(f"| {r['variant']} | {ms(r['step_s'])} | {r['min_s'] * 1e3:.2f} | {q['median']:.2f}x "
-                     f"({q['p20']:.2f}-{q['p80']:.2f}) | {r['step_s']['median'] / ref:.2f}x | "
-                     f"{r['step_s']['median'] / eager:.2f}x | {held} |")
-    lines += ["", "held fwd→bwd: bytes kept alive between forward and backward (parameters excluded; CPU: tensors "
-              "saved for backward + ckpt_ext pool slots; CUDA: allocated memory + pool slots)."]
+        variant = suite.variants.get(r["variant"])
+        r.update(config=name, model=spec.name, mode=mode, seq=spec.seq,
+                 flags=noise_flags(r["step_s"], eager, recomputes=bool(variant and variant.recomputes)),
+                 ratio_to_eager=r["step_s"]["median"] / eager["median"] if r["step_s"] and eager else None,
+                 peak_bytes=r["peak_over_weights_bytes"] if cuda else r["activation_bytes"])
+    _check_targets(name, rows, cuda)
+    return rows
+
+
+def _check_targets(name: str, rows: List[dict], cuda: bool) -> None:
+    """Writes issue 10's target and whether it was met into the fused rows (GPU shapes only)."""
+    by = {r["variant"]: r for r in rows}
+    fused_t, ckpt_t = TARGETS[name]
+    for v, t in (("fused", fused_t), ("ckpt_ext-fused", ckpt_t)):
+        r = by[v]
+        r["target"] = f"<= {t:.2f}x"
+        if cuda and r["ratio_to_eager"] is not None:
+            r["target"] += " met" if r["ratio_to_eager"] <= t else " MISSED"
+            peak, ref = r["peak_bytes"], by["hf-torch-nonreentrant"]["peak_bytes"]
+            if v == "ckpt_ext-fused" and peak is not None and ref is not None:
+                r["target"] += f"; peak <= HF + torch ckpt {'met' if peak <= ref else 'MISSED'}"
+        elif not cuda:
+            r["target"] += " (GPU target; CPU shapes)"
+
+
+def to_markdown(info: dict, rows: List[dict], cfg: dict) -> str:
+    cuda = info["device"].startswith("cuda")
+    peak = "peak over weights MiB" if cuda else "held fwd→bwd MiB"
+    lines = [f"# ckpt_ext fused layers against Hugging Face: {info['device_name']} ({info['device']})", "",
+             env_line(info), "", f"{cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up step(s) per variant.",
+             "", f"| model | mode | batch | variant | status | step ms, median (p20-p80) | vs HF eager | {peak} | "
+             "issue 10 target | flags |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['ratio_to_eager']:.2f}x" if r["ratio_to_eager"] is not None else "-"
+        lines.append(f"| {r['model']} s{r['seq']} | {r['mode']} | {r['batch']} | {r['variant']} | {r['status']} | "
+                     f"{ms(r['step_s'])} | {ratio} | {mib(r['peak_bytes'])} | {r.get('target', '')} | "
+                     f"{'; '.join(r['flags'])} |")
+    lines += ["", "- variants: none = HF eager; hf-torch-nonreentrant = HF + torch.utils.checkpoint (non-reentrant); "
+              "ckpt_ext = HF layers + ckpt_ext.enable_checkpointing; fused = ckpt_ext.fuse; ckpt_ext-fused = fuse + "
+              "enable_checkpointing.",
+              "- modes: bf16 = weights in bfloat16; autocast = fp32 weights under torch.autocast(bfloat16).",
+              "- flags: `noisy` when the p20-p80 range exceeds 25% of the median; `implausible` when a variant that "
+              "recomputes on HF eager's kernels is faster than HF eager."]
+    lines += [f"- {n}" for n in cfg["notes"]]
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout (BERT's default 0.1)")
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", default=None, help="directory for fused.md/json (default benchmarks/results/<device>)")
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_fused.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    p.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds (default 15, as the yardstick)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant, the first being the trial")
+    p.add_argument("--no-progress", action="store_true")
+    add_output_args(p)
     args = p.parse_args(argv)
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not names or any(c not in CONFIGS for c in names):
+        p.error(f"--configs: choose from {', '.join(CONFIGS)}")
+    if args.rounds < 1 or args.warmup < 1:
+        p.error("--rounds and --warmup must be at least 1")
     device = torch.device(args.device)
-    cfg = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq", "batch", "dropout", "rounds")}
-    print(f"fused BERT benchmark on {device}: {cfg} ...", file=sys.stderr)
-    rows, load = bench(device, args.layers, args.hidden, args.heads, args.seq, args.batch, args.dropout, args.rounds,
-                       args.warmup)
     info = env_info(device)
-    md = to_markdown(info, rows, cfg, load)
+    notes: List[str] = []
+    progress = Progress(enabled=not args.no_progress)
+    rows = []
+    try:
+        for name in names:
+            rows += run_config(name, device, args.rounds, args.warmup, progress, notes)
+    finally:
+        progress.close()
+    cfg = {"configs": names, "rounds": args.rounds, "warmup": args.warmup, "variants": VARIANTS, "notes": notes,
+           "argv": list(sys.argv[1:] if argv is None else argv)}
+    md = to_markdown(finish_env(info), rows, cfg)
     print(md)
-    dev_name = "cuda-" + info["device_name"].replace(" ", "_") if device.type == "cuda" else "cpu"
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", dev_name)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "fused.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(out, "fused.json"), "w") as f:
-        json.dump({"env": info, "config": cfg, "load_average": load, "rows": rows}, f, indent=2)
-    print(f"wrote {out}/fused.md and fused.json", file=sys.stderr)
+    stem = "fused" if names == list(CONFIGS) else "fused-" + "+".join(names)
+    result = {"env": info, "config": cfg, "rows": rows}
+    result["files"] = write_results(output_dir(args, info), stem, result, md)
+    print("wrote " + ", ".join(result["files"]), file=sys.stderr)
+    return result
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ reference (SGD with momentum, same seed for dropout). What is measured:
     is_recomputing() and autocast as before, and the step is run again: the lockstep comparison shows that
     nothing of the fault remains.
 
-    python benchmarks/soak.py                       # 2000 steps, results in benchmarks/results/cpu/soak.{json,md}
+    python benchmarks/soak.py                       # 2000 steps, results in bench-out/cpu/soak.{json,md}
+    python benchmarks/soak.py --save-results        # ... into the committed benchmarks/results/cpu/
     python benchmarks/soak.py --steps 200 --out /tmp/soak
 
 The pool's chunk size is set small (--chunk-kib, default 64 KiB, where the default on CPU is 4 MiB) so
@@ -58,9 +59,8 @@ from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import ckpt_ext  # noqa: E402
-from ckpt_ext.bench import device_dir_name, env_info  # noqa: E402
+from common import add_output_args, env_info, finish_env, output_dir  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("stack", "bert", "gpt2")
 FAULTS = ("backward-interrupt", "forward-interrupt", "graph-dropped")
 VOCAB = 101
@@ -591,7 +591,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--chunk-kib", type=int, default=64, help="pool chunk size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the models are tiny, "
                         "and on a shared machine more threads mostly wait for each other)")
-    parser.add_argument("--out", default=None, help="results folder (default benchmarks/results/<device>)")
+    add_output_args(parser)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     models = tuple(m for m in args.models.split(",") if m)
@@ -601,17 +601,15 @@ def main(argv=None) -> dict:
             shape_set = [tuple(int(v) for v in pair.split("x")) for pair in args.shapes.split(",")]
         except ValueError:
             parser.error(f"--shapes: expected 'random' or pairs such as 1x8,3x17, got {args.shapes!r}")
+    env = env_info("cpu")
     result = run(steps=args.steps, models=models, max_batch=args.max_batch, max_seq=args.max_seq, seed=args.seed,
                  shape_set=shape_set, warmup=args.warmup, rss_every=args.rss_every, fault_every=args.fault_every,
                  chunk_kib=args.chunk_kib, threads=args.threads, progress=not args.no_progress)
-    result["env"] = env_info("cpu")
-    try:
-        result["load_average"] = list(os.getloadavg())
-    except OSError:
-        result["load_average"] = None
+    result["env"] = finish_env(env)
+    result["load_average"] = env["load_average_end"]
     command = "python benchmarks/soak.py" + ("" if argv is None and len(sys.argv) == 1 else
                                               " " + " ".join(sys.argv[1:] if argv is None else argv))
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", device_dir_name(result["env"]))
+    out = output_dir(args, result["env"])
     os.makedirs(out, exist_ok=True)
     md = to_markdown(result, command)
     write_json(result, os.path.join(out, "soak.json"))

@@ -1,28 +1,42 @@
-"""The benchmark suite (python -m ckpt_ext.bench): a smoke run on a tiny model on CPU, and the
-max-batch search against a fake step."""
+"""The benchmarks (benchmarks/): a smoke run of the model suite on a tiny model on CPU, where results go,
+noise flags, variants that do not apply, the max-batch search against a fake step, and the per-op
+benchmark's coverage of the ops."""
+import hashlib
 import json
 import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
-from ckpt_ext import bench  # noqa: E402
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)  # the benchmarks are scripts with sibling modules, not a package
+import bench_ops  # noqa: E402
+import common  # noqa: E402
+import suite  # noqa: E402
+import variants  # noqa: E402
 
 ROW_KEYS = {"variant", "batch", "tokens", "status", "step_s", "tokens_per_s", "activation_bytes", "saved_bytes",
-            "pool_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "budget_bytes", "note"}
+            "pool_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "peak_over_weights_bytes",
+            "fragmentation_bytes", "budget_bytes", "flags", "note"}
+TINY = ["--device", "cpu", "--model", "custom", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
+        "--repeat", "1", "--warmup", "1", "--no-progress"]
 
 
 def test_suite_smoke(tmp_path):
-    result = bench.main(["--device", "cpu", "--model", "custom", "--layers", "2", "--hidden", "32", "--heads", "2",
-                         "--seq", "16", "--batch", "2", "--variants", "none,ckpt_ext", "--repeat", "2",
-                         "--warmup", "1", "--out", str(tmp_path), "--no-progress"])
+    result = suite.main(TINY[:-5] + ["--batch", "2", "--variants", "none,ckpt_ext", "--repeat", "2", "--warmup", "1",
+                                     "--no-progress", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "custom.json").read_text())
-    assert data["rows"] == result["rows"]
-    for key in ("device", "device_name", "torch", "cuda", "git_commit", "date"):
+    assert data["rows"] == json.loads(json.dumps(result["rows"]))
+    for key in ("device", "device_name", "torch", "cuda", "transformers", "git_commit", "date", "load_average_start",
+                "load_average_end"):
         assert key in data["env"]
-    assert len(data["load_average"]["start"]) == 3
+    assert len(data["env"]["load_average_start"]) == 3
     assert data["config"]["layers"] == 2 and data["config"]["seq"] == 16 and data["config"]["batch"] == [2]
     rows = data["rows"]
     assert [(r["variant"], r["batch"]) for r in rows] == [("none", 2), ("ckpt_ext", 2)]
@@ -36,40 +50,142 @@ def test_suite_smoke(tmp_path):
     none, ours = rows
     assert ours["activation_bytes"] < none["activation_bytes"]
     assert ours["pool_bytes"] > 0  # the layer boundaries sit in ckpt_ext's pool
-
     md = (tmp_path / "custom.md").read_text()
-    assert "| variant | batch | status |" in md
+    assert "| variant | batch | status |" in md and "flags |" in md
     assert "| none | 2 | ok |" in md and "| ckpt_ext | 2 | ok |" in md
-    png = tmp_path / "custom.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "custom.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-TINY = ["--device", "cpu", "--model", "custom", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
-        "--repeat", "1", "--warmup", "1", "--no-progress"]
+def _digests(folder):
+    return {f: hashlib.sha256(open(os.path.join(folder, f), "rb").read()).hexdigest() for f in sorted(os.listdir(folder))}
 
 
-def test_suite_reports_oom_and_failures(tmp_path, monkeypatch):
-    """Out of memory (faked: CPU has none to run into) and a failing compile become statuses, not crashes."""
-    step = bench.Suite.step
+def test_default_output_is_untracked_and_committed_results_untouched():
+    committed = os.path.join(common.RESULTS, "cpu")
+    before = _digests(committed)
+    result = suite.main(TINY + ["--batch", "1", "--variants", "none", "--no-plots"])
+    try:
+        out = os.path.join(common.REPO, "bench-out", "cpu")
+        assert sorted(result["files"]) == sorted(os.path.join(out, f) for f in ("custom.json", "custom.md"))
+        if os.path.isdir(os.path.join(common.REPO, ".git")) or os.path.isfile(os.path.join(common.REPO, ".git")):
+            ignored = subprocess.run(["git", "check-ignore", "-q", result["files"][0]], cwd=common.REPO)
+            assert ignored.returncode == 0, "bench-out/ must be ignored by git"
+    finally:
+        for f in result["files"]:
+            os.remove(f)
+    assert _digests(committed) == before
+
+
+def test_output_locations():
+    info = {"device": "cpu", "device_name": "x"}
+    args = lambda **kw: SimpleNamespace(**{"out": None, "save_results": False, **kw})  # noqa: E731
+    assert common.output_dir(args(), info) == os.path.join(common.REPO, "bench-out", "cpu")
+    assert common.output_dir(args(out="/some/where"), info) == "/some/where"
+    assert common.output_dir(args(save_results=True), info) == os.path.join(common.REPO, "benchmarks", "results", "cpu")
+    cuda = {"device": "cuda:0", "device_name": "NVIDIA H100 80GB HBM3"}
+    assert common.output_dir(args(save_results=True), cuda).endswith(os.path.join("results", "cuda-NVIDIA_H100_80GB_HBM3"))
+    with pytest.raises(SystemExit):  # --out and --save-results exclude each other
+        suite.make_parser().parse_args(["--out", "x", "--save-results"])
+
+
+def test_commit_not_dirty_from_benchmark_outputs(tmp_path, monkeypatch):
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path,  # noqa: E731
+                                    check=True, capture_output=True)
+    try:
+        git("init", "-q")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("git is not available")
+    (tmp_path / "benchmarks" / "results" / "cpu").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "cpu" / "engine.md").write_text("old\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("commit", "-qm", "init")
+    monkeypatch.setattr(common, "REPO", str(tmp_path))
+    (tmp_path / "benchmarks" / "results" / "cpu" / "engine.md").write_text("new\n")
+    (tmp_path / "bench-out").mkdir()
+    (tmp_path / "bench-out" / "x.md").write_text("run\n")
+    assert common.git_commit() and not common.git_commit().endswith("-dirty")
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert common.git_commit().endswith("-dirty")
+
+
+def _stats(median, p20, p80):
+    return {"median": median, "p20": p20, "p80": p80}
+
+
+def test_noise_flags():
+    assert common.noise_flags(_stats(1.0, 0.95, 1.05)) == []
+    assert common.noise_flags(None) == []
+    wide = common.noise_flags(_stats(1.0, 0.8, 1.3))
+    assert len(wide) == 1 and wide[0].startswith("noisy: p20-p80 spread 50%")
+    none = _stats(1.0, 0.98, 1.02)
+    fast = _stats(0.32, 0.31, 0.33)
+    assert common.noise_flags(fast, none, recomputes=False) == []  # fused kernels or a compiler may win
+    implausible = common.noise_flags(fast, none, recomputes=True)
+    assert implausible == ["implausible: 0.32x the time of no checkpointing"]
+    assert common.noise_flags(_stats(0.98, 0.97, 0.99), none, recomputes=True) == []  # within the margin
+
+
+def test_rows_flagged_in_report(tmp_path, monkeypatch):
+    """A recomputing variant measured faster than `none` is flagged in the JSON and the table."""
+    monkeypatch.setattr(suite, "interleaved", lambda steps, *a, **k: (
+        {n: (_stats(1.0, 0.99, 1.01) if n == "none" else _stats(0.3, 0.29, 0.31)) for n in steps}, {}))
+    result = suite.main(TINY + ["--batch", "1", "--variants", "none,hf-torch-nonreentrant,ckpt_ext-fused",
+                                "--out", str(tmp_path), "--no-plots"])
+    flags = {r["variant"]: r["flags"] for r in result["rows"]}
+    assert flags["none"] == [] and flags["ckpt_ext-fused"] == []
+    assert flags["hf-torch-nonreentrant"] == ["implausible: 0.30x the time of no checkpointing"]
+    assert "implausible: 0.30x" in (tmp_path / "custom.md").read_text()
+
+
+def test_not_applicable_variants_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr(variants.CompileBudget, "unavailable", lambda self: "no activation_memory_budget (fake)")
+
+    def refuse(self, fresh):
+        raise variants.NotApplicable("transformers drops context_fn (fake)")
+
+    monkeypatch.setattr(variants.TorchSelective, "setup", refuse)
+    for batch in ("1", "max"):
+        result = suite.main(TINY + ["--batch", batch, "--max-batch", "2", "--variants",
+                                    "none,torch-selective,compile-budget", "--out", str(tmp_path), "--no-plots"])
+        status = {r["variant"]: r["status"] for r in result["rows"]}
+        assert status == {"none": "ok", "torch-selective": "not applicable: transformers drops context_fn (fake)",
+                          "compile-budget": "not applicable: no activation_memory_budget (fake)"}
+    md = (tmp_path / "custom-max-batch.md").read_text()
+    assert "| compile-budget | not applicable: no activation_memory_budget (fake) |" in md
+
+
+@pytest.mark.parametrize("per_op", [list, dict])
+def test_selective_cache_counted_on_every_torch(per_op):
+    """torch <= 2.11 keeps a list of cached outputs per op, later versions a dict (issue: 'list' object has
+    no attribute 'values')."""
+    a, b = torch.ones(3), torch.ones(5)
+    entries = [a, (b, 1)]
+    v = variants.TorchSelective()
+    v.recording = [{"mm": entries if per_op is list else dict(enumerate(entries))}, None]
+    assert [t.numel() for t in v.extra_saved()] == [3, 5]
+
+
+def test_suite_reports_oom_and_max_batch(tmp_path, monkeypatch):
+    """Out of memory (faked: CPU has none to run into) becomes a status; --batch max finds each variant's
+    largest batch and reports tokens/s there, fragmentation not applicable on CPU."""
+    step = suite.Suite.step
 
     def step_with_oom(self, v, batch):
         if v == "none" and batch > 2:
             raise torch.OutOfMemoryError("CUDA out of memory (fake)")
         return step(self, v, batch)
 
-    class Broken(torch.nn.Module):
-        def forward(self, *args, **kwargs):
-            raise NotImplementedError("no backend (fake)")
-
-    monkeypatch.setattr(bench.Suite, "step", step_with_oom)
-    monkeypatch.setattr(torch, "compile", lambda model: Broken())
-    fixed = bench.main(TINY + ["--batch", "4", "--variants", "none,ckpt_ext,compile-budget", "--out", str(tmp_path)])
-    assert [r["status"] for r in fixed["rows"]] == ["oom", "ok", "error: NotImplementedError"]
-    assert "| compile-budget | 4 | error: NotImplementedError |" in (tmp_path / "custom.md").read_text()
-    found = bench.main(TINY + ["--batch", "max", "--max-batch", "4", "--variants", "none,ckpt_ext",
+    monkeypatch.setattr(suite.Suite, "step", step_with_oom)
+    fixed = suite.main(TINY + ["--batch", "4", "--variants", "none,ckpt_ext", "--out", str(tmp_path), "--no-plots"])
+    assert [r["status"] for r in fixed["rows"]] == ["oom", "ok"]
+    found = suite.main(TINY + ["--batch", "max", "--max-batch", "4", "--variants", "none,ckpt_ext",
                                "--out", str(tmp_path)])
     assert found["max_batch"] == {"none": 2, "ckpt_ext": 4}
     assert [(r["variant"], r["batch"], r["status"]) for r in found["rows"]] == [("none", 2, "ok"), ("ckpt_ext", 4, "ok")]
+    assert all(r["tokens_per_s"] > 0 for r in found["rows"])
+    md = (tmp_path / "custom-max-batch.md").read_text()
+    assert "| largest batch | tokens/s at it |" in md and "| ckpt_ext | ok | 4 |" in md and "n/a (CPU)" in md
     assert (tmp_path / "custom-max-batch.png").exists()
 
 
@@ -85,7 +201,7 @@ def _fake_step(threshold, tries, exc=lambda b: torch.OutOfMemoryError(f"CUDA out
                                                     (0, 64, 0), (63, 64, 63), (100, 100, 100)])
 def test_max_batch_search(threshold, cap, expected):
     tries, freed = [], []
-    got = bench.find_max_batch(_fake_step(threshold, tries), cap, free=lambda: freed.append(1))
+    got = common.find_max_batch(_fake_step(threshold, tries), cap, free=lambda: freed.append(1))
     assert got == expected
     assert max(tries) <= cap
     assert len(freed) == sum(b > threshold for b in tries)  # memory is freed after every failed try
@@ -96,16 +212,35 @@ def test_max_batch_search(threshold, cap, expected):
 def test_max_batch_search_oom_as_runtime_error():
     tries = []
     step = _fake_step(20, tries, exc=lambda b: RuntimeError(f"CUDA error: out of memory (batch {b})"))
-    assert bench.find_max_batch(step, 128, free=lambda: None) == 20
+    assert common.find_max_batch(step, 128, free=lambda: None) == 20
 
 
 def test_max_batch_search_other_errors_propagate():
     with pytest.raises(ValueError, match="boom"):
-        bench.find_max_batch(_fake_step(3, [], exc=lambda b: ValueError("boom")), 16)
+        common.find_max_batch(_fake_step(3, [], exc=lambda b: ValueError("boom")), 16)
 
 
 def test_parse_batches():
-    assert bench.parse_batches("8,16,32") == [8, 16, 32]
-    assert bench.parse_batches("MAX") == "max"
+    assert suite.parse_batches("8,16,32") == [8, 16, 32]
+    assert suite.parse_batches("MAX") == "max"
     with pytest.raises(Exception):
-        bench.parse_batches("0,4")
+        suite.parse_batches("0,4")
+
+
+def test_bench_ops_covers_every_op(tmp_path):
+    from ckpt_ext import ops
+    result = bench_ops.main(["--device", "cpu", "--rows", "8", "--hidden", "64", "--rounds", "1", "--inner", "1",
+                             "--out", str(tmp_path)])
+    assert sorted(r["op"] for r in result["rows"]) == sorted(ops.__all__)
+    for r in result["rows"]:
+        assert r["status"] == "ok", r
+        assert r["ours_gbps"] > 0 and r["eager_gbps"] > 0
+    assert "| add_layer_norm | 8x64 | float32 | ok |" in (tmp_path / "ops.md").read_text()
+
+
+def test_entry_point_runs_the_checkout_suite(capsys):
+    from ckpt_ext import bench
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    assert "python benchmarks/suite.py" in capsys.readouterr().out

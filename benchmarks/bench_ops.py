@@ -1,0 +1,179 @@
+"""Every fused op (torch.ops.ckpt_ext, see ckpt_ext/ops.py) against its torch eager equivalent.
+
+Per op, forward and backward: median time per call over interleaved rounds (ours and eager alternate),
+with 20th/80th percentiles, and effective bandwidth = bytes the op must move (each input read once,
+each output written once; per-row statistics and vectors of length hidden ignored) / time. The eager
+backward is autograd through the eager forward (retain_graph), what a model without the fused op runs.
+
+    python benchmarks/bench_ops.py                       # best device: CUDA bf16 rows 16384, else CPU fp32 rows 2048
+    python benchmarks/bench_ops.py --hidden 1024,4096,8192 --dtype bfloat16
+"""
+import argparse
+import sys
+from typing import Callable, List
+
+import torch
+import torch.nn.functional as F
+
+from ckpt_ext import ops
+from common import Timer, add_output_args, env_info, env_line, finish_env, noise_flags, output_dir, quantiles, write_results
+
+P, EPS, SEED = 0.1, 1e-5, 1234
+
+
+def _rms_norm(x, w, eps):
+    if hasattr(F, "rms_norm"):
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def _grad(fn, *inputs):
+    """The eager backward: autograd through fn's graph, built once, replayed with retain_graph."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    g = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, leaves, g, retain_graph=True)
+
+
+def cases(rows: int, hidden: int, dtype, device) -> List[tuple]:
+    """(op, ours, eager, bytes moved)."""
+    kw = {"device": device, "dtype": dtype}
+    inter = 4 * hidden
+    x, r, g = (torch.randn(rows, hidden, **kw) for _ in range(3))
+    w, b = torch.randn(hidden, **kw), torch.randn(hidden, **kw)
+    xi, gi, ui = (torch.randn(rows, inter, **kw) for _ in range(3))
+    bi = torch.randn(inter, **kw)
+    e, n, ni = x.element_size(), x.numel(), xi.numel()
+    heads, head_dim = max(1, hidden // 128), min(128, hidden)
+    seq = max(1, rows // 4)
+    xq = torch.randn(4, heads, seq, head_dim, **kw)
+    cos, sin = torch.randn(1, seq, head_dim, **kw), torch.randn(1, seq, head_dim, **kw)
+    nq = xq.numel()
+    mask = ops.dropout_mask(n, P, SEED, 0, device).view(rows, hidden)
+    _, pre, mean, rstd = ops.bias_dropout_add_layer_norm(x, b, r, w, b, P, EPS, SEED, 0)
+    _, s_ln, m_ln, r_ln = ops.add_layer_norm(x, r, w, b, EPS)
+    _, s_rms, r_rms = ops.add_rms_norm(x, r, w, EPS)
+    return [
+        ("bias_gelu", lambda: ops.bias_gelu(xi, bi), lambda: F.gelu(xi + bi), 2 * ni * e),
+        ("bias_gelu_backward", lambda: ops.bias_gelu_backward(gi, xi, bi), _grad(lambda t: F.gelu(t + bi), xi),
+         3 * ni * e),
+        ("bias_dropout_add", lambda: ops.bias_dropout_add(x, b, r, P, SEED, 0), lambda: F.dropout(x + b, P) + r,
+         3 * n * e),
+        ("dropout_backward", lambda: ops.dropout_backward(g, P, SEED, 0), lambda: g * mask / (1 - P), 2 * n * e),
+        ("dropout_mask", lambda: ops.dropout_mask(n, P, SEED, 0, device),
+         lambda: torch.rand(n, device=device) >= P, n),
+        ("bias_dropout_add_layer_norm", lambda: ops.bias_dropout_add_layer_norm(x, b, r, w, b, P, EPS, SEED, 0),
+         lambda: F.layer_norm(F.dropout(x + b, P) + r, (hidden,), w, b, EPS), 4 * n * e),
+        ("bias_dropout_add_layer_norm_backward",
+         lambda: ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, P, SEED, 0),
+         _grad(lambda t, u, v: F.layer_norm(F.dropout(t + b, P) + u, (hidden,), v, b, EPS), x, r, w), 4 * n * e),
+        ("add_layer_norm", lambda: ops.add_layer_norm(x, r, w, b, EPS),
+         lambda: F.layer_norm(x + r, (hidden,), w, b, EPS), 4 * n * e),
+        ("add_layer_norm_backward", lambda: ops.add_layer_norm_backward(g, None, s_ln, w, m_ln, r_ln),
+         _grad(lambda t, v: F.layer_norm(t, (hidden,), v, b, EPS), s_ln, w), 3 * n * e),
+        ("add_rms_norm", lambda: ops.add_rms_norm(x, r, w, EPS), lambda: _rms_norm(x + r, w, EPS), 4 * n * e),
+        ("add_rms_norm_backward", lambda: ops.add_rms_norm_backward(g, None, s_rms, w, r_rms),
+         _grad(lambda t, v: _rms_norm(t, v, EPS), s_rms, w), 3 * n * e),
+        ("swiglu", lambda: ops.swiglu(xi, ui), lambda: F.silu(xi) * ui, 3 * ni * e),
+        ("swiglu_backward", lambda: ops.swiglu_backward(gi, xi, ui), _grad(lambda t, u: F.silu(t) * u, xi, ui),
+         5 * ni * e),
+        ("rotary", lambda: ops.rotary(xq, cos, sin), lambda: xq * cos + _rotate_half(xq) * sin, 2 * nq * e),
+        ("rotary_backward", lambda: ops.rotary_backward(xq, cos, sin),
+         _grad(lambda t: t * cos + _rotate_half(t) * sin, xq), 2 * nq * e),
+    ]
+
+
+def time_pair(ours: Callable, eager: Callable, device, rounds: int, inner: int):
+    """Per-call times of ours and eager, alternating every round (a load change hits both alike)."""
+    timer = Timer(device)
+    loop = lambda fn: (lambda: [fn() for _ in range(inner)])  # noqa: E731
+    t = {"ours": [], "eager": []}
+    for r in range(rounds + 1):  # round 0 warms up
+        for k, fn in (("ours", ours), ("eager", eager)) if r % 2 else (("eager", eager), ("ours", ours)):
+            elapsed = timer(loop(fn)) / inner
+            if r:
+                t[k].append(elapsed)
+    return quantiles(t["ours"]), quantiles(t["eager"])
+
+
+def run(device, dtype, rows: int, hiddens: List[int], rounds: int, inner: int, only=None) -> List[dict]:
+    out = []
+    for hidden in hiddens:
+        for name, ours, eager, nbytes in cases(rows, hidden, dtype, device):
+            if only and name not in only:
+                continue
+            row = {"op": name, "rows": rows, "hidden": hidden, "dtype": str(dtype).replace("torch.", ""),
+                   "bytes": nbytes, "status": "ok", "ours_s": None, "eager_s": None, "flags": []}
+            try:
+                row["ours_s"], row["eager_s"] = time_pair(ours, eager, device, rounds, inner)
+            except Exception as e:  # an op without a kernel for this dtype/device: reported, not fatal
+                row["status"] = f"error: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
+            if row["ours_s"]:
+                row["ours_gbps"] = nbytes / row["ours_s"]["median"] / 1e9
+                row["eager_gbps"] = nbytes / row["eager_s"]["median"] / 1e9
+                row["speedup"] = row["eager_s"]["median"] / row["ours_s"]["median"]
+                row["flags"] = noise_flags(row["ours_s"]) + [f"eager {f}" for f in noise_flags(row["eager_s"])]
+            out.append(row)
+    return out
+
+
+def to_markdown(info: dict, rows: List[dict], cfg: dict) -> str:
+    lines = [f"# ckpt_ext fused ops against torch eager: {info['device_name']} ({info['device']})", "",
+             env_line(info), "", f"{cfg['rounds']} rounds of {cfg['inner']} calls each, ours and eager alternating.",
+             "", "| op | rows x hidden | dtype | status | ours µs (p20-p80) | ours GB/s | eager µs | eager GB/s | "
+             "eager / ours | flags |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r["ours_s"]:
+            lines.append(f"| {r['op']} | {r['rows']}x{r['hidden']} | {r['dtype']} | {r['status']} | - | - | - | - | - | |")
+            continue
+        o, e = r["ours_s"], r["eager_s"]
+        lines.append(f"| {r['op']} | {r['rows']}x{r['hidden']} | {r['dtype']} | ok | {o['median'] * 1e6:.1f} "
+                     f"({o['p20'] * 1e6:.1f}-{o['p80'] * 1e6:.1f}) | {r['ours_gbps']:.1f} | {e['median'] * 1e6:.1f} | "
+                     f"{r['eager_gbps']:.1f} | {r['speedup']:.2f}x | {'; '.join(r['flags'])} |")
+    lines += ["", "- GB/s: bytes the op must move (inputs read once, outputs written once; vectors of length hidden "
+              "and per-row statistics ignored) / median time. GELU and SwiGLU run on the intermediate width "
+              "(4 x hidden); rotary on [4, hidden/128 heads, rows/4, 128].",
+              "- eager backward: autograd through the eager forward's graph (retain_graph)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_ops.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--rows", type=int, default=None, help="default 16384 on CUDA (b32 x s512), 2048 on CPU")
+    p.add_argument("--hidden", default=None, help="comma list (default CUDA 1024,4096,8192; CPU 1024)")
+    p.add_argument("--rounds", type=int, default=None, help="default CUDA 20, CPU 7")
+    p.add_argument("--inner", type=int, default=None, help="calls per timing (default CUDA 20, CPU 3)")
+    p.add_argument("--ops", default=None, help="comma list of op names (default: every op)")
+    add_output_args(p)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    rows = args.rows or (16384 if cuda else 2048)
+    hiddens = [int(h) for h in (args.hidden or ("1024,4096,8192" if cuda else "1024")).split(",")]
+    rounds, inner = args.rounds or (20 if cuda else 7), args.inner or (20 if cuda else 3)
+    only = set(args.ops.split(",")) if args.ops else None
+    info = env_info(device)
+    print(f"fused ops on {device}: rows {rows}, hidden {hiddens}, {dtype} ...", file=sys.stderr)
+    result_rows = run(device, dtype, rows, hiddens, rounds, inner, only)
+    cfg = {"rows": rows, "hidden": hiddens, "dtype": str(dtype), "rounds": rounds, "inner": inner,
+           "argv": list(sys.argv[1:] if argv is None else argv)}
+    md = to_markdown(finish_env(info), result_rows, cfg)
+    print(md)
+    result = {"env": info, "config": cfg, "rows": result_rows}
+    result["files"] = write_results(output_dir(args, info), "ops", result, md)
+    print("wrote " + ", ".join(result["files"]), file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""The models the benchmarks train and the checkpointing variants they compare.
+
+Models are Hugging Face base models (BertModel / GPT2Model / LlamaModel) built from configs with random
+weights (nothing is downloaded), SDPA attention, the configs' dropout (attention dropout 0.1 for BERT and
+GPT-2, none in Llama); loss = mean of the squared last hidden state. Modes: `fp32`; `bf16` (weights cast
+to bfloat16); `autocast` (fp32 weights under torch.autocast bfloat16, what Trainer(bf16=True) does).
+
+A variant is an object with its own set-up and tear-down: `setup(fresh)` receives a function that returns
+a fresh copy of the base model on the device and returns the model to train; nothing outside the
+variant knows what it does to the model. `unavailable()` gives the reason a variant does not apply
+here (the run reports it and goes on).
+"""
+import contextlib
+import copy
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+import ckpt_ext
+from common import hf_checkpointing_disable, hf_checkpointing_enable
+
+MODES = ("fp32", "bf16", "autocast")
+
+
+# ---------------------------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str  # bert | gpt2 | llama
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    intermediate: int
+    vocab: int
+    kv_heads: Optional[int] = None
+
+    def describe(self) -> str:
+        kv = f" ({self.kv_heads} KV heads)" if self.kv_heads else ""
+        return (f"{self.family} {self.layers} layers, hidden {self.hidden}, {self.heads} heads{kv}, "
+                f"intermediate {self.intermediate}, vocab {self.vocab}, seq {self.seq}")
+
+
+MODELS = {
+    "bert-large": ModelSpec("bert-large", "bert", 24, 1024, 16, 512, 4096, 30522),
+    "bert-base": ModelSpec("bert-base", "bert", 12, 768, 12, 512, 3072, 30522),
+    "gpt2-medium": ModelSpec("gpt2-medium", "gpt2", 24, 1024, 16, 1024, 4096, 50257),
+    # Llama-3.2-1B's layer geometry (grouped-query attention) with a Llama-2-sized vocabulary.
+    "llama": ModelSpec("llama", "llama", 16, 2048, 32, 2048, 8192, 32000, kv_heads=8),
+}
+
+
+def build_model(spec: ModelSpec, mode: str) -> nn.Module:
+    """The Hugging Face base model of the spec, random weights (seeded), training mode, on CPU."""
+    torch.manual_seed(0)
+    if spec.family == "bert":
+        from transformers import BertConfig, BertModel
+        cfg = BertConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                         intermediate_size=spec.intermediate, vocab_size=spec.vocab,
+                         max_position_embeddings=max(512, spec.seq), attn_implementation="sdpa")
+        model = BertModel(cfg, add_pooling_layer=False)
+    elif spec.family == "gpt2":
+        from transformers import GPT2Config, GPT2Model
+        cfg = GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads, n_inner=spec.intermediate,
+                         vocab_size=spec.vocab, n_positions=max(1024, spec.seq), attn_implementation="sdpa")
+        model = GPT2Model(cfg)
+    elif spec.family == "llama":
+        from transformers import LlamaConfig, LlamaModel
+        cfg = LlamaConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                          num_key_value_heads=spec.kv_heads or spec.heads, intermediate_size=spec.intermediate,
+                          vocab_size=spec.vocab, max_position_embeddings=max(2048, spec.seq),
+                          attn_implementation="sdpa")
+        model = LlamaModel(cfg)
+    else:
+        raise ValueError(f"unknown model family {spec.family!r}")
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    return model.train()
+
+
+class Workload:
+    """A model spec in a mode on a device: fresh copies of the base model, inputs per batch, a step."""
+
+    def __init__(self, spec: ModelSpec, mode: str, device):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.spec, self.mode, self.device = spec, mode, torch.device(device)
+        self.base = build_model(spec, mode)  # stays on CPU: every variant gets its own copy on the device
+        self.ids: Dict[int, torch.Tensor] = {}
+
+    def fresh(self) -> nn.Module:
+        return copy.deepcopy(self.base).to(self.device)
+
+    def input_ids(self, batch: int) -> torch.Tensor:
+        if batch not in self.ids:
+            g = torch.Generator().manual_seed(batch)
+            self.ids[batch] = torch.randint(0, self.spec.vocab, (batch, self.spec.seq), generator=g).to(self.device)
+        return self.ids[batch]
+
+    def forward(self, variant: "Variant", model: nn.Module, batch: int) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        ids = self.input_ids(batch)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.mode == "autocast"):
+            with variant.context():
+                hidden = model(input_ids=ids).last_hidden_state
+            return hidden.float().pow(2).mean()
+
+    def step(self, variant: "Variant", model: nn.Module, batch: int) -> None:
+        self.forward(variant, model, batch).backward()
+
+
+# -------------------------------------------------------------------------------------------- variants
+class Variant:
+    """No checkpointing: the reference every other variant is compared with."""
+    name = "none"
+    summary = "no checkpointing (Hugging Face eager)"
+    # True for a variant that runs none's kernels plus a recompute: it cannot be faster than `none`, and
+    # a row saying it is gets flagged as implausible.
+    recomputes = False
+
+    def unavailable(self) -> Optional[str]:
+        return None
+
+    def setup(self, fresh: Callable[[], nn.Module]) -> nn.Module:
+        return fresh()
+
+    def teardown(self, model: nn.Module) -> None:
+        pass
+
+    def prepare(self, model: nn.Module, batch: int, workload: Workload, none_bytes: Callable[[int], int]) -> None:
+        """Untimed, before the first step at a new batch."""
+
+    def context(self):
+        return contextlib.nullcontext()
+
+    def extra_saved(self) -> List[torch.Tensor]:
+        """Tensors the variant keeps outside autograd's saved tensors during the last forward."""
+        return []
+
+
+class HFCheckpointing(Variant):
+    recomputes = True
+
+    def __init__(self, reentrant: bool):
+        self.reentrant = reentrant
+        self.name = "hf-torch-reentrant" if reentrant else "hf-torch-nonreentrant"
+        self.summary = f"Hugging Face's checkpointing (torch.utils.checkpoint, use_reentrant={reentrant})"
+
+    def setup(self, fresh):
+        model = fresh()
+        hf_checkpointing_enable(model, use_reentrant=self.reentrant)
+        return model
+
+    def teardown(self, model):
+        hf_checkpointing_disable(model)
+
+
+SELECTIVE_SAVE = ("mm", "addmm", "bmm", "baddbmm")
+
+
+class TorchSelective(Variant):
+    """Hugging Face's checkpointing with torch's selective checkpointing saving matmul outputs. The
+    caches torch creates live outside autograd; they are recorded so their bytes are counted."""
+    name = "torch-selective"
+    summary = f"Hugging Face's checkpointing, context_fn saving aten {', '.join(SELECTIVE_SAVE)} outputs"
+    recomputes = True
+
+    def __init__(self):
+        self.recording: List[object] = []
+
+    def unavailable(self):
+        from torch.utils import checkpoint
+        if not hasattr(checkpoint, "create_selective_checkpoint_contexts"):
+            return f"torch {torch.__version__} has no create_selective_checkpoint_contexts"
+        return None
+
+    def _context_fn(self):
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        ops = [getattr(torch.ops.aten, n).default for n in SELECTIVE_SAVE]
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(ops)
+        self.recording.append(getattr(forward_ctx, "storage", None))
+        return forward_ctx, recompute_ctx
+
+    def setup(self, fresh):
+        model = fresh()
+        hf_checkpointing_enable(model, use_reentrant=False, context_fn=self._context_fn)
+        funcs = [m._gradient_checkpointing_func for m in model.modules()
+                 if getattr(m, "_gradient_checkpointing_func", None) is not None]
+        if not any(getattr(f, "keywords", {}).get("context_fn") == self._context_fn for f in funcs):
+            hf_checkpointing_disable(model)
+            raise NotApplicable("this transformers version does not pass context_fn on to torch.utils.checkpoint")
+        return model
+
+    def teardown(self, model):
+        hf_checkpointing_disable(model)
+
+    @contextlib.contextmanager
+    def context(self):
+        self.recording = []  # only the caches of the current forward
+        yield
+
+    def extra_saved(self):
+        out = []
+        for storage in self.recording:
+            for per_op in (storage or {}).values():
+                # torch <= 2.11 keeps a list of outputs per op, later versions a dict index -> output.
+                entries = per_op.values() if isinstance(per_op, dict) else per_op
+                for entry in entries:
+                    for leaf in torch.utils._pytree.tree_leaves(entry):
+                        leaf = getattr(leaf, "val", leaf)  # torch wraps each cached output
+                        if isinstance(leaf, torch.Tensor):
+                            out.append(leaf)
+        return out
+
+
+class EngineCheckpointing(Variant):
+    name = "ckpt_ext"
+    summary = "ckpt_ext.enable_checkpointing(model)"
+    recomputes = True
+
+    def setup(self, fresh):
+        return ckpt_ext.enable_checkpointing(fresh())
+
+    def teardown(self, model):
+        ckpt_ext.disable_checkpointing(model)
+
+
+class Fused(Variant):
+    name = "fused"
+    summary = "ckpt_ext.fuse(model), no checkpointing"
+
+    def setup(self, fresh):
+        return ckpt_ext.fuse(fresh())
+
+
+class FusedCheckpointing(Variant):
+    name = "ckpt_ext-fused"
+    summary = "ckpt_ext.fuse(model), then enable_checkpointing"
+
+    def setup(self, fresh):
+        return ckpt_ext.enable_checkpointing(ckpt_ext.fuse(fresh()))
+
+    def teardown(self, model):
+        ckpt_ext.disable_checkpointing(model)
+
+
+class EngineBudget(Variant):
+    """enable_checkpointing(model, budget=...): --budget, or half the activation bytes of `none` at the
+    batch; re-planned whenever the batch changes."""
+    name = "ckpt_ext-budget"
+    summary = "ckpt_ext.enable_checkpointing(model, budget=...)"
+    recomputes = True
+
+    def __init__(self, budget: Optional[int] = None):
+        self.budget, self.batch, self.used = budget, None, None
+
+    def unavailable(self):
+        if "budget" not in inspect.signature(ckpt_ext.enable_checkpointing).parameters:
+            return "ckpt_ext.enable_checkpointing has no budget argument in this build"
+        return None
+
+    def prepare(self, model, batch, workload, none_bytes):
+        if batch != self.batch:
+            self.used = self.budget if self.budget is not None else max(1, none_bytes(batch) // 2)
+            ckpt_ext.enable_checkpointing(model, budget=self.used)  # the next step probes and plans
+            self.batch = batch
+
+    def teardown(self, model):
+        ckpt_ext.disable_checkpointing(model)
+
+
+COMPILE_MEMORY_BUDGET = 0.5
+
+
+class CompileBudget(Variant):
+    name = "compile-budget"
+    summary = f"torch.compile, activation_memory_budget = {COMPILE_MEMORY_BUDGET}"
+
+    def unavailable(self):
+        if not hasattr(torch._functorch.config, "activation_memory_budget"):
+            return f"torch {torch.__version__} has no activation_memory_budget"
+        return None
+
+    def setup(self, fresh):
+        return torch.compile(fresh())
+
+    def context(self):
+        return torch._functorch.config.patch(activation_memory_budget=COMPILE_MEMORY_BUDGET)
+
+
+class NotApplicable(Exception):
+    """Raised by a variant's setup when it cannot apply here (the message says why)."""
+
+
+VARIANTS: Dict[str, Callable[..., Variant]] = {
+    "none": Variant,
+    "hf-torch-nonreentrant": functools.partial(HFCheckpointing, reentrant=False),
+    "hf-torch-reentrant": functools.partial(HFCheckpointing, reentrant=True),
+    "torch-selective": TorchSelective,
+    "ckpt_ext": EngineCheckpointing,
+    "fused": Fused,
+    "ckpt_ext-fused": FusedCheckpointing,
+    "ckpt_ext-budget": EngineBudget,
+    "compile-budget": CompileBudget,
+}
+
+
+def make_variant(name: str, budget: Optional[int] = None) -> Variant:
+    return VARIANTS[name](budget) if name == "ckpt_ext-budget" else VARIANTS[name]()
