@@ -1,187 +1,86 @@
 // CUDA row-wise norms: (bias + dropout + residual +) LayerNorm and (residual +) RMSNorm, forward and
-// backward.
+// backward. Launchers of the kernels in norms_rowwise.cuh (a row held in registers, 16-byte accesses, one
+// read and one write per tensor) for hidden <= rowwise::kMaxRegisterHidden, and of norms_multipass.cuh for
+// wider rows.
 //
-// One block per row (grid-stride over rows); each thread walks groups of four consecutive columns, so a
-// row's dropout flags cost one Philox call per four elements as on the CPU. Row statistics are float
-// block reductions; the pre-norm sum is written once and re-read by the same thread (L1/L2 resident).
-// Column sums (grad_weight, grad_bias) accumulate per block in a float buffer [blocks, hidden] that a
-// final ATen sum reduces: no atomics, deterministic on a given device.
-#include <cmath>
+// Launch shape: the smallest (warps per row, slots per thread) bucket that covers the row, so a thread
+// holds at most 32 elements; a resident grid (SMs x blocks that fit per SM) walks the rows grid-stride.
+// Backward writes one float column partial per block ([grid, hidden], no atomics: deterministic on a given
+// device) and column_sum_kernel adds them into grad_weight / grad_bias in the weight's dtype.
+#include <ATen/ops/empty.h>
 
-#include <ATen/ops/sum.h>
-#include <ATen/ops/zeros.h>
-
-#include "common.cuh"
+#include "norms_multipass.cuh"
+#include "norms_rowwise.cuh"
 
 namespace ckpt_ext {
 namespace kernels {
 namespace cuda {
 namespace {
 
-// Threads per row: a power of two in [32, 512], about hidden / 4.
-int row_threads(int64_t hidden) {
-  int threads = kWarpSize;
-  while (threads < 512 && int64_t(threads) * 4 < hidden) threads *= 2;
-  return threads;
+template <int ITERS, int WPR>
+struct RowShape {
+  static constexpr int iters = ITERS, warps = WPR;
+};
+
+// Calls f(RowShape<ITERS, WPR>{}) for the smallest bucket with 32 * WPR * ITERS * V >= hidden; false when
+// hidden is too wide for the register-resident kernels.
+template <typename T, typename F>
+bool with_row_shape(int64_t hidden, F&& f) {
+  constexpr int V = rowwise::kVec<T>, IM = rowwise::kMaxElemsPerThread / V;  // IM: most slots a thread holds
+  static_assert(IM % 4 == 0, "the smallest bucket holds IM / 4 slots");
+  const auto covers = [&](int warps, int iters) { return hidden <= int64_t(warps) * kWarpSize * iters * V; };
+  if (covers(1, IM / 4))
+    f(RowShape<IM / 4, 1>{});
+  else if (covers(1, IM / 2))
+    f(RowShape<IM / 2, 1>{});
+  else if (covers(1, IM))
+    f(RowShape<IM, 1>{});
+  else if (covers(2, IM))
+    f(RowShape<IM, 2>{});
+  else if (covers(4, IM))
+    f(RowShape<IM, 4>{});
+  else if (covers(rowwise::kMaxWarpsPerRow, IM))
+    f(RowShape<IM, rowwise::kMaxWarpsPerRow>{});
+  else
+    return false;
+  return true;
 }
 
-int forward_grid(int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, int64_t(1) << 20)); }
+// 16-byte accesses need every pointer aligned and rows starting on a 16-byte boundary (hidden % V == 0).
+template <typename T>
+bool vector_ok(int64_t hidden, std::initializer_list<const void*> ptrs) {
+  if (hidden % rowwise::kVec<T> != 0) return false;
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;  // null passes
+  return true;
+}
 
-// Backward grids are smaller: each block owns a [hidden] slice of the column-sum buffers.
-int backward_grid(int64_t rows) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t(multiprocessor_count()) * 4)));
+// As many blocks as are resident at once (at least one, at most one per group of rows).
+template <typename Kernel>
+int resident_grid(Kernel kernel, int threads, int64_t rows, int rows_per_block) {
+  int per_sm = 0;
+  CKPT_EXT_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, reinterpret_cast<const void*>(kernel), threads, 0));
+  const int64_t groups = (rows + rows_per_block - 1) / rows_per_block;
+  const int64_t resident = int64_t(multiprocessor_count()) * std::max(per_sm, 1);
+  return static_cast<int>(std::max<int64_t>(1, std::min(groups, resident)));
 }
 
 template <typename T>
-__device__ __forceinline__ float value_or_zero(const T* p, int64_t i) {
-  return p != nullptr ? static_cast<float>(p[i]) : 0.f;
+T* mutable_or_null(const at::Tensor& t) {
+  return t.defined() ? t.mutable_data_ptr<T>() : nullptr;
 }
 
+// Adds the [parts, hidden] float partials into grad_w (and grad_b when partial_b is defined).
 template <typename T>
-__global__ void layer_norm_forward_kernel(const T* x, const T* bias, const T* residual, const T* weight,
-                                          const T* ln_bias, T* out, T* pre_norm, float* mean, float* rstd,
-                                          int64_t rows, int64_t hidden, float eps, philox::Dropout dropout,
-                                          bool drop) {
-  __shared__ float shared[kWarpSize];
-  const int64_t step = 4 * static_cast<int64_t>(blockDim.x);
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t base = r * hidden;
-    philox::DropoutCursor cursor(dropout);
-    float sum[1] = {0.f};
-    for (int64_t j0 = 4 * static_cast<int64_t>(threadIdx.x); j0 < hidden; j0 += step) {
-      for (int64_t j = j0; j < min(j0 + 4, hidden); ++j) {
-        float v = static_cast<float>(x[base + j]) + value_or_zero(bias, j);
-        if (drop) v = cursor.keep(static_cast<uint64_t>(base + j)) ? v * dropout.scale : 0.f;
-        v += value_or_zero(residual, base + j);
-        const T stored = static_cast<T>(v);
-        pre_norm[base + j] = stored;
-        sum[0] += static_cast<float>(stored);  // normalise exactly what is stored (and what backward reads)
-      }
-    }
-    block_sum(sum, shared);
-    const float mu = sum[0] / static_cast<float>(hidden);
-    float var[1] = {0.f};
-    for (int64_t j0 = 4 * static_cast<int64_t>(threadIdx.x); j0 < hidden; j0 += step) {
-      for (int64_t j = j0; j < min(j0 + 4, hidden); ++j) {
-        const float d = static_cast<float>(pre_norm[base + j]) - mu;
-        var[0] += d * d;
-      }
-    }
-    block_sum(var, shared);
-    const float rs = 1.f / sqrtf(var[0] / static_cast<float>(hidden) + eps);
-    if (threadIdx.x == 0) {
-      mean[r] = mu;
-      rstd[r] = rs;
-    }
-    for (int64_t j0 = 4 * static_cast<int64_t>(threadIdx.x); j0 < hidden; j0 += step) {
-      for (int64_t j = j0; j < min(j0 + 4, hidden); ++j) {
-        const float y = (static_cast<float>(pre_norm[base + j]) - mu) * rs * static_cast<float>(weight[j]) +
-                        value_or_zero(ln_bias, j);
-        out[base + j] = static_cast<T>(y);
-      }
-    }
-  }
-}
-
-template <typename T>
-__global__ void layer_norm_backward_kernel(const T* grad_out, const T* grad_pre_norm, const T* pre_norm,
-                                           const T* weight, const float* mean, const float* rstd, T* grad_pre,
-                                           T* grad_x, float* partial_w, float* partial_b, int64_t rows,
-                                           int64_t hidden, philox::Dropout dropout, bool drop) {
-  __shared__ float shared[2 * kWarpSize];
-  const int64_t step = 4 * static_cast<int64_t>(blockDim.x);
-  float* pw = partial_w + blockIdx.x * hidden;  // this block's column sums; column j is only ever
-  float* pb = partial_b + blockIdx.x * hidden;  // touched by the thread that owns j
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t base = r * hidden;
-    const float mu = mean[r], rs = rstd[r];
-    float sums[2] = {0.f, 0.f};  // sum(dy), sum(dy * xhat) with dy = grad_out * weight
-    for (int64_t j0 = 4 * static_cast<int64_t>(threadIdx.x); j0 < hidden; j0 += step) {
-      for (int64_t j = j0; j < min(j0 + 4, hidden); ++j) {
-        const float g = static_cast<float>(grad_out[base + j]);
-        const float xhat = (static_cast<float>(pre_norm[base + j]) - mu) * rs;
-        const float dy = g * static_cast<float>(weight[j]);
-        sums[0] += dy;
-        sums[1] += dy * xhat;
-        pw[j] += g * xhat;
-        pb[j] += g;
-      }
-    }
-    block_sum(sums, shared);
-    const float c_mean = sums[0] / static_cast<float>(hidden), c_xhat = sums[1] / static_cast<float>(hidden);
-    philox::DropoutCursor cursor(dropout);
-    for (int64_t j0 = 4 * static_cast<int64_t>(threadIdx.x); j0 < hidden; j0 += step) {
-      for (int64_t j = j0; j < min(j0 + 4, hidden); ++j) {
-        const float xhat = (static_cast<float>(pre_norm[base + j]) - mu) * rs;
-        const float dy = static_cast<float>(grad_out[base + j]) * static_cast<float>(weight[j]);
-        const float d = rs * (dy - c_mean - xhat * c_xhat) + value_or_zero(grad_pre_norm, base + j);
-        grad_pre[base + j] = static_cast<T>(d);
-        if (grad_x != nullptr) {
-          const bool keep = !drop || cursor.keep(static_cast<uint64_t>(base + j));
-          grad_x[base + j] = static_cast<T>(keep ? (drop ? d * dropout.scale : d) : 0.f);
-        }
-      }
-    }
-  }
-}
-
-template <typename T>
-__global__ void rms_norm_forward_kernel(const T* x, const T* residual, const T* weight, T* out, T* sum,
-                                        float* rstd, int64_t rows, int64_t hidden, float eps) {
-  __shared__ float shared[kWarpSize];
-  const int64_t step = 4 * static_cast<int64_t>(blockDim.x);
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t base = r * hidden;
-    float sum_sq[1] = {0.f};
-    for (int64_t j0 = 4 * static_cast<int64_t>(threadIdx.x); j0 < hidden; j0 += step) {
-      for (int64_t j = j0; j < min(j0 + 4, hidden); ++j) {
-        const T stored = static_cast<T>(static_cast<float>(x[base + j]) + value_or_zero(residual, base + j));
-        sum[base + j] = stored;
-        sum_sq[0] += static_cast<float>(stored) * static_cast<float>(stored);
-      }
-    }
-    block_sum(sum_sq, shared);
-    const float rs = 1.f / sqrtf(sum_sq[0] / static_cast<float>(hidden) + eps);
-    if (threadIdx.x == 0) rstd[r] = rs;
-    for (int64_t j0 = 4 * static_cast<int64_t>(threadIdx.x); j0 < hidden; j0 += step) {
-      for (int64_t j = j0; j < min(j0 + 4, hidden); ++j) {
-        // LlamaRMSNorm: normalise in float, cast back to the input dtype, then multiply by the weight.
-        const T normed = static_cast<T>(static_cast<float>(sum[base + j]) * rs);
-        out[base + j] = static_cast<T>(static_cast<float>(weight[j]) * static_cast<float>(normed));
-      }
-    }
-  }
-}
-
-template <typename T>
-__global__ void rms_norm_backward_kernel(const T* grad_out, const T* grad_sum, const T* sum, const T* weight,
-                                         const float* rstd, T* grad_input, float* partial_w, int64_t rows,
-                                         int64_t hidden) {
-  __shared__ float shared[kWarpSize];
-  const int64_t step = 4 * static_cast<int64_t>(blockDim.x);
-  float* pw = partial_w + blockIdx.x * hidden;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t base = r * hidden;
-    const float rs = rstd[r];
-    float dn_n[1] = {0.f};  // sum(dn * n) with dn = grad_out * weight, n = sum * rstd
-    for (int64_t j0 = 4 * static_cast<int64_t>(threadIdx.x); j0 < hidden; j0 += step) {
-      for (int64_t j = j0; j < min(j0 + 4, hidden); ++j) {
-        const float g = static_cast<float>(grad_out[base + j]);
-        const float n = static_cast<float>(sum[base + j]) * rs;
-        dn_n[0] += g * static_cast<float>(weight[j]) * n;
-        pw[j] += g * static_cast<float>(static_cast<T>(n));  // out = weight * to_dtype(n)
-      }
-    }
-    block_sum(dn_n, shared);
-    const float c_n = dn_n[0] / static_cast<float>(hidden);
-    for (int64_t j0 = 4 * static_cast<int64_t>(threadIdx.x); j0 < hidden; j0 += step) {
-      for (int64_t j = j0; j < min(j0 + 4, hidden); ++j) {
-        const float n = static_cast<float>(sum[base + j]) * rs;
-        const float dn = static_cast<float>(grad_out[base + j]) * static_cast<float>(weight[j]);
-        grad_input[base + j] = static_cast<T>(rs * (dn - n * c_n) + value_or_zero(grad_sum, base + j));
-      }
-    }
-  }
+void launch_column_sum(const at::Tensor& partial_w, const at::Tensor& partial_b, const at::Tensor& grad_w,
+                       const at::Tensor& grad_b, cudaStream_t stream) {
+  const int parts = static_cast<int>(partial_w.size(0)), hidden = static_cast<int>(partial_w.size(1));
+  rowwise::column_sum_kernel<T><<<(hidden + kWarpSize - 1) / kWarpSize, kWarpSize * rowwise::kColumnSumRows, 0,
+                                  stream>>>(partial_w.const_data_ptr<float>(),
+                                            partial_b.defined() ? partial_b.const_data_ptr<float>() : nullptr, parts,
+                                            hidden, grad_w.mutable_data_ptr<T>(), mutable_or_null<T>(grad_b));
+  CKPT_EXT_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -193,13 +92,22 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
   const c10::DeviceGuard guard(x.device());
   const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
   CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::layer_norm_forward", [&] {
-    layer_norm_forward_kernel<scalar_t>
-        <<<forward_grid(rows), row_threads(hidden), 0, current_stream(x.device())>>>(
-            x.const_data_ptr<scalar_t>(), ptr_or_null<scalar_t>(bias), ptr_or_null<scalar_t>(residual),
-            weight.const_data_ptr<scalar_t>(), ptr_or_null<scalar_t>(ln_bias), out.mutable_data_ptr<scalar_t>(),
-            pre_norm.mutable_data_ptr<scalar_t>(), mean.mutable_data_ptr<float>(), rstd.mutable_data_ptr<float>(),
-            rows, hidden, static_cast<float>(eps), dropout.philox(), dropout.enabled());
-    CKPT_EXT_CUDA_LAUNCH_CHECK();
+    using T = scalar_t;
+    rowwise::LayerNormForwardArgs<T> a{x.const_data_ptr<T>(), ptr_or_null<T>(bias), ptr_or_null<T>(residual),
+                                       weight.const_data_ptr<T>(), ptr_or_null<T>(ln_bias), out.mutable_data_ptr<T>(),
+                                       pre_norm.mutable_data_ptr<T>(), mean.mutable_data_ptr<float>(),
+                                       rstd.mutable_data_ptr<float>(), rows, static_cast<int>(hidden),
+                                       static_cast<float>(eps), dropout.philox(), dropout.enabled(), false};
+    a.vec = vector_ok<T>(hidden, {a.x, a.bias, a.residual, a.weight, a.ln_bias, a.out, a.pre_norm});
+    const bool fits = with_row_shape<T>(hidden, [&](auto shape) {
+      using S = decltype(shape);
+      const auto kernel = rowwise::layer_norm_forward_kernel<T, S::iters, S::warps>;
+      const int threads = rowwise::cta_threads(S::warps);
+      const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
+      kernel<<<grid, threads, 0, current_stream(x.device())>>>(a);
+      CKPT_EXT_CUDA_LAUNCH_CHECK();
+    });
+    if (!fits) multipass::layer_norm_forward(x, bias, residual, dropout, weight, ln_bias, eps, out, pre_norm, mean, rstd);
   });
 }
 
@@ -209,20 +117,33 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
                          const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias) {
   const c10::DeviceGuard guard(pre_norm.device());
   const int64_t hidden = weight.numel(), rows = pre_norm.numel() / hidden;
-  const int grid = backward_grid(rows);
-  const at::Tensor partial_w = at::zeros({grid, hidden}, pre_norm.options().dtype(at::kFloat));
-  const at::Tensor partial_b = at::zeros({grid, hidden}, pre_norm.options().dtype(at::kFloat));
+  const cudaStream_t stream = current_stream(pre_norm.device());
   CKPT_EXT_DISPATCH_CUDA_FLOATING(pre_norm.scalar_type(), "ckpt_ext::layer_norm_backward", [&] {
-    layer_norm_backward_kernel<scalar_t><<<grid, row_threads(hidden), 0, current_stream(pre_norm.device())>>>(
-        grad_out.const_data_ptr<scalar_t>(), ptr_or_null<scalar_t>(grad_pre_norm), pre_norm.const_data_ptr<scalar_t>(),
-        weight.const_data_ptr<scalar_t>(), mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
-        grad_pre.mutable_data_ptr<scalar_t>(), grad_x.defined() ? grad_x.mutable_data_ptr<scalar_t>() : nullptr,
-        partial_w.mutable_data_ptr<float>(), partial_b.mutable_data_ptr<float>(), rows, hidden, dropout.philox(),
-        dropout.enabled());
-    CKPT_EXT_CUDA_LAUNCH_CHECK();
+    using T = scalar_t;
+    rowwise::LayerNormBackwardArgs<T> a{grad_out.const_data_ptr<T>(), ptr_or_null<T>(grad_pre_norm),
+                                        pre_norm.const_data_ptr<T>(), weight.const_data_ptr<T>(),
+                                        mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
+                                        grad_pre.mutable_data_ptr<T>(), mutable_or_null<T>(grad_x), nullptr, nullptr,
+                                        rows, static_cast<int>(hidden), dropout.philox(), dropout.enabled(), false};
+    a.vec = vector_ok<T>(hidden, {a.grad_out, a.grad_pre_norm, a.pre_norm, a.weight, a.grad_pre, a.grad_x});
+    const bool fits = with_row_shape<T>(hidden, [&](auto shape) {
+      using S = decltype(shape);
+      const auto kernel = rowwise::layer_norm_backward_kernel<T, S::iters, S::warps>;
+      const int threads = rowwise::cta_threads(S::warps);
+      const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
+      // Every block writes its whole partial row (zeros if it had no rows), so no zero-fill is needed.
+      const at::Tensor partial_w = at::empty({grid, hidden}, pre_norm.options().dtype(at::kFloat));
+      const at::Tensor partial_b = at::empty({grid, hidden}, pre_norm.options().dtype(at::kFloat));
+      a.partial_w = partial_w.mutable_data_ptr<float>();
+      a.partial_b = partial_b.mutable_data_ptr<float>();
+      kernel<<<grid, threads, 0, stream>>>(a);
+      CKPT_EXT_CUDA_LAUNCH_CHECK();
+      launch_column_sum<T>(partial_w, partial_b, grad_weight, grad_ln_bias, stream);
+    });
+    if (!fits)
+      multipass::layer_norm_backward(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, dropout, grad_pre, grad_x,
+                                     grad_weight, grad_ln_bias);
   });
-  grad_weight.copy_(at::sum(partial_w, 0));
-  grad_ln_bias.copy_(at::sum(partial_b, 0));
 }
 
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
@@ -230,11 +151,20 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
   const c10::DeviceGuard guard(x.device());
   const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
   CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::rms_norm_forward", [&] {
-    rms_norm_forward_kernel<scalar_t><<<forward_grid(rows), row_threads(hidden), 0, current_stream(x.device())>>>(
-        x.const_data_ptr<scalar_t>(), ptr_or_null<scalar_t>(residual), weight.const_data_ptr<scalar_t>(),
-        out.mutable_data_ptr<scalar_t>(), sum.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<float>(), rows,
-        hidden, static_cast<float>(eps));
-    CKPT_EXT_CUDA_LAUNCH_CHECK();
+    using T = scalar_t;
+    rowwise::RmsNormForwardArgs<T> a{x.const_data_ptr<T>(), ptr_or_null<T>(residual), weight.const_data_ptr<T>(),
+                                     out.mutable_data_ptr<T>(), sum.mutable_data_ptr<T>(), rstd.mutable_data_ptr<float>(),
+                                     rows, static_cast<int>(hidden), static_cast<float>(eps), false};
+    a.vec = vector_ok<T>(hidden, {a.x, a.residual, a.weight, a.out, a.sum});
+    const bool fits = with_row_shape<T>(hidden, [&](auto shape) {
+      using S = decltype(shape);
+      const auto kernel = rowwise::rms_norm_forward_kernel<T, S::iters, S::warps>;
+      const int threads = rowwise::cta_threads(S::warps);
+      const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
+      kernel<<<grid, threads, 0, current_stream(x.device())>>>(a);
+      CKPT_EXT_CUDA_LAUNCH_CHECK();
+    });
+    if (!fits) multipass::rms_norm_forward(x, residual, weight, eps, out, sum, rstd);
   });
 }
 
@@ -243,16 +173,26 @@ void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, c
                        const at::Tensor& grad_weight) {
   const c10::DeviceGuard guard(sum.device());
   const int64_t hidden = weight.numel(), rows = sum.numel() / hidden;
-  const int grid = backward_grid(rows);
-  const at::Tensor partial_w = at::zeros({grid, hidden}, sum.options().dtype(at::kFloat));
+  const cudaStream_t stream = current_stream(sum.device());
   CKPT_EXT_DISPATCH_CUDA_FLOATING(sum.scalar_type(), "ckpt_ext::rms_norm_backward", [&] {
-    rms_norm_backward_kernel<scalar_t><<<grid, row_threads(hidden), 0, current_stream(sum.device())>>>(
-        grad_out.const_data_ptr<scalar_t>(), ptr_or_null<scalar_t>(grad_sum), sum.const_data_ptr<scalar_t>(),
-        weight.const_data_ptr<scalar_t>(), rstd.const_data_ptr<float>(), grad_input.mutable_data_ptr<scalar_t>(),
-        partial_w.mutable_data_ptr<float>(), rows, hidden);
-    CKPT_EXT_CUDA_LAUNCH_CHECK();
+    using T = scalar_t;
+    rowwise::RmsNormBackwardArgs<T> a{grad_out.const_data_ptr<T>(), ptr_or_null<T>(grad_sum), sum.const_data_ptr<T>(),
+                                      weight.const_data_ptr<T>(), rstd.const_data_ptr<float>(),
+                                      grad_input.mutable_data_ptr<T>(), nullptr, rows, static_cast<int>(hidden), false};
+    a.vec = vector_ok<T>(hidden, {a.grad_out, a.grad_sum, a.sum, a.weight, a.grad_input});
+    const bool fits = with_row_shape<T>(hidden, [&](auto shape) {
+      using S = decltype(shape);
+      const auto kernel = rowwise::rms_norm_backward_kernel<T, S::iters, S::warps>;
+      const int threads = rowwise::cta_threads(S::warps);
+      const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
+      const at::Tensor partial_w = at::empty({grid, hidden}, sum.options().dtype(at::kFloat));
+      a.partial_w = partial_w.mutable_data_ptr<float>();
+      kernel<<<grid, threads, 0, stream>>>(a);
+      CKPT_EXT_CUDA_LAUNCH_CHECK();
+      launch_column_sum<T>(partial_w, at::Tensor(), grad_weight, at::Tensor(), stream);
+    });
+    if (!fits) multipass::rms_norm_backward(grad_out, grad_sum, sum, weight, rstd, grad_input, grad_weight);
   });
-  grad_weight.copy_(at::sum(partial_w, 0));
 }
 
 }  // namespace cuda

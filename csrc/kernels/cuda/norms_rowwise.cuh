@@ -1,0 +1,444 @@
+// Row-in-registers norm kernels: (bias + dropout + residual +) LayerNorm and (residual +) RMSNorm, forward
+// and backward, for rows of up to kMaxRegisterHidden elements (norms.cu picks the shape, and the multi-pass
+// kernels of norms_multipass.cuh take wider rows).
+//
+// Layout. A row is owned by TPR = 32 * WPR threads (one warp, or WPR warps of one block); thread t owns the
+// ITERS "slots" s = it * TPR + t, slot s being columns s*V .. s*V+V-1 with V = 16 bytes / sizeof(T). So every
+// column of the row is owned by exactly one (thread, it, k), each slot is one 16-byte load, and a warp's loads
+// of one `it` are 512 contiguous bytes. Columns past `hidden` load as zero and are never stored.
+// `vec` (host-checked: every pointer 16-byte aligned and hidden % V == 0) selects the 16-byte accesses;
+// otherwise each slot is read and written element by element with bounds checks (odd hidden, offset views).
+//
+// Each tensor is read once and written once; row statistics are warp (WPR == 1) or block reductions.
+// Backward keeps each thread's column partial sums of grad_weight / grad_bias in registers across all the
+// rows it handles (grid-stride) and writes one [hidden] partial per block; column_sum_kernel adds them.
+//
+// Dropout: element i = row * hidden + col keeps philox::Dropout::keep(i), the mapping of philox.h shared
+// with the CPU kernels. In the `vec` path a slot starts at a multiple of 4 (V and hidden are multiples of 4),
+// so its flags are V/4 whole keep4 groups: one Philox call per four elements, as on the CPU.
+#pragma once
+
+#include "common.cuh"
+
+namespace ckpt_ext {
+namespace kernels {
+namespace cuda {
+namespace rowwise {
+
+template <typename T>
+constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte access: 4 (float), 8 (half)
+constexpr int kMaxElemsPerThread = 32;                    // registers: backward holds 4 floats per element
+constexpr int kMaxWarpsPerRow = 8;                        // 256 threads, so 255 registers a thread are allowed
+constexpr int64_t kMaxRegisterHidden = int64_t(kMaxWarpsPerRow) * kWarpSize * kMaxElemsPerThread;
+
+// One row per warp when WPR == 1 (four rows per 128-thread block); one row per block otherwise.
+constexpr int rows_per_cta(int wpr) { return wpr == 1 ? 4 : 1; }
+constexpr int cta_threads(int wpr) { return rows_per_cta(wpr) * wpr * kWarpSize; }
+
+template <typename T, int V>
+struct alignas(16) Vec {
+  T v[V];
+};
+
+// Slot at `col` of the row starting at p + base (p may be null: zeros).
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> load_slot(const T* p, int64_t base, int col, int hidden, bool vec) {
+  Vec<T, V> r;
+  if (p != nullptr && vec && col < hidden) return *reinterpret_cast<const Vec<T, V>*>(p + base + col);
+#pragma unroll
+  for (int k = 0; k < V; ++k) r.v[k] = (p != nullptr && col + k < hidden) ? p[base + col + k] : T(0.f);
+  return r;
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_slot(T* p, int64_t base, int col, int hidden, bool vec, const float (&in)[V]) {
+  Vec<T, V> r;
+#pragma unroll
+  for (int k = 0; k < V; ++k) r.v[k] = static_cast<T>(in[k]);
+  if (vec) {
+    if (col < hidden) *reinterpret_cast<Vec<T, V>*>(p + base + col) = r;
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k)
+    if (col + k < hidden) p[base + col + k] = r.v[k];
+}
+
+// Float column partials (16-byte aligned rows in the `vec` case, as hidden % V == 0 there).
+template <int V>
+__device__ __forceinline__ void store_floats(float* p, int col, int hidden, bool vec, const float (&in)[V]) {
+  if (vec) {
+    if (col >= hidden) return;
+#pragma unroll
+    for (int q = 0; q < V / 4; ++q)
+      *reinterpret_cast<float4*>(p + col + 4 * q) = make_float4(in[4 * q], in[4 * q + 1], in[4 * q + 2], in[4 * q + 3]);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k)
+    if (col + k < hidden) p[col + k] = in[k];
+}
+
+// Keep flags of the slot's elements i0 .. i0+V-1 (i0 = row * hidden + col); false past the row's end.
+template <int V>
+__device__ __forceinline__ void slot_keep(const philox::Dropout& d, uint64_t i0, int col, int hidden, bool vec,
+                                          bool (&keep)[V]) {
+  if (vec && col < hidden) {
+#pragma unroll
+    for (int q = 0; q < V / 4; ++q) d.keep4((i0 >> 2) + q, keep + 4 * q);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < V; ++k) keep[k] = col + k < hidden && d.keep(i0 + k);
+}
+
+// Sum of N floats over the threads of one row; every thread of the row gets the totals.
+template <int WPR, int N>
+__device__ __forceinline__ void row_sum(float (&v)[N], float* shared) {
+  if constexpr (WPR == 1) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = warp_sum(v[k]);
+  } else {
+    block_sum(v, shared);  // one row per block
+  }
+}
+
+template <typename T>
+struct LayerNormForwardArgs {
+  const T *x, *bias, *residual, *weight, *ln_bias;
+  T *out, *pre_norm;
+  float *mean, *rstd;
+  int64_t rows;
+  int hidden;
+  float eps;
+  philox::Dropout dropout;
+  bool drop, vec;
+};
+
+template <typename T, int ITERS, int WPR>
+__global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_forward_kernel(const LayerNormForwardArgs<T> a) {
+  constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
+  __shared__ float shared[kWarpSize];
+  const int t = threadIdx.x % TPR, hidden = a.hidden;
+  Vec<T, V> w[ITERS], lb[ITERS], b[ITERS];  // this thread's columns of the vectors, loaded once
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int col = (it * TPR + t) * V;
+    w[it] = load_slot<T, V>(a.weight, 0, col, hidden, a.vec);
+    lb[it] = load_slot<T, V>(a.ln_bias, 0, col, hidden, a.vec);
+    b[it] = load_slot<T, V>(a.bias, 0, col, hidden, a.vec);
+  }
+  for (int64_t row = int64_t(blockIdx.x) * RPC + threadIdx.x / TPR; row < a.rows; row += int64_t(gridDim.x) * RPC) {
+    const int64_t base = row * hidden;
+    Vec<T, V> v[ITERS];  // the row of pre_norm, as stored (packed: half the registers of floats for 16-bit T)
+    float sum[1] = {0.f};
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int col = (it * TPR + t) * V;
+      const Vec<T, V> xs = load_slot<T, V>(a.x, base, col, hidden, a.vec);
+      const Vec<T, V> rs = load_slot<T, V>(a.residual, base, col, hidden, a.vec);
+      float stored[V];
+      bool keep[V];
+      if (a.drop) slot_keep<V>(a.dropout, static_cast<uint64_t>(base + col), col, hidden, a.vec, keep);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        float h = static_cast<float>(xs.v[k]) + static_cast<float>(b[it].v[k]);
+        if (a.drop) h = keep[k] ? h * a.dropout.scale : 0.f;
+        // Normalise exactly the rounded value that is stored (and that backward reads).
+        v[it].v[k] = static_cast<T>(h + static_cast<float>(rs.v[k]));
+        stored[k] = static_cast<float>(v[it].v[k]);
+        sum[0] += stored[k];  // zero past the row's end
+      }
+      store_slot<T, V>(a.pre_norm, base, col, hidden, a.vec, stored);
+    }
+    row_sum<WPR>(sum, shared);
+    const float mu = sum[0] / static_cast<float>(hidden);
+    float var[1] = {0.f};
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int col = (it * TPR + t) * V;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float d = col + k < hidden ? static_cast<float>(v[it].v[k]) - mu : 0.f;
+        var[0] += d * d;
+      }
+    }
+    row_sum<WPR>(var, shared);
+    const float rs = 1.f / sqrtf(var[0] / static_cast<float>(hidden) + a.eps);
+    if (t == 0) {
+      a.mean[row] = mu;
+      a.rstd[row] = rs;
+    }
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      float y[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        y[k] = (static_cast<float>(v[it].v[k]) - mu) * rs * static_cast<float>(w[it].v[k]) + static_cast<float>(lb[it].v[k]);
+      store_slot<T, V>(a.out, base, (it * TPR + t) * V, hidden, a.vec, y);
+    }
+  }
+}
+
+// Writes this thread's column partials (acc[it][k] of column (it*TPR+t)*V+k) as row blockIdx.x of
+// `partial` [gridDim.x, hidden]. With several rows per block (WPR == 1) the warps own the same columns,
+// so they are first added through shared memory, in a fixed order (deterministic).
+template <int ITERS, int WPR, int V>
+__device__ __forceinline__ void write_column_partials(float* partial, const float (&acc)[ITERS][V], int hidden,
+                                                      bool vec, float* red, int reducer_warp) {
+  constexpr int TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
+  const int t = threadIdx.x % TPR, slot_row = threadIdx.x / TPR;
+  float* out = partial + int64_t(blockIdx.x) * hidden;
+  if constexpr (RPC == 1) {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) store_floats<V>(out, (it * TPR + t) * V, hidden, vec, acc[it]);
+  } else {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it)
+#pragma unroll
+      for (int k = 0; k < V; ++k) red[((it * V + k) * RPC + slot_row) * TPR + t] = acc[it][k];
+    __syncthreads();
+    if (slot_row != reducer_warp) return;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      float s[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        s[k] = 0.f;
+#pragma unroll
+        for (int r = 0; r < RPC; ++r) s[k] += red[((it * V + k) * RPC + r) * TPR + t];
+      }
+      store_floats<V>(out, (it * TPR + t) * V, hidden, vec, s);
+    }
+  }
+}
+
+// Zero past the row's end, where (0 - mu) * rs could be inf * 0.
+template <typename T>
+__device__ __forceinline__ float layer_norm_xhat(T x, float mu, float rs, bool inside) {
+  return inside ? (static_cast<float>(x) - mu) * rs : 0.f;
+}
+
+template <typename T>
+struct LayerNormBackwardArgs {
+  const T *grad_out, *grad_pre_norm, *pre_norm, *weight;
+  const float *mean, *rstd;
+  T *grad_pre, *grad_x;
+  float *partial_w, *partial_b;  // [gridDim.x, hidden]
+  int64_t rows;
+  int hidden;
+  philox::Dropout dropout;
+  bool drop, vec;
+};
+
+template <typename T, int ITERS, int WPR>
+__global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(const LayerNormBackwardArgs<T> a) {
+  constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
+  __shared__ float shared[2 * kWarpSize];
+  const int t = threadIdx.x % TPR, hidden = a.hidden;
+  Vec<T, V> w[ITERS];
+  float dw[ITERS][V], db[ITERS][V];  // column partial sums over this thread's rows
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    w[it] = load_slot<T, V>(a.weight, 0, (it * TPR + t) * V, hidden, a.vec);
+#pragma unroll
+    for (int k = 0; k < V; ++k) dw[it][k] = db[it][k] = 0.f;
+  }
+  for (int64_t row = int64_t(blockIdx.x) * RPC + threadIdx.x / TPR; row < a.rows; row += int64_t(gridDim.x) * RPC) {
+    const int64_t base = row * hidden;
+    const float mu = a.mean[row], rs = a.rstd[row];
+    // The row of grad_out and pre_norm, packed (dy and xhat are recomputed: registers are the limit).
+    Vec<T, V> gs[ITERS], xs[ITERS];
+    float sums[2] = {0.f, 0.f};  // sum(dy), sum(dy * xhat) with dy = grad_out * weight
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int col = (it * TPR + t) * V;
+      gs[it] = load_slot<T, V>(a.grad_out, base, col, hidden, a.vec);
+      xs[it] = load_slot<T, V>(a.pre_norm, base, col, hidden, a.vec);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float g = static_cast<float>(gs[it].v[k]);  // zero past the row's end, so are dy and the partials
+        const float xhat = layer_norm_xhat(xs[it].v[k], mu, rs, col + k < hidden);
+        const float dy = g * static_cast<float>(w[it].v[k]);
+        sums[0] += dy;
+        sums[1] += dy * xhat;
+        dw[it][k] += g * xhat;
+        db[it][k] += g;
+      }
+    }
+    row_sum<WPR>(sums, shared);
+    const float c_mean = sums[0] / static_cast<float>(hidden), c_xhat = sums[1] / static_cast<float>(hidden);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int col = (it * TPR + t) * V;
+      const Vec<T, V> gp = load_slot<T, V>(a.grad_pre_norm, base, col, hidden, a.vec);
+      float d[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float xhat = layer_norm_xhat(xs[it].v[k], mu, rs, col + k < hidden);
+        const float dy = static_cast<float>(gs[it].v[k]) * static_cast<float>(w[it].v[k]);
+        d[k] = rs * (dy - c_mean - xhat * c_xhat) + static_cast<float>(gp.v[k]);
+      }
+      store_slot<T, V>(a.grad_pre, base, col, hidden, a.vec, d);
+      if (a.grad_x != nullptr) {
+        if (a.drop) {
+          bool keep[V];
+          slot_keep<V>(a.dropout, static_cast<uint64_t>(base + col), col, hidden, a.vec, keep);
+#pragma unroll
+          for (int k = 0; k < V; ++k) d[k] = keep[k] ? d[k] * a.dropout.scale : 0.f;
+        }
+        store_slot<T, V>(a.grad_x, base, col, hidden, a.vec, d);
+      }
+    }
+  }
+  __shared__ float red[2][RPC > 1 ? RPC * TPR * ITERS * V : 1];
+  write_column_partials<ITERS, WPR, V>(a.partial_w, dw, hidden, a.vec, red[0], 0);
+  write_column_partials<ITERS, WPR, V>(a.partial_b, db, hidden, a.vec, red[1], 1);
+}
+
+template <typename T>
+struct RmsNormForwardArgs {
+  const T *x, *residual, *weight;
+  T *out, *sum;
+  float* rstd;
+  int64_t rows;
+  int hidden;
+  float eps;
+  bool vec;
+};
+
+template <typename T, int ITERS, int WPR>
+__global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_forward_kernel(const RmsNormForwardArgs<T> a) {
+  constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
+  __shared__ float shared[kWarpSize];
+  const int t = threadIdx.x % TPR, hidden = a.hidden;
+  Vec<T, V> w[ITERS];
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) w[it] = load_slot<T, V>(a.weight, 0, (it * TPR + t) * V, hidden, a.vec);
+  for (int64_t row = int64_t(blockIdx.x) * RPC + threadIdx.x / TPR; row < a.rows; row += int64_t(gridDim.x) * RPC) {
+    const int64_t base = row * hidden;
+    Vec<T, V> v[ITERS];  // the row of sum, as stored
+    float sum_sq[1] = {0.f};
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int col = (it * TPR + t) * V;
+      const Vec<T, V> xs = load_slot<T, V>(a.x, base, col, hidden, a.vec);
+      const Vec<T, V> rs = load_slot<T, V>(a.residual, base, col, hidden, a.vec);
+      float stored[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        v[it].v[k] = static_cast<T>(static_cast<float>(xs.v[k]) + static_cast<float>(rs.v[k]));
+        stored[k] = static_cast<float>(v[it].v[k]);
+        sum_sq[0] += stored[k] * stored[k];
+      }
+      store_slot<T, V>(a.sum, base, col, hidden, a.vec, stored);
+    }
+    row_sum<WPR>(sum_sq, shared);
+    const float rs = 1.f / sqrtf(sum_sq[0] / static_cast<float>(hidden) + a.eps);
+    if (t == 0) a.rstd[row] = rs;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      float y[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k)  // LlamaRMSNorm: normalise in float, round to T, then scale by the weight
+        y[k] = static_cast<float>(w[it].v[k]) * static_cast<float>(static_cast<T>(static_cast<float>(v[it].v[k]) * rs));
+      store_slot<T, V>(a.out, base, (it * TPR + t) * V, hidden, a.vec, y);
+    }
+  }
+}
+
+template <typename T>
+struct RmsNormBackwardArgs {
+  const T *grad_out, *grad_sum, *sum, *weight;
+  const float* rstd;
+  T* grad_input;
+  float* partial_w;  // [gridDim.x, hidden]
+  int64_t rows;
+  int hidden;
+  bool vec;
+};
+
+template <typename T, int ITERS, int WPR>
+__global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_backward_kernel(const RmsNormBackwardArgs<T> a) {
+  constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
+  __shared__ float shared[kWarpSize];
+  const int t = threadIdx.x % TPR, hidden = a.hidden;
+  Vec<T, V> w[ITERS];
+  float dw[ITERS][V];
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    w[it] = load_slot<T, V>(a.weight, 0, (it * TPR + t) * V, hidden, a.vec);
+#pragma unroll
+    for (int k = 0; k < V; ++k) dw[it][k] = 0.f;
+  }
+  for (int64_t row = int64_t(blockIdx.x) * RPC + threadIdx.x / TPR; row < a.rows; row += int64_t(gridDim.x) * RPC) {
+    const int64_t base = row * hidden;
+    const float rs = a.rstd[row];
+    Vec<T, V> gs[ITERS], ss[ITERS];  // the row of grad_out and sum, packed (dn and n are recomputed)
+    float dn_n[1] = {0.f};            // sum(dn * n) with dn = grad_out * weight, n = sum * rstd
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int col = (it * TPR + t) * V;
+      gs[it] = load_slot<T, V>(a.grad_out, base, col, hidden, a.vec);
+      ss[it] = load_slot<T, V>(a.sum, base, col, hidden, a.vec);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float g = static_cast<float>(gs[it].v[k]);  // zero past the row's end, as is n
+        const float n = col + k < hidden ? static_cast<float>(ss[it].v[k]) * rs : 0.f;
+        dn_n[0] += g * static_cast<float>(w[it].v[k]) * n;
+        dw[it][k] += g * static_cast<float>(static_cast<T>(n));  // out = weight * to_dtype(n)
+      }
+    }
+    row_sum<WPR>(dn_n, shared);
+    const float c_n = dn_n[0] / static_cast<float>(hidden);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int col = (it * TPR + t) * V;
+      const Vec<T, V> gsum = load_slot<T, V>(a.grad_sum, base, col, hidden, a.vec);
+      float d[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float n = col + k < hidden ? static_cast<float>(ss[it].v[k]) * rs : 0.f;
+        const float dn = static_cast<float>(gs[it].v[k]) * static_cast<float>(w[it].v[k]);
+        d[k] = rs * (dn - n * c_n) + static_cast<float>(gsum.v[k]);
+      }
+      store_slot<T, V>(a.grad_input, base, col, hidden, a.vec, d);
+    }
+  }
+  __shared__ float red[RPC > 1 ? RPC * TPR * ITERS * V : 1];
+  write_column_partials<ITERS, WPR, V>(a.partial_w, dw, hidden, a.vec, red, 0);
+}
+
+// grad[c] = sum over p of partial[p, c] (and the same for a second buffer), in a fixed order; one block
+// per 32 columns, kColumnSumRows threads down the partials, then a shared-memory sum.
+constexpr int kColumnSumRows = 16;
+
+template <typename T>
+__global__ void __launch_bounds__(kWarpSize* kColumnSumRows)
+    column_sum_kernel(const float* partial_w, const float* partial_b, int parts, int hidden, T* grad_w, T* grad_b) {
+  __shared__ float sw[kColumnSumRows][kWarpSize + 1], sb[kColumnSumRows][kWarpSize + 1];
+  const int tx = threadIdx.x % kWarpSize, ty = threadIdx.x / kWarpSize;
+  const int col = blockIdx.x * kWarpSize + tx;
+  float aw = 0.f, ab = 0.f;
+  if (col < hidden) {
+    for (int p = ty; p < parts; p += kColumnSumRows) {
+      aw += partial_w[int64_t(p) * hidden + col];
+      if (partial_b != nullptr) ab += partial_b[int64_t(p) * hidden + col];
+    }
+  }
+  sw[ty][tx] = aw;
+  sb[ty][tx] = ab;
+  __syncthreads();
+  if (ty != 0 || col >= hidden) return;
+  for (int r = 1; r < kColumnSumRows; ++r) {
+    aw += sw[r][tx];
+    ab += sb[r][tx];
+  }
+  grad_w[col] = static_cast<T>(aw);
+  if (grad_b != nullptr) grad_b[col] = static_cast<T>(ab);
+}
+
+}  // namespace rowwise
+}  // namespace cuda
+}  // namespace kernels
+}  // namespace ckpt_ext

@@ -1,0 +1,269 @@
+"""The row-wise norm kernels (csrc/kernels/cuda/norms*.cu*) at the shapes that matter and at odd ones.
+
+Each op's forward op and its ``*_backward`` op are called directly (what the fused layers and the
+bandwidth script call) and compared with a float64 reference computed from the same inputs, with
+flash-attention's scheme: the kernel's max error must be at most 2x (outputs) or 3x (gradients) the max
+error of PyTorch eager running the reference in the kernel's dtype, plus a small atol (one rounding at the
+output's scale, at least 1e-5 * (1 + max |ref|)).
+Dropout masks must equal the CPU kernel's (the Philox mapping of csrc/kernels/philox.h), forward and
+backward, on the 16-byte path and on the element-by-element path (odd hidden, misaligned views).
+
+The same tests run on the CPU kernels at small shapes (they check the harness itself, and that the CPU
+kernels agree with the reference); the CUDA cases are skipped without a GPU. A pure-Python emulation of the
+CUDA kernels' thread -> column mapping checks that every column is owned exactly once at every hidden size.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ckpt_ext import ops
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (rows, hidden): the model sizes (1024/4096/8192), odd hidden (element-by-element path), hidden just past a
+# launch bucket (1025, 4097), past the register-resident limit of 8192 (multi-pass kernels), rows 1..4097.
+CUDA_SHAPES = [(4097, 1024), (1000, 4096), (257, 8192), (1, 1), (3, 7), (129, 33), (4097, 1000), (2, 1025),
+               (65, 4097), (5, 8193), (3, 12288)]
+CPU_SHAPES = [(1, 1), (3, 7), (129, 33), (4, 1000), (2, 1025)]
+SHAPES = [pytest.param("cpu", s, id=f"cpu-{s[0]}x{s[1]}") for s in CPU_SHAPES] + [
+    pytest.param("cuda", s, id=f"cuda-{s[0]}x{s[1]}", marks=[requires_cuda, pytest.mark.cuda]) for s in CUDA_SHAPES
+]
+SEED, OFFSET = 1234, 2**33 + 5
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _randn(*shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_within_torch_error(name, got, ref64, torch_lowp):
+    """|got - ref64| <= factor * |torch_lowp - ref64| + atol (max over elements), atol = the larger of
+    1e-5 * (1 + max |ref64|) and one unit roundoff of the dtype at max |ref64|: with a few rows or columns
+    torch's own max error is a noisy yardstick (it can be luckily small), one rounding at the output's scale is not."""
+    assert got.shape == ref64.shape and got.dtype == torch_lowp.dtype, f"{name}: {got.shape} {got.dtype}"
+    factor = 3.0 if name.startswith("grad") else 2.0
+    scale = ref64.abs().max().item() if ref64.numel() else 0.0
+    atol = max(1e-5 * (1.0 + scale), torch.finfo(got.dtype).eps / 2 * scale)
+    err, pt_err = _max_err(got, ref64), _max_err(torch_lowp, ref64)
+    assert err <= factor * pt_err + atol, f"{name} ({got.dtype}): error {err:.3g} > {factor} x torch's {pt_err:.3g} + {atol:.2g}"
+
+
+def _grads(ref_fn, inputs, grad_outputs, dtype):
+    """Outputs of ref_fn on copies of inputs in `dtype` and the gradients of sum(out_k * grad_k) wrt them."""
+    leaves = [None if t is None else t.detach().to(dtype).requires_grad_() for t in inputs]
+    outs = ref_fn(*leaves)
+    present = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(outs, present, [g.to(dtype) for g in grad_outputs])
+    return [o.detach() for o in outs], list(grads)
+
+
+def _compare(names, got, ref_fn, inputs, grad_outputs, skip_grads=()):
+    """Compares got (outputs, then the gradients of the present inputs, less those at skip_grads)."""
+    ref64, ref64_grads = _grads(ref_fn, inputs, grad_outputs, torch.float64)
+    lowp, lowp_grads = _grads(ref_fn, inputs, grad_outputs, got[0].dtype)
+    ref64_grads = [g for i, g in enumerate(ref64_grads) if i not in skip_grads]
+    lowp_grads = [g for i, g in enumerate(lowp_grads) if i not in skip_grads]
+    assert len(names) == len(got) == len(ref64) + len(ref64_grads)
+    for name, g, r, t in zip(names, got, ref64 + ref64_grads, lowp + lowp_grads):
+        assert_within_torch_error(name, g, r, t)
+
+
+def cpu_mask(rows, hidden, p):
+    """The CPU kernel's dropout mask for (SEED, OFFSET): the mask every device must draw."""
+    return ops.dropout_mask(rows * hidden, p, SEED, OFFSET, "cpu").reshape(rows, hidden)
+
+
+def ref_layer_norm(x, bias, residual, weight, ln_bias, mask, p):
+    h = x if bias is None else x + bias
+    if mask is not None:
+        h = h * mask.to(h.dtype) * (1.0 / (1.0 - p))
+    s = h if residual is None else h + residual
+    return F.layer_norm(s, (s.shape[-1],), weight, ln_bias, 1e-5), s
+
+
+def ref_rms_norm(x, residual, weight):
+    """Hugging Face LlamaRMSNorm after a residual add (float32 statistics for low-precision inputs)."""
+    s = x if residual is None else x + residual
+    h = s.to(torch.float64 if s.dtype == torch.float64 else torch.float32)
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(s.dtype), s
+
+
+def assert_stats_describe(s, mean, rstd, eps):
+    """mean / rstd are float32 statistics of the stored pre-norm tensor (the layout backward reads)."""
+    h = s.double()
+    assert rstd.dtype == torch.float32 or s.dtype == torch.float64
+    assert rstd.shape == s.shape[:-1]
+    if mean is not None:
+        assert mean.shape == s.shape[:-1]
+        torch.testing.assert_close(mean.double(), h.mean(-1), rtol=1e-5, atol=1e-6 * (1 + h.abs().max().item()))
+        want = torch.rsqrt(h.var(-1, unbiased=False) + eps)
+    else:
+        want = torch.rsqrt(h.pow(2).mean(-1) + eps)
+    torch.testing.assert_close(rstd.double(), want, rtol=1e-5, atol=0.0)
+
+
+# ---- LayerNorm ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,shape", SHAPES)
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_bias_dropout_add_layer_norm(device, shape, dtype, p):
+    rows, hidden = shape
+    x, r = _randn(rows, hidden, dtype=dtype, device=device), _randn(rows, hidden, dtype=dtype, device=device, scale=2)
+    b, w, lb = (_randn(hidden, dtype=dtype, device=device) for _ in range(3))
+    g_out, g_pre = _randn(rows, hidden, dtype=dtype, device=device), _randn(rows, hidden, dtype=dtype, device=device)
+    out, pre, mean, rstd = ops.bias_dropout_add_layer_norm(x, b, r, w, lb, p, 1e-5, SEED, OFFSET)
+    gx, gr, gw, glb = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, w, mean, rstd, p, SEED, OFFSET)
+    mask = cpu_mask(rows, hidden, p).to(device) if p > 0 else None
+    if mask is not None:  # backward dropped exactly the CPU mask's elements (grad_x = grad_residual * mask * scale)
+        assert torch.equal(gx != 0, mask & (gr != 0))
+    # grad_bias is grad_x summed over rows by the autograd layer, not by these kernels: not compared.
+    _compare(["out", "pre_norm", "grad_x", "grad_residual", "grad_weight", "grad_ln_bias"],
+             [out, pre, gx, gr, gw, glb],
+             lambda x, b, r, w, lb: ref_layer_norm(x, b, r, w, lb, mask, p), [x, b, r, w, lb], [g_out, g_pre],
+             skip_grads=(1,))
+    assert_stats_describe(pre, mean, rstd, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,shape", SHAPES)
+@pytest.mark.parametrize("with_residual,with_bias,with_grad_sum", [(True, True, True), (False, False, False)])
+def test_add_layer_norm(device, shape, dtype, with_residual, with_bias, with_grad_sum):
+    rows, hidden = shape
+    x = _randn(rows, hidden, dtype=dtype, device=device, scale=3)
+    r = _randn(rows, hidden, dtype=dtype, device=device) if with_residual else None
+    w = _randn(hidden, dtype=dtype, device=device)
+    b = _randn(hidden, dtype=dtype, device=device) if with_bias else None
+    g_out = _randn(rows, hidden, dtype=dtype, device=device)
+    g_sum = _randn(rows, hidden, dtype=dtype, device=device) if with_grad_sum else None
+    out, s, mean, rstd = ops.add_layer_norm(x, r, w, b, 1e-5)
+    g_in, gw, gb = ops.add_layer_norm_backward(g_out, g_sum, s, w, mean, rstd)
+    grad_outputs = [g_out, g_sum if with_grad_sum else torch.zeros_like(g_out)]
+    inputs = [x, r, w, b]
+    names = ["out", "sum", "grad_x"] + (["grad_residual"] if with_residual else []) + ["grad_weight"]
+    got = [out, s, g_in] + ([g_in] if with_residual else []) + [gw]
+    if with_bias:
+        names, got = names + ["grad_bias"], got + [gb]
+    else:  # the op still returns the column sums of grad_out (nothing consumes them)
+        torch.testing.assert_close(gb.double(), g_out.double().sum(0), rtol=1e-2, atol=1e-2 * math.sqrt(rows))
+    _compare(names, got, lambda x, r, w, b: ref_layer_norm(x, None, r, w, b, None, 0.0), inputs, grad_outputs)
+    assert_stats_describe(s, mean, rstd, 1e-5)
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,shape", SHAPES)
+@pytest.mark.parametrize("with_residual,with_grad_sum", [(True, True), (False, False)])
+def test_add_rms_norm(device, shape, dtype, with_residual, with_grad_sum):
+    rows, hidden = shape
+    x = _randn(rows, hidden, dtype=dtype, device=device, scale=3)
+    r = _randn(rows, hidden, dtype=dtype, device=device) if with_residual else None
+    w = _randn(hidden, dtype=dtype, device=device)
+    g_out = _randn(rows, hidden, dtype=dtype, device=device)
+    g_sum = _randn(rows, hidden, dtype=dtype, device=device) if with_grad_sum else None
+    out, s, rstd = ops.add_rms_norm(x, r, w, 1e-6)
+    g_in, gw = ops.add_rms_norm_backward(g_out, g_sum, s, w, rstd)
+    names = ["out", "sum", "grad_x"] + (["grad_residual"] if with_residual else []) + ["grad_weight"]
+    got = [out, s, g_in] + ([g_in] if with_residual else []) + [gw]
+    grad_outputs = [g_out, g_sum if with_grad_sum else torch.zeros_like(g_out)]
+    _compare(names, got, ref_rms_norm, [x, r, w], grad_outputs)
+    assert_stats_describe(s, None, rstd, 1e-6)
+
+
+# ---- dropout masks: bit-identical to the CPU kernel's ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device,shape", SHAPES)
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_dropout_mask_and_values_equal_the_cpu_kernels(device, shape, dtype, misaligned):
+    """With x = 1, no biases and residual = 0, pre_norm = mask * scale; with grad_out = 0 and grad_pre_norm = 1,
+    grad_x = mask * scale. Both must be bit-identical to the CPU kernel's. `misaligned` offsets every input by
+    one element (a contiguous view), which takes the CUDA kernels off their 16-byte path."""
+    rows, hidden = shape
+    p = 0.3
+
+    def tensor(fill):
+        buf = torch.full((rows * hidden + 1,), fill, dtype=dtype, device=device)
+        return (buf[1:] if misaligned else buf[:-1]).view(rows, hidden)
+
+    ones, zeros, w = tensor(1.0), tensor(0.0), torch.ones(hidden, dtype=dtype, device=device)
+    _, pre, mean, rstd = ops.bias_dropout_add_layer_norm(ones, None, zeros, w, None, p, 1e-5, SEED, OFFSET)
+    gx = ops.bias_dropout_add_layer_norm_backward(zeros, ones, pre, w, mean, rstd, p, SEED, OFFSET)[0]
+    cpu_x, cpu_z, cpu_w = ones.cpu(), zeros.cpu(), w.cpu()
+    _, cpu_pre, cpu_mean, cpu_rstd = ops.bias_dropout_add_layer_norm(cpu_x, None, cpu_z, cpu_w, None, p, 1e-5, SEED, OFFSET)
+    cpu_gx = ops.bias_dropout_add_layer_norm_backward(cpu_z, cpu_x, cpu_pre, cpu_w, cpu_mean, cpu_rstd, p, SEED, OFFSET)[0]
+    mask = cpu_mask(rows, hidden, p)
+    assert torch.equal(cpu_pre != 0, mask) and torch.equal(pre.cpu(), cpu_pre)
+    assert torch.equal(cpu_gx != 0, mask) and torch.equal(gx.cpu(), cpu_gx)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden", [1024, 1000, 8192, 8200])
+def test_backward_is_deterministic(hidden):
+    """Column sums go through per-block partials in a fixed order: two runs give the same bits."""
+    x, g = torch.randn(3000, hidden, device="cuda"), torch.randn(3000, hidden, device="cuda")
+    w = torch.randn(hidden, device="cuda")
+    _, s, mean, rstd = ops.add_layer_norm(x, None, w, None, 1e-5)
+    first = ops.add_layer_norm_backward(g, None, s, w, mean, rstd)
+    second = ops.add_layer_norm_backward(g, None, s, w, mean, rstd)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+# ---- the CUDA kernels' thread -> column mapping (norms.cu with_row_shape, norms_rowwise.cuh) ------------------
+
+WARP, MAX_ELEMS, MAX_WARPS = 32, 32, 8  # kWarpSize, kMaxElemsPerThread, kMaxWarpsPerRow
+
+
+def row_shape(hidden, vec_width):
+    """(slots per thread, warps per row) as norms.cu's with_row_shape picks them; None: multi-pass kernels."""
+    im = MAX_ELEMS // vec_width
+    for warps, iters in ((1, im // 4), (1, im // 2), (1, im), (2, im), (4, im), (MAX_WARPS, im)):
+        if hidden <= warps * WARP * iters * vec_width:
+            return iters, warps
+    return None
+
+
+@pytest.mark.parametrize("vec_width", [4, 8])  # float; half / bfloat16
+@pytest.mark.parametrize("hidden", [1, 2, 3, 7, 8, 33, 255, 256, 257, 1000, 1024, 1025, 2048, 4095, 4096, 4097, 8191, 8192])
+def test_every_column_is_owned_once(hidden, vec_width):
+    """Emulates the kernels' index math: thread t of a row owns slots it * TPR + t, slot s = columns
+    s*V .. s*V+V-1; columns < hidden are owned exactly once, 16-byte slots start at multiples of 4 elements
+    (whole Philox groups), and the backward's in-block partial reduction covers every column."""
+    iters, warps = row_shape(hidden, vec_width)
+    tpr = warps * WARP
+    assert iters * vec_width <= MAX_ELEMS
+    owned = [0] * hidden
+    vec = hidden % vec_width == 0
+    for t in range(tpr):
+        for it in range(iters):
+            col = (it * tpr + t) * vec_width
+            if vec and col < hidden:
+                assert col + vec_width <= hidden  # a 16-byte slot is wholly inside the row
+                for row in (0, 1, 4097):  # element index row * hidden + col starts a Philox group of 4
+                    assert (row * hidden + col) % 4 == 0
+            for k in range(vec_width):
+                if col + k < hidden:
+                    owned[col + k] += 1
+    assert owned == [1] * hidden
+
+
+def test_wide_rows_take_the_multipass_kernels():
+    assert row_shape(8192, 8) == (4, 8) and row_shape(8192, 4) == (8, 8)
+    assert row_shape(8193, 8) is None and row_shape(8193, 4) is None
+    assert row_shape(1024, 8) == (4, 1) and row_shape(1024, 4) == (8, 1) and row_shape(4096, 8) == (4, 4)
