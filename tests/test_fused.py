@@ -369,6 +369,24 @@ def test_attention_dropout_changes_only_the_attention():
     assert not torch.allclose(a, ref)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_dropout_leaves_the_generator_as_it_was(device):
+    """SDPA's dropout runs from a generator state derived from the layer's seed and the user's generator is
+    put back afterwards: a GPT-2 block call with attention dropout leaves the generator exactly where the
+    same call without it (residual dropout only: one seed drawn) does, and repeats under the same seed."""
+    gen = torch.default_generator if device == "cpu" else torch.cuda.default_generators[0]
+    x = torch.randn(B, S, H, device=device)
+    states, outs = [], []
+    for attn_p in (0.3, 0.0, 0.3):
+        torch.manual_seed(0)  # same weights each time
+        block = make_model("gpt2", layers=1, attn_pdrop=attn_p, resid_pdrop=0.1).train().to(device).h[0]
+        torch.manual_seed(3)
+        outs.append(FusedTransformerLayer(block)(x))
+        states.append(gen.get_state())
+    assert torch.equal(states[0], states[1]) and torch.equal(states[0], states[2])
+    assert torch.equal(outs[0], outs[2])
+
+
 # ---- fuse(): structure, warnings, errors ---------------------------------------------------------------------------
 
 
