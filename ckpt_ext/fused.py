@@ -8,13 +8,18 @@ keys, so optimizers, checkpoints and ``load_state_dict`` are unaffected.
 
 Calls the fused path cannot serve run Hugging Face's own forward of the original layer (same
 parameters), so results stay correct: a KV cache outside training (generation), attention weights
-being collected (``output_attentions``), cross-attention inputs, autocast. In training (grad enabled)
+being collected (``output_attentions``), cross-attention inputs. In training (grad enabled)
 a KV cache is dropped instead, as Hugging Face does under gradient checkpointing.
 
 Dropout draws one seed per layer call from the default generator of the device (``torch.manual_seed``
 makes runs reproducible) and derives a Philox mask per dropout site from it; with
 ``ckpt_ext.enable_checkpointing`` the layers of a group run as one C++ ``SegmentFunction`` that replays
-them in backward with the same seeds.
+them in backward with the same seeds. Attention dropout is SDPA's, drawn from the device generator set
+to a state derived from the layer's seed for the call (csrc/layers/layer.h).
+
+Under ``torch.autocast`` (CUDA bfloat16/float16, CPU bfloat16) the fused layers follow Hugging Face's
+dtype policy: GEMMs and attention in the autocast dtype from the (float32) parameters, norms and the
+residual stream in the parameters' dtype, gradients in the parameters' dtype.
 """
 import sys
 import warnings
@@ -373,12 +378,6 @@ class FusedTransformerLayer(nn.Module):
                        "quantised layer?); that layer now runs Hugging Face's forward. Apply such changes before "
                        "ckpt_ext.fuse(model).")
             fallback = "a submodule was replaced"
-        if torch.is_autocast_enabled(hidden.device.type):
-            _warn_once(("autocast", self.layer_class),
-                       f"ckpt_ext: fused {self.layer_class} layers compute in the model's dtype and do not "
-                       "support autocast; under autocast they run Hugging Face's forward. Cast the model "
-                       "(model.to(torch.bfloat16)) instead.")
-            fallback = "autocast is enabled"
         cos = sin = None
         if self.family == LLAMA and fallback is None:
             emb = values.get("position_embeddings")

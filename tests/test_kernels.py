@@ -27,8 +27,10 @@ HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (rows..., hidden): odd sizes on purpose, hidden from 1 to 1000, one 3-D input.
-ROW_SHAPES = [(1, 1), (37, 72), (3, 129), (129, 3), (1000, 72), (2, 1000), (2, 5, 72)]
+# (rows..., hidden): odd sizes on purpose, hidden from 1 to 1000, one 3-D input, and the model widths the
+# CUDA kernels specialise for (BERT-large 1024, Llama/GPT 4096 and 8192) with few rows, cheap on CPU.
+ROW_SHAPES = [(1, 1), (37, 72), (3, 129), (129, 3), (1000, 72), (2, 1000), (2, 5, 72), (3, 1024), (2, 4096),
+              (1, 8192)]
 ROW_SHAPE_IDS = ["x".join(map(str, s)) for s in ROW_SHAPES]
 
 

@@ -4,7 +4,9 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <optional>
 #include <unordered_map>
+#include <utility>
 
 #include "../pool/boundary_pool.h"
 #include "replay_context.h"
@@ -29,6 +31,7 @@ struct SegmentState : torch::CustomClassHolder {
   layers::LayerInputs inputs;  // mask, rotary tables: not differentiated (checked in segment_apply)
   std::vector<int64_t> seeds;  // per layer, drawn once in forward
   bool training = false;
+  AutocastSnapshot autocast;   // forward's autocast state, applied again to the replay's layer forwards
 
   std::vector<at::Tensor> weights_of(size_t layer, const std::vector<at::Tensor>& values) const {
     std::vector<at::Tensor> w;
@@ -36,6 +39,26 @@ struct SegmentState : torch::CustomClassHolder {
     for (int64_t i : weight_index[layer]) w.push_back(i >= 0 ? values[static_cast<size_t>(i)] : at::Tensor());
     return w;
   }
+};
+
+// Applies `snap` with autocast's weight-cast cache off for its lifetime, then restores what was there.
+// The cache is off because the layers run under no_grad in forward (a cached cast made there would
+// carry no gradient if the weight were used again with grad in the same autocast region) and on the
+// backward thread in the replay (nothing would clear its entries); casts are deterministic, so the
+// values are the same with or without it.
+class SegmentAutocast {
+ public:
+  SegmentAutocast(AutocastSnapshot snap, c10::Device device)
+      : saved_(AutocastSnapshot::capture({device})), active_(std::move(snap)) {
+    active_.cache_enabled = false;
+    active_.apply();
+  }
+  ~SegmentAutocast() { saved_.apply(); }
+  SegmentAutocast(const SegmentAutocast&) = delete;
+  SegmentAutocast& operator=(const SegmentAutocast&) = delete;
+
+ private:
+  AutocastSnapshot saved_, active_;
 };
 
 std::vector<int64_t> dense_strides(at::IntArrayRef sizes) {
@@ -54,6 +77,7 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
     const at::Tensor& hidden = tensors[0];
     const size_t K = st->specs.size();
     at::Tensor h = hidden;
+    SegmentAutocast autocast(st->autocast, hidden.device());
     for (size_t l = 0; l < K; ++l) {
       layers::LayerRng rng{st->training, st->seeds[l]};
       at::Tensor slot;
@@ -104,6 +128,9 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
     {
       at::AutoGradMode grad_mode(true);
       RecomputingScope recomputing;
+      // The layer forwards run under forward's autocast state; residual_linear_backward and the
+      // autograd::grad call below under the backward's own, as in the un-checkpointed backward.
+      std::optional<SegmentAutocast> autocast(std::in_place, st->autocast, x.device());
       at::Tensor h = x;
       for (size_t l = 0; l + 1 < K; ++l)
         h = layers::layer_forward(st->specs[l], h, st->inputs, st->weights_of(l, st->params),
@@ -115,6 +142,7 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
       const layers::LayerRng rng{st->training, st->seeds[last]};
       if (layers::can_stop_before_last_linear(spec.family)) {
         auto t = layers::layer_forward(spec, h, st->inputs, w, rng, at::Tensor(), /*stop_before_last_linear=*/true);
+        autocast.reset();
         const layers::LastLinear lin = layers::last_linear(spec, w, rng);
         const auto& idx = st->weight_index[last];
         const int64_t w_param = idx[lin.weight_slot], b_param = idx[lin.bias_slot];
@@ -134,6 +162,7 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
         }
       } else {
         at::Tensor out = layers::layer_forward(spec, h, st->inputs, w, rng).out;
+        autocast.reset();
         if (out.requires_grad()) {
           outs.push_back(out);
           gouts.push_back(grad_out);
@@ -183,6 +212,7 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
   st->specs = specs;
   st->inputs = inputs;
   st->training = training;
+  st->autocast = AutocastSnapshot::capture({hidden.device()});
   std::unordered_map<const c10::TensorImpl*, int64_t> index_of;
   for (size_t l = 0; l < specs.size(); ++l) {
     layers::check_weights(specs[l], weights[l], hidden);

@@ -3,7 +3,8 @@
 // Forward runs the K layer forwards without building a graph and writes the segment's output straight
 // into a BoundaryPool slot (the last fused op computes into it, no copy); only the segment's input is
 // saved (without copying: in a chain of segments it is the previous segment's pooled output). The
-// dropout seed of each layer is drawn once in forward and kept in the node.
+// dropout seed of each layer is drawn once in forward and kept in the node, with the autocast state
+// of the forward (the replay's layer forwards run under it).
 //
 // Backward replays the K layers in C++ from the saved input, with grad enabled and the same seeds (so
 // the same dropout masks), then calls torch::autograd::grad once for the input's gradient and every

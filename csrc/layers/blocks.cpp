@@ -1,11 +1,10 @@
 // Building blocks shared by the fused layers: the dropout seed, the last linear with its residual
 // (an autograd node of its own, so the segment replay can compute its gradients without running it),
-// and attention.
+// and attention (SDPA, its dropout drawn from a generator state derived from the layer's seed).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <limits>
 #include <mutex>
 
 #include "../ops/fused_ops.h"
@@ -46,11 +45,18 @@ int64_t draw_dropout_seed(c10::Device device) {
 
 namespace {
 
+// `t` in `dtype`: a no-op outside autocast. Under autocast the last linear's input is in the autocast
+// dtype (it comes from GEMMs) while its weight and the residual stream keep the parameters' dtype.
+Tensor in_dtype(const Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
+
 // x @ W^T (Linear) or x @ W (Conv1D) on the 2-D view of x, without bias (the bias is fused into the
-// dropout-residual kernel).
+// dropout-residual kernel). Computed in x's dtype -- the autocast dtype under autocast, as autocast's
+// mm would -- explicitly, so that the node's backward (which runs outside autocast) and the segment
+// replay compute the same thing.
 Tensor matmul_2d(const Tensor& x, const LastLinear& lin) {
   const Tensor x2d = x.reshape({-1, x.size(-1)});
-  return lin.conv1d ? x2d.mm(lin.weight) : x2d.mm(lin.weight.t());
+  const Tensor w = in_dtype(lin.weight, x.scalar_type());
+  return lin.conv1d ? x2d.mm(w) : x2d.mm(w.t());
 }
 
 std::optional<Tensor> bias_of(const LastLinear& lin) {
@@ -62,7 +68,9 @@ struct ResidualLinearFunction : torch::autograd::Function<ResidualLinearFunction
                         const std::optional<Tensor>& bias, const Tensor& residual, bool conv1d, double p,
                         int64_t seed, int64_t offset) {
     LastLinear lin{weight, bias.has_value() ? *bias : Tensor(), conv1d, p, offset, -1, -1};
-    const Tensor y = matmul_2d(x, lin).view(residual.sizes());
+    // The GEMM's output joins the residual stream in the stream's dtype (Hugging Face's residual add
+    // promotes the same way under autocast).
+    const Tensor y = in_dtype(matmul_2d(x, lin).view(residual.sizes()), residual.scalar_type());
     ctx->save_for_backward({x, weight});
     ctx->saved_data["conv1d"] = conv1d;
     ctx->saved_data["has_bias"] = lin.bias.defined();
@@ -107,10 +115,18 @@ ResidualLinearGrads residual_linear_backward(const Tensor& grad, const Tensor& x
   if (!(need_x || need_weight || need_bias)) return r;
   const Tensor g = lin.p > 0 ? ops::dropout_backward(grad, lin.p, seed, lin.offset) : grad;
   const Tensor g2d = g.reshape({-1, g.size(-1)});
-  if (need_x) r.x = (lin.conv1d ? g2d.mm(lin.weight.t()) : g2d.mm(lin.weight)).view(x.sizes());
+  // The GEMMs run in x's dtype, as in forward (autocast: the weight cast down, its gradient cast back
+  // to the parameter's dtype, as autograd does for Hugging Face's layer); the bias gradient is summed
+  // from the incoming gradient in the stream's dtype.
+  const auto cdt = x.scalar_type();
+  const Tensor gc = in_dtype(g2d, cdt);
+  if (need_x) {
+    const Tensor w = in_dtype(lin.weight, cdt);
+    r.x = (lin.conv1d ? gc.mm(w.t()) : gc.mm(w)).view(x.sizes());
+  }
   if (need_weight) {
     const Tensor x2d = x.reshape({-1, x.size(-1)});
-    r.weight = lin.conv1d ? x2d.t().mm(g2d) : g2d.t().mm(x2d);
+    r.weight = in_dtype(lin.conv1d ? x2d.t().mm(gc) : gc.t().mm(x2d), lin.weight.scalar_type());
   }
   if (need_bias) r.bias = g2d.sum(0);
   return r;
@@ -127,70 +143,63 @@ Tensor repeat_kv(const Tensor& t, int64_t n_rep) {
   return t.unsqueeze(2).expand({B, H, n_rep, S, D}).reshape({B, H * n_rep, S, D});
 }
 
-at::Scalar lowest_of(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble:
-      return std::numeric_limits<double>::lowest();
-    case at::kHalf:
-      return static_cast<double>(std::numeric_limits<c10::Half>::lowest());
-    case at::kBFloat16:
-      return static_cast<double>(std::numeric_limits<c10::BFloat16>::lowest());
-    default:
-      return static_cast<double>(std::numeric_limits<float>::lowest());
-  }
+// Hugging Face's eager masks are additive with the dtype's lowest value; a query whose keys are all
+// masked (left padding) then gets a uniform row in its eager softmax. CUDA's fused kernels scale
+// score + mask by log2(e) in float32, which overflows float32's / bfloat16's lowest to -inf, and an
+// all -inf row comes out as zeros: the CUDA-only eager+padding parity failures. -1e30 is as good as
+// -inf for any row with one unmasked key (exp underflows to 0) and leaves fully masked rows uniform.
+Tensor finite_additive_mask(const Tensor& mask) {
+  const auto t = mask.scalar_type();
+  if (t != at::kFloat && t != at::kBFloat16 && t != at::kDouble) return mask;  // float16's lowest is safe
+  return mask.clamp_min(-1e30);
 }
+
+constexpr uint64_t kSdpaSalt = 0x5DBA7E11A5EEDULL;  // separates SDPA's generator seeds from our Philox keys
+
+// Sets the default generator of `device` to `seed` (offset 0 for Philox generators) for its lifetime
+// and puts the previous state back afterwards. The generator's mutex is not held in between (SDPA
+// takes it to draw), so, like torch.utils.checkpoint's set_rng_state, this assumes no other thread
+// draws from the same generator during the call.
+class SeededGeneratorScope {
+ public:
+  SeededGeneratorScope(c10::Device device, uint64_t seed)
+      : gen_(device.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device)) {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    saved_ = gen_.get_state();
+    gen_.set_current_seed(seed);
+  }
+  ~SeededGeneratorScope() {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    gen_.set_state(saved_);
+  }
+  SeededGeneratorScope(const SeededGeneratorScope&) = delete;
+  SeededGeneratorScope& operator=(const SeededGeneratorScope&) = delete;
+
+ private:
+  at::Generator gen_;
+  Tensor saved_;
+};
 
 }  // namespace
-
-Tensor philox_dropout(const Tensor& x, double p, int64_t seed, int64_t offset) {
-  // dropout_backward computes grad * mask / (1 - p): applied to x, it is dropout's forward, and its
-  // autograd kernel (itself) is dropout's backward.
-  return p > 0 ? ops::dropout_backward(x, p, seed, offset) : x;
-}
 
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
                  double p, int64_t seed, int64_t offset) {
   const int64_t n_rep = q.size(1) / k.size(1);
-  const int64_t S = q.size(2);
-  const bool use_causal = causal && !mask.defined() && S > 1;
-  if (p == 0.0) {
-    // SDPA picks flash/efficient kernels on GPU (flash or math on CPU). Grouped-query attention: SDPA's
-    // own GQA support when there is no mask (the fast kernels need none), repeated heads otherwise --
-    // Hugging Face's rule.
-    const bool gqa = n_rep > 1 && !mask.defined();
-    const Tensor kk = gqa ? k : repeat_kv(k, n_rep), vv = gqa ? v : repeat_kv(v, n_rep);
-    std::optional<Tensor> m = mask.defined() ? std::optional<Tensor>(mask) : std::nullopt;
-    return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, use_causal, scale, gqa);
-  }
-  // Attention dropout inside SDPA draws from torch's RNG, which a replay cannot reproduce from a seed;
-  // so with dropout the attention is computed explicitly with our Philox mask. The scores are scaled
-  // and masked in place: bmm's backward does not need its output, and each avoided [B, H, S, S]
-  // temporary matters.
-  const int64_t B = q.size(0), heads = q.size(1), Sk = k.size(2), D = q.size(3);
-  const Tensor q3 = q.reshape({B * heads, S, D});
-  const Tensor k3 = repeat_kv(k, n_rep).reshape({B * heads, Sk, D});
-  const Tensor v3 = repeat_kv(v, n_rep).reshape({B * heads, Sk, v.size(3)});
-  Tensor scores = at::bmm(q3, k3.transpose(1, 2));
-  scores.mul_(scale);
-  Tensor scores4 = scores.view({B, heads, S, Sk});
-  // A row with every key masked (queries at left-padded positions) gets what SDPA gives it for a
-  // boolean mask -- zeros (_safe_softmax) -- and what an additive mask implies otherwise (Hugging
-  // Face's eager masks use the dtype's lowest value: a uniform row). Either way no NaN.
-  bool safe = false;
-  if (mask.defined()) {
-    if (mask.scalar_type() == at::kBool) {
-      scores4.masked_fill_(mask.logical_not(), -std::numeric_limits<double>::infinity());
-      safe = true;
-    } else {
-      scores4.add_(mask);
-    }
-  } else if (use_causal) {
-    scores4.masked_fill_(at::ones({S, Sk}, q.options().dtype(at::kBool)).triu(1), lowest_of(scores.scalar_type()));
-  }
-  // The softmax accumulates in float32, float64 for float64 models (as the ckpt_ext ops do).
-  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const Tensor probs = (safe ? at::_safe_softmax(scores, -1, acc) : at::softmax(scores, -1, acc)).to(q.scalar_type());
-  return at::bmm(philox_dropout(probs, p, seed, offset), v3).view({B, heads, S, v.size(3)});
+  const bool use_causal = causal && !mask.defined() && q.size(2) > 1;
+  // Grouped-query attention: SDPA's own GQA support when there is no mask (the fast kernels need
+  // none), repeated heads otherwise -- Hugging Face's rule.
+  const bool gqa = n_rep > 1 && !mask.defined();
+  const Tensor kk = gqa ? k : repeat_kv(k, n_rep), vv = gqa ? v : repeat_kv(v, n_rep);
+  std::optional<Tensor> m;
+  if (mask.defined()) m = mask.scalar_type() == at::kBool ? mask : finite_additive_mask(mask);
+  if (p == 0.0) return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, use_causal, scale, gqa);
+  // SDPA draws its dropout from the device's default generator (CUDA flash/efficient kernels: the
+  // philox (seed, offset) they read from it and return for their backward; the math path, CPU: a
+  // bernoulli mask from it). Set to a state that is a function of the layer call's seed and this
+  // site, its mask is one more dropout site of the call: a replay with the same seed draws it again,
+  // and the user's generator is left as it was.
+  SeededGeneratorScope rng(q.device(), splitmix64(static_cast<uint64_t>(seed) ^ splitmix64(kSdpaSalt + offset)));
+  return at::scaled_dot_product_attention(q, kk, vv, m, p, use_causal, scale, gqa);
 }
 
 }  // namespace layers

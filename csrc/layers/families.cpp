@@ -70,6 +70,14 @@ Tensor conv1d_nobias(const Tensor& x, const Tensor& w) {
 
 double effective(double p, const LayerRng& rng) { return rng.training ? p : 0.0; }
 
+// Autocast (layer.h): `t` in `ref`'s dtype -- a GEMM output (autocast dtype) joining the residual
+// stream, or a bias / rotary table joining a tensor in the GEMM's dtype. Outside autocast the dtypes
+// already agree and nothing is copied.
+Tensor like(const Tensor& t, const Tensor& ref) {
+  return !t.defined() || t.scalar_type() == ref.scalar_type() ? t : t.to(ref.scalar_type());
+}
+OptTensor opt_like(const Tensor& t, const Tensor& ref) { return opt(like(t, ref)); }
+
 // The end of a GPT-2/Llama layer: out = h1 + dropout(act @ W + b) through the family's last linear,
 // written into out_slot when given; with `stop`, only what the segment replay needs to skip it.
 LayerOutput last_linear_tail(const LayerSpec& s, const std::vector<Tensor>& w, const LayerRng& rng, const Tensor& act,
@@ -82,8 +90,9 @@ LayerOutput last_linear_tail(const LayerSpec& s, const std::vector<Tensor>& w, c
   }
   const LastLinear lin = last_linear(s, w, rng);
   if (out_slot.defined()) {
-    const Tensor y = lin.conv1d ? conv1d_nobias(act, lin.weight)
-                                : act.reshape({-1, act.size(-1)}).mm(lin.weight.t()).view(h1.sizes());
+    const Tensor w = like(lin.weight, act);
+    const Tensor y = like(lin.conv1d ? conv1d_nobias(act, w) : act.reshape({-1, act.size(-1)}).mm(w.t()).view(h1.sizes()),
+                          h1);
     ops::bias_dropout_add_into(y, opt(lin.bias), h1, lin.p, rng.seed, lin.offset, out_slot);
     r.out = out_slot;
   } else {
@@ -103,11 +112,12 @@ LayerOutput bert_forward(const LayerSpec& s, const Tensor& x, const LayerInputs&
   const auto [q, k, v] = split_qkv(at::linear(x, wqkv, opt(bqkv)), s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/false, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs));
-  const Tensor h1 = std::get<0>(ops::bias_dropout_add_layer_norm(at::linear(ctx, w[kAttnOutW]), opt(w[kAttnOutB]), x,
+  const Tensor h1 = std::get<0>(ops::bias_dropout_add_layer_norm(like(at::linear(ctx, w[kAttnOutW]), x), opt(w[kAttnOutB]), x,
                                                                  w[kLn1W], opt(w[kLn1B]), hidden_p, s.eps, rng.seed,
                                                                  kAttnOut));
-  const Tensor inter = ops::bias_gelu(at::linear(h1, w[kInterW]), opt(w[kInterB]), s.gelu_tanh ? "tanh" : "none");
-  const Tensor o = at::linear(inter, w[kOutW]);
+  const Tensor i = at::linear(h1, w[kInterW]);
+  const Tensor inter = ops::bias_gelu(i, opt_like(w[kInterB], i), s.gelu_tanh ? "tanh" : "none");
+  const Tensor o = like(at::linear(inter, w[kOutW]), h1);
   LayerOutput r;
   if (out_slot.defined()) {
     ops::bias_dropout_add_layer_norm_into(o, opt(w[kOutB]), h1, w[kLn2W], opt(w[kLn2B]), hidden_p, s.eps, rng.seed,
@@ -130,9 +140,10 @@ LayerOutput gpt2_forward(const LayerSpec& s, const Tensor& x, const LayerInputs&
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs));
   auto [ln2, h1, mean, rstd] =
-      ops::bias_dropout_add_layer_norm(conv1d_nobias(ctx, w[kAttnProjW]), opt(w[kAttnProjB]), x, w[kLn2W],
+      ops::bias_dropout_add_layer_norm(like(conv1d_nobias(ctx, w[kAttnProjW]), x), opt(w[kAttnProjB]), x, w[kLn2W],
                                        opt(w[kLn2B]), effective(s.hidden_p, rng), s.eps, rng.seed, kAttnOut);
-  const Tensor act = ops::bias_gelu(conv1d_nobias(ln2, w[kFcW]), opt(w[kFcB]), s.gelu_tanh ? "tanh" : "none");
+  const Tensor fc = conv1d_nobias(ln2, w[kFcW]);
+  const Tensor act = ops::bias_gelu(fc, opt_like(w[kFcB], fc), s.gelu_tanh ? "tanh" : "none");
   return last_linear_tail(s, w, rng, act, h1, out_slot, stop);
 }
 
@@ -148,11 +159,12 @@ LayerOutput llama_forward(const LayerSpec& s, const Tensor& x, const LayerInputs
   const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
   const auto [q_raw, k_raw, v] = split_qkv(at::linear(n1, wqkv, opt(bqkv)), s.num_heads, s.num_kv_heads, s.head_dim);
-  const Tensor q = ops::rotary(q_raw, in.cos, in.sin);
-  const Tensor k = ops::rotary(k_raw, in.cos, in.sin);
+  const Tensor cos = like(in.cos, q_raw), sin = like(in.sin, q_raw);
+  const Tensor q = ops::rotary(q_raw, cos, sin);
+  const Tensor k = ops::rotary(k_raw, cos, sin);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs));
-  auto [n2, h1, rstd] = ops::add_rms_norm(at::linear(ctx, w[kOW], opt(w[kOB])), x, w[kLn2W], s.eps);
+  auto [n2, h1, rstd] = ops::add_rms_norm(like(at::linear(ctx, w[kOW], opt(w[kOB])), x), x, w[kLn2W], s.eps);
   // Two GEMMs rather than one over [gate; up]: swiglu reads contiguous halves without a copy.
   const Tensor act = ops::swiglu(at::linear(n2, w[kGateW], opt(w[kGateB])), at::linear(n2, w[kUpW], opt(w[kUpB])));
   return last_linear_tail(s, w, rng, act, h1, out_slot, stop);
@@ -231,8 +243,8 @@ void check_weights(const LayerSpec& s, const std::vector<Tensor>& w, const Tenso
     TORCH_CHECK(w[i].device() == hidden.device() && w[i].scalar_type() == hidden.scalar_type(), "ckpt_ext fused ",
                 family_name(s.family), " layer: weight ", i, " is ", w[i].scalar_type(), " on ", w[i].device(),
                 " but the hidden states are ", hidden.scalar_type(), " on ", hidden.device(),
-                "; the fused layers compute in the model's dtype (cast the model with model.to(dtype) rather than "
-                "using autocast)");
+                "; the fused layers keep the residual stream in the parameters' dtype (cast the whole model with "
+                "model.to(dtype), or keep float32 weights and use torch.autocast)");
   }
   const int64_t H = s.hidden;
   auto need = [&](int64_t i, const char* what) {

@@ -10,7 +10,17 @@
 //
 // Dropout: every dropout site of a layer call uses the call's seed and an offset of its own
 // (DropoutSite), so a replay with the same seed draws the same masks. The seed is drawn once per call
-// from the default generator of the device (draw_dropout_seed); the functions here never draw.
+// from the default generator of the device (draw_dropout_seed); the functions here never draw from
+// the user's generator state. Residual dropout: the ckpt_ext Philox ops keyed by (seed, site).
+// Attention dropout: SDPA's, from the device generator temporarily set to a state derived from
+// (seed, kAttnProbs) (see attention()).
+//
+// Autocast (CUDA bfloat16/float16, CPU bfloat16): the layers follow Hugging Face's dtype policy. The
+// GEMMs and SDPA, dispatched through autocast, run in the autocast dtype from the parameters; the
+// norms compute from and return the residual stream's dtype (the parameters' dtype: float32 for
+// float32 master weights), as LayerNorm on autocast's float32 list and Llama's RMSNorm do; a GEMM
+// output joins the stream in the stream's dtype, a bias feeding an op in the GEMM's dtype is cast to
+// it. Outside autocast every tensor has the model's dtype and none of these casts happen.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -136,13 +146,12 @@ struct ResidualLinearGrads {
 ResidualLinearGrads residual_linear_backward(const Tensor& grad, const Tensor& x, const LastLinear& lin, int64_t seed,
                                              bool need_x, bool need_weight, bool need_bias);
 
-// dropout(x) with the Philox mask of (seed, offset); differentiable. p == 0: x itself.
-Tensor philox_dropout(const Tensor& x, double p, int64_t seed, int64_t offset);
-
-// Multi-head attention of q [B, heads, S, D] over k, v [B, kv_heads, S, D] -> [B, heads, S, D].
-// `mask`: see LayerInputs; `causal` applies only when there is no mask (Hugging Face passes causal
-// masks explicitly when padding is present). p == 0: at::scaled_dot_product_attention. p > 0:
-// explicit softmax(q k^T * scale + mask) with Philox dropout of (seed, offset), then @ v.
+// Multi-head attention of q [B, heads, S, D] over k, v [B, kv_heads, S, D] -> [B, heads, S, D], always
+// through at::scaled_dot_product_attention (on CUDA the flash kernel for causal/no mask, the efficient
+// or cuDNN kernel for a mask; SDPA's math path on CPU and for what no fused kernel takes). `mask`: see
+// LayerInputs; `causal` applies only when there is no mask (Hugging Face passes causal masks
+// explicitly when padding is present). p > 0: SDPA's dropout, drawn from the device's default
+// generator set to a state derived from (seed, offset) for the call and restored afterwards.
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
                  double p, int64_t seed, int64_t offset);
 
