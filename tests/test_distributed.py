@@ -24,7 +24,9 @@ groups (every > 1) across layers that are separate FSDP units, FSDP units run in
 function (ckpt_ext.checkpoint of a module containing them), fused layers whose submodules are FSDP units.
 
 All cases run in one spawned 2-process job (spawn + imports cost seconds on a small machine); the tests
-check its results case by case.
+check its results case by case. The ranks talk over loopback (MASTER_ADDR=127.0.0.1, GLOO_SOCKET_IFNAME=
+the loopback interface): on the lent GPU machine every case had died with SIGSEGV in the spawned ranks.
+With CUDA, DDP also runs over NCCL on one GPU (world size 1) against the same model without DDP.
 """
 import datetime
 import importlib.util
