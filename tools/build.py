@@ -52,7 +52,7 @@ def _show(line: str):
         print(line[line.index("ckpt_ext setup:"):].rstrip(), flush=True)
     elif re.match(r"\s*\[\d+/\d+\]", line):
         step = re.match(r"\s*(\[\d+/\d+\])", line).group(1)
-        src = re.search(r"\s-c\s+(\S+)", line) or re.search(r"\s(\S+\.(?:cpp|cu))\s", line)
+        src = re.search(r"\s(\S+\.(?:cpp|cu|cc))(?:\s|$)", line)
         what = os.path.relpath(src.group(1), ROOT) if src else "link"
         print(f"  {step} {what}", flush=True)
     elif re.search(r"\berror\b|Error:", line) and "-Werror" not in line:
