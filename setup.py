@@ -29,7 +29,7 @@ from torch.torch_version import TorchVersion  # compares as versions, not string
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The range `make check-headers` compiles every C++ source against (tools/check_headers.py reads these):
 # the oldest torch whose headers accept the sources, and the newest one tested. Newer ones get a warning.
-MIN_TORCH = "2.4"
+MIN_TORCH = "2.5"
 NEWEST_TESTED_TORCH = "2.15"
 
 
