@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 MAX_JOBS ?= 2
 export MAX_JOBS
 
-.PHONY: venv build test bench check-cuda clean
+.PHONY: venv build test bench check-cuda check-headers clean
 
 # The venv sees system site-packages so that a torch already installed on the machine (for example a
 # CUDA build on a GPU box) is reused instead of downloading another one.
@@ -19,10 +19,12 @@ $(VENV)/.ready: requirements-dev.txt
 
 venv: $(VENV)/.ready
 
+# Skipped when csrc/, setup.py, torch and the build environment are unchanged (stamp: build/.build-stamp);
+# otherwise an in-place build whose objects persist in build/temp-*, so ninja recompiles only what changed.
 build: venv
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) tools/build.py
 
-test: build check-cuda
+test: build check-cuda check-headers
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # The benchmarks' own dependencies are the pyproject extra [bench] (read from there, so that installing
@@ -37,8 +39,14 @@ bench: build
 	$(PY) benchmarks/suite.py
 
 # CI cannot run CUDA code, but it can compile it: every .cu source must build for sm_80 and sm_90.
+# Cached per source hash, nvcc and torch version (~/.cache/ckpt_ext/check-cuda).
 check-cuda: venv
 	$(PY) tools/compile_cuda.py
 
+# Every C++ source against the headers of each torch setup.py admits (MIN_TORCH, 2.11, NEWEST_TESTED_TORCH),
+# taken from the wheels; headers and passing results are cached in ~/.cache/ckpt_ext.
+check-headers: venv
+	$(PY) tools/check_headers.py
+
 clean:
-	rm -rf build *.egg-info ckpt_ext/_C*.so ckpt_ext/_build_info.py
+	rm -rf build *.egg-info ckpt_ext/_C*.so ckpt_ext/_build_info.py   # the caches in ~/.cache/ckpt_ext stay

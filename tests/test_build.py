@@ -46,3 +46,106 @@ def test_missing_extension_is_explained(monkeypatch):
     with pytest.raises(ImportError) as e:
         _extension.load()
     assert "undefined symbol" in str(e.value) and "pip install --no-build-isolation" in str(e.value)
+
+
+# ---- toolchain, C++ standard, source-tree shadowing ------------------------------------------------------------------
+import importlib.util  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLCHAIN = os.path.join(ROOT, "tools", "toolchain.py")
+needs_source = pytest.mark.skipif(not os.path.exists(TOOLCHAIN), reason="needs the source tree (tools/)")
+needs_gxx = pytest.mark.skipif(not (shutil.which("g++") and shutil.which("readelf")), reason="needs g++ and readelf")
+
+
+def _toolchain():
+    spec = importlib.util.spec_from_file_location("ckpt_ext_toolchain_test", TOOLCHAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _static_wrapper(tmp_path):
+    """A compiler like the GPU image's /opt/gcc wrapper: g++ that links libstdc++ statically."""
+    wrapper = tmp_path / "g++-static"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("g++")} "$@" -static-libstdc++\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+@needs_source
+@needs_gxx
+def test_static_libstdcxx_compiler_is_detected(tmp_path):
+    tc = _toolchain()
+    assert tc.libstdcxx_linkage(shutil.which("g++")) == "dynamic"
+    assert tc.libstdcxx_linkage(_static_wrapper(tmp_path)) == "static"
+    assert tc.libstdcxx_linkage(str(tmp_path / "no-such-compiler")) == "unknown"
+
+
+@needs_source
+@needs_gxx
+def test_built_extension_uses_the_shared_libstdcxx():
+    # A _C.so with its own libstdc++ crashed in codecvt on the GPU image; the build refuses one now.
+    assert _toolchain().shared_object_linkage(ckpt_ext._C.__file__) == "dynamic"
+
+
+@needs_source
+@needs_gxx
+def test_setup_refuses_a_static_libstdcxx_compiler(tmp_path):
+    env = dict(os.environ, CXX=_static_wrapper(tmp_path), CKPT_EXT_FORCE_CPU="1")
+    env.pop("CKPT_EXT_ALLOW_STATIC_LIBSTDCXX", None)
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert "links libstdc++ statically" in out and "CXX=/usr/bin/g++" in out, out[-3000:]
+    assert not list((tmp_path / "lib").rglob("_C*.so"))
+
+
+@needs_source
+@pytest.mark.parametrize("guard, std", [("201703L", "c++17"), ("202002L", "c++20")])
+def test_cxx_standard_follows_torch_headers(tmp_path, guard, std):
+    (tmp_path / "ATen").mkdir()
+    (tmp_path / "ATen" / "ATen.h").write_text(
+        f"#pragma once\n#if !defined(_MSC_VER) && __cplusplus < {guard}\n#error C++ compiler required\n#endif\n")
+    tc = _toolchain()
+    assert tc.cxx_standard(str(tmp_path)) == std
+    from torch.utils.cpp_extension import include_paths
+
+    installed = tc.cxx_standard(include_paths()[0])
+    from torch.torch_version import TorchVersion
+
+    assert installed == ("c++20" if TorchVersion(torch.__version__) >= "2.15" else "c++17")
+
+
+def _copy_sources(dst):
+    """The Python files of the package, without the compiled extension: a source checkout."""
+    pkg = os.path.dirname(ckpt_ext.__file__)
+    shutil.copytree(pkg, dst, ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
+
+
+@needs_source
+def test_source_tree_shadowing_an_installed_build_is_explained(tmp_path):
+    source, site = tmp_path / "checkout", tmp_path / "site-packages"
+    _copy_sources(source / "ckpt_ext")
+    (site / "ckpt_ext").mkdir(parents=True)
+    (site / "ckpt_ext" / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")  # found, never loaded
+    env = dict(os.environ, PYTHONPATH=str(site))
+    r = subprocess.run([sys.executable, "-c", "import ckpt_ext"], cwd=source, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    # The installed build named may be this one or another one on the path (an editable install's).
+    assert "shadows the installed package" in r.stderr and str(source / "ckpt_ext") in r.stderr, r.stderr[-3000:]
+    assert "pip install --no-build-isolation -e ." in r.stderr and "was built against" not in r.stderr
+
+
+def test_missing_build_without_an_installed_one_asks_for_a_build(tmp_path, monkeypatch):
+    monkeypatch.setattr(_extension, "PACKAGE_DIR", str(tmp_path))
+    monkeypatch.setattr(_extension, "_installed_elsewhere", lambda *a: None)
+    monkeypatch.setattr(importlib, "import_module", lambda name, *a: (_ for _ in ()).throw(ImportError("No module")))
+    with pytest.raises(ImportError) as e:
+        _extension.load()
+    assert "Build it with" in str(e.value) and "shadows" not in str(e.value)

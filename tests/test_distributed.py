@@ -24,7 +24,9 @@ groups (every > 1) across layers that are separate FSDP units, FSDP units run in
 function (ckpt_ext.checkpoint of a module containing them), fused layers whose submodules are FSDP units.
 
 All cases run in one spawned 2-process job (spawn + imports cost seconds on a small machine); the tests
-check its results case by case.
+check its results case by case. The ranks talk over loopback (MASTER_ADDR=127.0.0.1, GLOO_SOCKET_IFNAME=
+the loopback interface): on the lent GPU machine every case had died with SIGSEGV in the spawned ranks.
+With CUDA, DDP also runs over NCCL on one GPU (world size 1) against the same model without DDP.
 """
 import datetime
 import importlib.util
@@ -136,7 +138,7 @@ def _build(kind, checkpointed=True):
     return UnitsInsideNet() if kind == "units-inside" else StackNet()
 
 
-def _loss(model, kind, rank, step):
+def _loss(model, kind, rank, step, device="cpu"):
     """Forward and loss of `rank`'s half of step `step`'s batch, under that rank's seed (dropout)."""
     g = torch.Generator().manual_seed(10 + step)
     torch.manual_seed(1000 + 10 * step + rank)
@@ -146,10 +148,10 @@ def _loss(model, kind, rank, step):
         mask = torch.ones(2 * WORLD, SEQ, dtype=torch.long)
         mask[1::2, SEQ - 3:] = 0  # padding in every second sequence
         extra = {"use_cache": False} if kind == "llama" else {}
-        out = model(input_ids=ids[half], attention_mask=mask[half], **extra).last_hidden_state
+        out = model(input_ids=ids[half].to(device), attention_mask=mask[half].to(device), **extra).last_hidden_state
         return out.pow(2).mean()
     x, y = torch.randn(2 * WORLD, 16, generator=g), torch.randn(2 * WORLD, 1, generator=g)
-    return nn.functional.mse_loss(model(x[half]), y[half])
+    return nn.functional.mse_loss(model(x[half].to(device)), y[half].to(device))
 
 
 # ---- the cases -------------------------------------------------------------------------------------------------------
@@ -240,7 +242,27 @@ def _run_case(rank, case: Case) -> List[Dict[str, Optional[torch.Tensor]]]:
     return steps
 
 
+def _loopback_interface() -> str:
+    """The name of the loopback interface (IFF_LOOPBACK), "lo" on Linux; gloo binds to it."""
+    try:
+        for name in sorted(os.listdir("/sys/class/net")):
+            with open(f"/sys/class/net/{name}/flags") as f:
+                if int(f.read(), 16) & 0x8:
+                    return name
+    except OSError:
+        pass
+    return "lo"
+
+
+def _use_loopback():
+    # Both ranks run on this machine: keep gloo on loopback rather than the interface the hostname
+    # resolves to (on the lent GPU machine every case died with SIGSEGV in the spawned ranks).
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()
+
+
 def _worker(rank, out_dir):
+    _use_loopback()
     # One thread per process: two processes with a thread per core each oversubscribe a small machine,
     # and OpenMP's spinning then makes tiny steps take seconds.
     torch.set_num_threads(1)
@@ -321,3 +343,39 @@ def test_unsupported_combination_raises_a_clear_error(results, case):
     got = results[case.name]
     assert isinstance(got, str), f"{case.name} ran without the expected error"
     assert re.search(case.error, got, re.S), got
+
+
+# ---- CUDA: DDP over NCCL on one GPU (world size 1) -------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA and NCCL")
+@pytest.mark.parametrize("kind, every", [("shared", 0), ("stack", 2)] + [(k, 2) for k in HF if k in {c.kind for c in CASES}])
+def test_ddp_nccl_one_gpu_matches_the_model_without_ddp(tmp_path, kind, every):
+    """The CUDA path of the DDP integration: gradient hooks fire from the C++ replay on a CUDA stream,
+    NCCL all-reduces them. With one rank the gradients are the model's own (the mean over one rank)."""
+    def steps(model, wrapped):
+        out = []
+        for step in range(STEPS):
+            _loss(wrapped, kind, 0, step, device="cuda").backward()
+            out.append(_grads(model))
+            _sgd_step(model)
+        return out
+
+    reference = _build(kind, checkpointed=False).cuda().train()
+    expected = steps(reference, reference)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        model = _build(kind).cuda().train()
+        if every:
+            ckpt_ext.enable_checkpointing(model, every=every, layers=_layers(model))
+        got = steps(model, nn.parallel.DistributedDataParallel(model, device_ids=[torch.cuda.current_device()]))
+    finally:
+        dist.destroy_process_group()
+    for step, (got_step, ref_step) in enumerate(zip(got, expected)):
+        assert got_step.keys() == ref_step.keys()
+        scale = max(g.abs().max().item() for g in ref_step.values() if g is not None)
+        for n, ref in ref_step.items():
+            assert (got_step[n] is None) == (ref is None), f"step {step}, {n}"
+            if ref is not None:
+                torch.testing.assert_close(got_step[n], ref, rtol=RTOL, atol=ATOL * scale,
+                                           msg=lambda m: f"step {step}, {n}: {m}")

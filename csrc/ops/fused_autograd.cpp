@@ -268,8 +268,8 @@ Tensor rotate_half(const Tensor& x) {
 // Sums a [B, H, S, D] product over the dims that `like` ([B or 1, S, D] or [S, D]) broadcasts, in one
 // reduction: one rounding in low precision, as autograd's sum_to_size (two sums in a row round twice).
 Tensor reduce_to(const Tensor& t, const Tensor& like) {
-  if (like.dim() == 2) return t.sum({0, 1});
-  return like.sym_size(0) == 1 ? t.sum({0, 1}).unsqueeze(0) : t.sum(1);
+  if (like.dim() == 2) return t.sum(at::IntArrayRef{0, 1});
+  return like.sym_size(0) == 1 ? t.sum(at::IntArrayRef{0, 1}).unsqueeze(0) : t.sum(1);
 }
 
 struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
