@@ -10,7 +10,7 @@ from ._extension import load as _load
 _C = _load()
 
 from .checkpoint import checkpoint, checkpoint_sequential, is_recomputing  # noqa: E402
-from .integration import disable_checkpointing, enable_checkpointing, explain  # noqa: E402
+from .stack import disable_checkpointing, enable_checkpointing, explain  # noqa: E402
 from .pool import empty_pool, is_pooled, pool_stats, record_stream, reset_peak_stats, set_pool_chunk_bytes  # noqa: E402
 from . import ops  # noqa: E402  (torch.ops.ckpt_ext: fake kernels, documented wrappers)
 from .fused import FusedTransformerLayer, fuse  # noqa: E402

@@ -145,8 +145,8 @@ def test_kv_cache_is_dropped_with_a_warning(caplog):
     ids, mask = _inputs()
     ref = _step(model, ids, mask)
     ckpt_ext.enable_checkpointing(model)
-    from ckpt_ext import integration
-    integration._CACHE_WARNED.clear()
+    from ckpt_ext import stack
+    stack._CACHE_WARNED.clear()
     with caplog.at_level(logging.WARNING, logger="ckpt_ext"):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1234)
