@@ -1,7 +1,10 @@
-"""ckpt_ext under Hugging Face's Trainer (accelerate underneath): a few training steps of a tiny GPT-2
-(random weights from a config, dropout on, in-memory data, CPU) give losses and final weights
-bit-identical to Trainer without checkpointing, and Trainer's gradient_checkpointing=True never
-checkpoints a layer a second time, whichever of ckpt_ext and Hugging Face's switch comes first."""
+"""ckpt_ext under Hugging Face's Trainer (accelerate underneath): a few SGD steps of a tiny GPT-2 (random
+weights from a config, dropout on, in-memory data, CPU) give losses and final weights bit-identical to
+Trainer with Hugging Face's own checkpointing (torch.utils.checkpoint) and equal to Trainer without
+checkpointing within rtol 1e-5 / atol 1e-7 (recomputing a layer changes the last bits of some CPU
+gradients of GPT2LMHeadModel, with torch.utils.checkpoint as with ckpt_ext); and Trainer's
+gradient_checkpointing=True never checkpoints a layer a second time, whichever of ckpt_ext and Hugging
+Face's switch comes first."""
 import copy
 import logging
 import warnings
@@ -41,9 +44,13 @@ class _RecordingTrainer(Trainer):
 
 
 def _train(model, tmp_path, checkpointing):
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=STEPS, per_device_train_batch_size=BATCH,
-                             learning_rate=1e-2, seed=3, report_to="none", save_strategy="no", logging_steps=1,
-                             disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=checkpointing)
+    with warnings.catch_warnings():
+        # The flag users have in their scripts; transformers 5.x renamed it activation_checkpointing (same switch).
+        warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=STEPS,
+                                 per_device_train_batch_size=BATCH, learning_rate=1e-1, optim="sgd", seed=3, report_to="none",
+                                 save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
+                                 gradient_checkpointing=checkpointing)
     trainer = _RecordingTrainer(model=model, args=args, train_dataset=_data())
     trainer.losses = []
     trainer.train()
@@ -59,20 +66,34 @@ def _count_attention_calls(model):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Trainer without checkpointing."""
+    """Trainer without checkpointing, and Trainer with Hugging Face's checkpointing (torch.utils.checkpoint)."""
     model = _model()
     calls = _count_attention_calls(model)
-    losses, weights = _train(model, tmp_path_factory.mktemp("ref"), checkpointing=False)
+    plain = _train(model, tmp_path_factory.mktemp("ref"), checkpointing=False)
     assert len(calls) == STEPS
-    return losses, weights
+    model = _model()
+    calls = _count_attention_calls(model)
+    hf = _train(model, tmp_path_factory.mktemp("hf"), checkpointing=True)
+    assert len(calls) == 2 * STEPS
+    return plain, hf
 
 
 def _assert_same_training(got, reference):
-    # The same ops in the same order, the replay restoring the RNG state: bit-identical, dropout on.
-    (losses, weights), (ref_losses, ref_weights) = got, reference
-    assert losses.shape == (STEPS,)
-    assert torch.equal(losses, ref_losses), (losses, ref_losses)
-    assert weights.keys() == ref_weights.keys()
+    (losses, weights), ((ref_losses, ref_weights), hf) = got, reference
+    assert losses.shape == (STEPS,) and weights.keys() == ref_weights.keys()
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-7)
+    for name in ref_weights:
+        torch.testing.assert_close(weights[name], ref_weights[name], rtol=1e-5, atol=1e-7, msg=name)
+    # The same ops in the same order as torch.utils.checkpoint, the replay restoring the RNG state.
+    assert torch.equal(losses, hf[0])
+    for name in ref_weights:
+        assert torch.equal(weights[name], hf[1][name]), name
+
+
+def _assert_unchanged_training(got, reference):
+    """Nothing checkpointed: bit-identical to Trainer without checkpointing."""
+    (losses, weights), ((ref_losses, ref_weights), _) = got, reference
+    assert torch.equal(losses, ref_losses)
     for name in ref_weights:
         assert torch.equal(weights[name], ref_weights[name]), name
 
@@ -102,7 +123,7 @@ def test_take_over_without_the_flag_checkpoints_nothing(tmp_path, reference):
     calls = _count_attention_calls(model)
     got = _train(model, tmp_path, checkpointing=False)
     assert len(calls) == STEPS
-    _assert_same_training(got, reference)
+    _assert_unchanged_training(got, reference)
 
 
 def test_hf_flag_first_then_take_over_hands_over(tmp_path, reference, caplog):
@@ -189,3 +210,30 @@ def test_ckpt_ext_calls_raise_no_future_warning():
         ckpt_ext.take_over_hf_checkpointing(model)
         model.gradient_checkpointing_enable()  # taken over: not the deprecated method of transformers
         model.gradient_checkpointing_disable()
+
+
+def test_accelerate_loop_with_enable_checkpointing_matches_without():
+    """Your own loop under accelerate: enable_checkpointing before accelerator.prepare."""
+    from accelerate import Accelerator
+
+    def run(checkpoint):
+        model = _model().train()
+        if checkpoint == "ckpt_ext":
+            ckpt_ext.enable_checkpointing(model)
+        elif checkpoint == "hf":
+            model.activation_checkpointing_enable()
+        accelerator = Accelerator(cpu=True)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        model, opt = accelerator.prepare(model, opt)
+        torch.manual_seed(5)
+        losses = []
+        for i in range(STEPS):
+            ids = torch.stack([row["input_ids"] for row in _data()[i * BATCH:(i + 1) * BATCH]])
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return torch.stack(losses), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    _assert_same_training(run("ckpt_ext"), (run(None), run("hf")))
