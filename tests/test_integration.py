@@ -358,9 +358,9 @@ def test_explain_returns_its_text_once_and_in_one_unit(capsys):
 # ---- warnings ----------------------------------------------------------------------------------------------------
 
 
-def test_kv_cache_line_is_said_once_for_gpt2_and_llama(caplog):
+def test_kv_cache_line_is_said_once_for_gpt2_and_llama(caplog, monkeypatch):
     from ckpt_ext import stack
-    stack._CACHE_WARNED.clear()
+    monkeypatch.setattr(stack, "_CACHE_WARNED", set())  # as in a fresh process; other tests' state kept
     with caplog.at_level(logging.WARNING, logger="ckpt_ext"):
         for make in (_gpt2, _llama, _gpt2):  # default configs: use_cache=True
             model = ckpt_ext.enable_checkpointing(make().train())
@@ -370,11 +370,11 @@ def test_kv_cache_line_is_said_once_for_gpt2_and_llama(caplog):
     assert caplog.text.count("KV cache") == 1
 
 
-def test_fused_layer_warnings_point_at_the_users_line():
+def test_fused_layer_warnings_point_at_the_users_line(monkeypatch):
     from ckpt_ext import fused
     model = ckpt_ext.fuse(_gpt2()).train()
     ids, mask = _inputs()
-    fused._warned.clear()
+    monkeypatch.setattr(fused, "_warned", set())  # warned once per process: as in a fresh one
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model(input_ids=ids, attention_mask=mask, use_cache=True)  # a cache in training: ignored, with a warning

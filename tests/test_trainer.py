@@ -237,3 +237,23 @@ def test_accelerate_loop_with_enable_checkpointing_matches_without():
         return torch.stack(losses), {n: p.detach().clone() for n, p in model.named_parameters()}
 
     _assert_same_training(run("ckpt_ext"), (run(None), run("hf")))
+
+
+def test_peft_lora_under_trainer_with_the_take_over(tmp_path):
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        model = peft.get_peft_model(_model(), peft.LoraConfig(r=4, lora_alpha=8, fan_in_fan_out=True,
+                                                              target_modules=["c_attn", "c_fc"]))
+        return model, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    model, before = lora()
+    plain = _train(model, tmp_path / "plain", checkpointing=False)
+    model, before = lora()
+    ckpt_ext.take_over_hf_checkpointing(model)  # on the PeftModel, which Trainer calls
+    calls = _count_attention_calls(model.base_model.model)
+    losses, weights = _train(model, tmp_path / "ckpt", checkpointing=True)
+    assert len(calls) == 2 * STEPS
+    torch.testing.assert_close(losses, plain[0], rtol=1e-5, atol=1e-7)
+    changed = {n for n in weights if not torch.equal(weights[n], before[n])}
+    assert changed and all("lora_" in n for n in changed)  # only the adapters train

@@ -27,8 +27,9 @@ _ACCEPTED_KWARGS = {"use_reentrant": (True, False), "preserve_rng_state": (True,
 
 
 def is_hf_model(model: nn.Module) -> bool:
-    """A transformers PreTrainedModel (or a model with its checkpointing switch), recognised by its methods."""
-    return any(callable(getattr(type(model), name, None)) for name in _ENABLE)
+    """A transformers PreTrainedModel, or a model that forwards its checkpointing switch to one (a peft
+    PeftModel), recognised by its methods."""
+    return any(callable(getattr(model, name, None)) for name in _ENABLE)
 
 
 def hf_checkpointing_on(model: nn.Module) -> bool:
@@ -79,10 +80,10 @@ def install_take_over(model: nn.Module, options: dict):
         return
     object.__setattr__(model, _OPTIONS, dict(options))
     for name in _ENABLE:
-        if callable(getattr(type(model), name, None)):
+        if callable(getattr(model, name, None)):
             object.__setattr__(model, name, types.MethodType(_enable, model))
     for name in _DISABLE:
-        if callable(getattr(type(model), name, None)):
+        if callable(getattr(model, name, None)):
             object.__setattr__(model, name, types.MethodType(_disable, model))
 
 
