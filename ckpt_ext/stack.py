@@ -347,8 +347,10 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     checkpoint and how to group them so that the activation bytes held from forward to backward (saved
     tensors and pooled boundaries, not parameters, gradients or optimizer state) plus the largest replay
     fit the budget with the least recompute. It measures each layer during the first training step and
-    plans for that step's input size; a budget below the least achievable raises ValueError stating the
-    minimum. ``ckpt_ext.explain(model)`` prints the plan. Returns the model."""
+    plans for that step's input size (and again, during its step, for an input larger in a dimension);
+    a budget below the least achievable raises ValueError stating the minimum. ``ckpt_ext.explain(model)``
+    describes the plan. Hugging Face's checkpointing switch of ``model``, turned on later (Trainer's
+    ``gradient_checkpointing=True``), is handed over to ckpt_ext. Returns the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_checkpointing expects an nn.Module, got {type(model).__name__}")
     options = {"every": every, "budget": budget, "layers": layers}
@@ -442,11 +444,11 @@ def explain(model: nn.Module) -> Explanation:
     elif planners:
         parts = []
         for p in planners:
-            head = f"{p.name or 'layers'}: {len(p.layers)} layers, budget {fmt_bytes(p.budget)}"
-            if p.plan is None:
+            head = f"{p.name or 'layers'}: {len(p.layers)} layers"
+            if p.plan is None:  # (a plan's description states the budget)
                 known = sum(c is not None for c in p.costs)
-                parts.append(f"{head}; plan pending: it is made during the first training step "
-                             f"({known}/{len(p.layers)} layers measured so far)")
+                parts.append(f"{head}, budget {fmt_bytes(p.budget)}; plan pending: it is made during the first "
+                             f"training step ({known}/{len(p.layers)} layers measured so far)")
             else:
                 state = "in use" if p.installed else "made; in use from the next training step"
                 others = [s for s in p.plans if s != p.shape]

@@ -48,9 +48,9 @@ def _train(model, tmp_path, checkpointing):
         # The flag users have in their scripts; transformers 5.x renamed it activation_checkpointing (same switch).
         warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
         args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=STEPS,
-                                 per_device_train_batch_size=BATCH, learning_rate=1e-1, optim="sgd", seed=3, report_to="none",
-                                 save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
-                                 gradient_checkpointing=checkpointing)
+                                 per_device_train_batch_size=BATCH, learning_rate=1e-1, optim="sgd", seed=3,
+                                 report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+                                 dataloader_num_workers=0, gradient_checkpointing=checkpointing)
     trainer = _RecordingTrainer(model=model, args=args, train_dataset=_data())
     trainer.losses = []
     trainer.train()
