@@ -407,7 +407,9 @@ def test_peft_lora_with_enable_checkpointing_matches_peft_without():
     _assert_same(ref, _step(model, ids, mask))
 
 
-def test_fuse_refuses_peft_adapters_before_and_after():
+def test_fuse_refuses_peft_adapters_before_and_after(monkeypatch):
+    from ckpt_ext import fused
+    monkeypatch.setattr(fused, "_warned", set())  # the KV-cache warning on the way: other tests' state kept
     with pytest.raises(ValueError, match="peft adapter.*merge_and_unload"):
         ckpt_ext.fuse(_lora_gpt2())
     peft = pytest.importorskip("peft")
