@@ -17,6 +17,7 @@ from torch import nn
 __all__ = ["take_over_hf_checkpointing", "hf_checkpointing_on", "install_take_over", "remove_take_over"]
 
 logger = logging.getLogger("ckpt_ext")
+# ckpt_ext.stack imports this module, so this one imports stack inside the functions that call it.
 
 _OPTIONS = "_ckpt_ext_hf_options"  # instance attribute: the enable_checkpointing options the flag means
 _ENABLE = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
@@ -40,7 +41,8 @@ def hf_checkpointing_on(model: nn.Module) -> bool:
 
 
 def _hf_checkpointing_off(model: nn.Module):
-    """Clears Hugging Face's per-module flags as its disable does (no FutureWarning, no input-grad hooks)."""
+    """Clears Hugging Face's per-module flags as its disable does, without its FutureWarning (the hook its
+    enable put on the input embeddings, making their output require grad, stays: harmless)."""
     for m in model.modules():
         if getattr(m, "gradient_checkpointing", False) is True:
             m.gradient_checkpointing = False
