@@ -4,16 +4,18 @@
     y = ckpt_ext.checkpoint(block, x)            # drop-in for torch.utils.checkpoint.checkpoint
     ckpt_ext.enable_checkpointing(model)         # checkpoint every layer of a layer-stack model
     ckpt_ext.fuse(model)                         # Hugging Face BERT/GPT-2/Llama layers -> C++ fused layers
+    ckpt_ext.take_over_hf_checkpointing(model)   # Trainer's gradient_checkpointing=True means ckpt_ext
 """
 from ._extension import load as _load
 
 _C = _load()
 
 from .checkpoint import checkpoint, checkpoint_sequential, is_recomputing  # noqa: E402
-from .integration import disable_checkpointing, enable_checkpointing, explain  # noqa: E402
+from .stack import disable_checkpointing, enable_checkpointing, explain  # noqa: E402
 from .pool import empty_pool, is_pooled, pool_stats, record_stream, reset_peak_stats, set_pool_chunk_bytes  # noqa: E402
 from . import ops  # noqa: E402  (torch.ops.ckpt_ext: fake kernels, documented wrappers)
 from .fused import FusedTransformerLayer, fuse  # noqa: E402
+from .hf import take_over_hf_checkpointing  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "enable_checkpointing",
     "disable_checkpointing",
     "explain",
+    "take_over_hf_checkpointing",
     "fuse",
     "FusedTransformerLayer",
     "pool_stats",

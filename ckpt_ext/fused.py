@@ -30,6 +30,8 @@ from torch import nn
 
 from ._compiler import check_not_capturing, eager_under_compile
 from ._extension import load
+from ._user_frame import user_stacklevel
+from .hf.peft import refuse_adapters
 
 _C = load()
 
@@ -91,7 +93,7 @@ _warned: set = set()
 def _warn_once(key, message: str):
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=user_stacklevel())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -373,6 +375,7 @@ class FusedTransformerLayer(nn.Module):
         if kwargs.get("output_attentions") or _collecting_attentions():
             fallback = "attention weights were requested"
         if any(parent._modules.get(name) is not child for parent, name, child in self._links):
+            refuse_adapters(self, f"fused {self.layer_class}: adapters added after ckpt_ext.fuse()", RuntimeError)
             _warn_once(("replaced", id(self)),
                        f"ckpt_ext: a submodule of a fused {self.layer_class} was replaced after fuse() (an adapter or "
                        "quantised layer?); that layer now runs Hugging Face's forward. Apply such changes before "
@@ -477,8 +480,9 @@ def fuse(model: nn.Module) -> nn.Module:
     has no supported layer, or none that can be fused. Rotary scaling variants (Llama ``rope_scaling``)
     need no support of their own: the fused layer applies the (cos, sin) tables the model computes.
 
-    Apply adapters or other module replacements before ``fuse``: a layer whose submodules are replaced
-    afterwards runs Hugging Face's forward (with a warning).
+    Apply module replacements (a quantised linear) before ``fuse``: a layer whose submodules are replaced
+    afterwards runs Hugging Face's forward (with a warning). peft adapters are not supported yet: a layer
+    holding one raises ``ValueError`` here, and one added after ``fuse`` raises ``RuntimeError`` at the call.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse expects an nn.Module, got {type(model).__name__}")
@@ -486,6 +490,8 @@ def fuse(model: nn.Module) -> nn.Module:
     if isinstance(model, FusedTransformerLayer) or type(model) in classes:
         raise ValueError("fuse expects a model containing layers; for a single layer use FusedTransformerLayer(layer)")
     targets = [(name, m) for name, m in model.named_modules() if type(m) in classes]
+    for name, m in targets:
+        refuse_adapters(m, f"ckpt_ext.fuse: layer {name}")
     if not targets:
         already = any(isinstance(m, FusedTransformerLayer) for m in model.modules())
         raise ValueError(

@@ -7,7 +7,6 @@ parameters, state_dict keys and optimizers are untouched.
 """
 import inspect
 import logging
-import time
 import types
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -18,7 +17,9 @@ from torch import nn
 from ._compiler import eager_under_compile
 from .checkpoint import _ATOMS, _add_module, _check_fsdp_units, _checkpoint, _Found, _fsdp_units_in
 from .fused import run_segment
-from .planner import LayerCost, Plan, parse_bytes, plan_chain
+from .hf.trainer import hf_checkpointing_on, install_take_over, remove_take_over
+from .planner import fmt_bytes, parse_bytes
+from .stack_plan import StackPlanner
 
 __all__ = ["enable_checkpointing", "disable_checkpointing", "explain"]
 
@@ -105,7 +106,7 @@ class _Group:
     the others hand the group's output on when the stack's loop reaches them. A `kept` group (chosen
     by the budget planner) runs its layers normally."""
 
-    def __init__(self, layers: List[nn.Module], index: int, planner: Optional["_StackPlanner"] = None,
+    def __init__(self, layers: List[nn.Module], index: int, planner: Optional[StackPlanner] = None,
                  kept: bool = False):
         self.layers = layers
         self.index = index  # position of the first layer in its stack
@@ -168,7 +169,7 @@ def _drop_cache(layer: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dic
         if (bool(holder[key]) if off is False else holder[key] is not None):
             holder[key] = off
             changed.append(name)
-    if changed and type(layer) not in _CACHE_WARNED:
+    if changed and not _CACHE_WARNED:  # said once: default configs (use_cache=True) reach it every run
         _CACHE_WARNED.add(type(layer))
         logger.warning("ckpt_ext: a KV cache cannot be used with checkpointing in training (the replay would "
                        "write it twice); %s of %s set to None/False.", ", ".join(changed), type(layer).__name__)
@@ -176,7 +177,7 @@ def _drop_cache(layer: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dic
 
 
 _SIGNATURES: Dict[type, Dict[str, int]] = {}
-_CACHE_WARNED: set = set()  # layer classes warned about (once per process, like Hugging Face's warning)
+_CACHE_WARNED: set = set()  # non-empty once warned (once per process, like Hugging Face's warning_once)
 
 
 def _signature(cls: type) -> Dict[str, int]:
@@ -191,79 +192,15 @@ def _signature(cls: type) -> Dict[str, int]:
     return sig
 
 
-class _StackPlanner:
-    """enable_checkpointing(budget=...) on one layer stack. The first training step checkpoints every
-    layer and probes each one first (its saved-tensor bytes, input bytes and forward time, measured on
-    a throw-away run with the RNG forked, so the step's results are unchanged); the plan is made as
-    soon as every layer is measured and installed when the next step starts."""
-
-    def __init__(self, name: str, layers: List[nn.Module], budget: int):
-        self.name = name
-        self.layers = layers
-        self.budget = budget
-        self.index = {id(m): i for i, m in enumerate(layers)}
-        self.costs: List[Optional[LayerCost]] = [None] * len(layers)
-        self.plan: Optional[Plan] = None
-        self.installed = False
-        self.shape = None  # input shape the plan was made for
-
-    def install_probe_groups(self):
-        _attach_groups([_Group([layer], i, self) for i, layer in enumerate(self.layers)])
-
-    def install_plan(self):
-        groups = []
-        for s, e, ckpt in self.plan.segments:
-            if ckpt:
-                groups.append(_Group(self.layers[s:e], s, self))
-            else:
-                groups.extend(_Group([self.layers[i]], i, self, kept=True) for i in range(s, e))
-        _attach_groups(groups)
-        self.installed = True
-
-    def probe(self, layer: nn.Module, args: Tuple, kwargs: Dict):
-        i = self.index[id(layer)]
-        if self.costs[i] is not None:
-            return
-        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        device = hidden.device if hidden is not None else torch.device("cpu")
-        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        storages: Dict[int, int] = {}
-
-        def pack(t):
-            st = t.untyped_storage()
-            if st.data_ptr() not in params:
-                storages[st.data_ptr()] = st.nbytes()
-            # Nothing is kept: this graph is measured, never differentiated (and a pack hook returning a
-            # saved output would tie it to its own grad_fn in a cycle that outlives the probe).
-            return None
-
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
-            out = type(layer).forward(layer, *args, **kwargs)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
-        del out
-        boundary = hidden.untyped_storage().nbytes() if hidden is not None else 0
-        self.costs[i] = LayerCost(sum(storages.values()), boundary, elapsed)
-        if i == 0:
-            self.shape = tuple(hidden.shape) if hidden is not None else None
-        if all(c is not None for c in self.costs):
-            try:
-                self.plan = plan_chain(self.costs, self.budget)
-            except ValueError:
-                # No plan fits the budget (the error states the minimum). Forget the measurements, so the
-                # next step measures again -- and raises again, unless its inputs are smaller.
-                self.costs = [None] * len(self.layers)
-                self.shape = None
-                raise
-
-
-def _never_unpacked(_):
-    raise RuntimeError("ckpt_ext: the planner's probe graph cannot be differentiated")
+def _attach_planned(planner: StackPlanner, segments: List[Tuple[int, int, bool]]):
+    """Installs a planner's groups: a checkpointed segment is one group, a kept layer a group of its own."""
+    groups = []
+    for s, e, ckpt in segments:
+        if ckpt:
+            groups.append(_Group(planner.layers[s:e], s, planner))
+        else:
+            groups.extend(_Group([planner.layers[i]], i, planner, kept=True) for i in range(s, e))
+    _attach_groups(groups)
 
 
 def _attach_groups(groups: List[_Group]):
@@ -310,12 +247,14 @@ def _layer_forward(self: nn.Module, *args, **kwargs):
 @eager_under_compile
 def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     group: _Group = getattr(self, _ATTR)
+    if getattr(self, "gradient_checkpointing", False) is True:
+        _refuse_hf_checkpointing(self, group)
     planner = group.planner
     if planner is not None:
-        if planner.plan is not None and not planner.installed and self is planner.layers[0]:
-            planner.install_plan()  # a new step begins: switch from probing to the plan
+        if self is planner.layers[0]:
+            planner.begin_step(args)  # a new step: install the plan, or plan again for a larger input
             group = getattr(self, _ATTR)
-        elif planner.plan is None:
+        if planner.plan is None:
             planner.probe(self, *_drop_cache(self, args, kwargs))
     if group.siblings and group.layers[0] is self:
         _check_order(group, args)
@@ -359,6 +298,16 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     return out
 
 
+def _refuse_hf_checkpointing(layer: nn.Module, group: _Group):
+    """Hugging Face's flag was set on a layer ckpt_ext checkpoints by a path the take-over does not see
+    (its switch on another module than the one given to enable_checkpointing, or the flag set by hand)."""
+    raise RuntimeError(
+        f"ckpt_ext checkpoints layer {group.index + group.layers.index(layer)} ({type(layer).__name__}), but Hugging "
+        "Face's gradient checkpointing was also enabled on it, so it would be checkpointed twice. Call "
+        "ckpt_ext.take_over_hf_checkpointing(model) on the model whose activation_checkpointing_enable() (or "
+        "Trainer's gradient_checkpointing=True) turns it on, or turn one of the two off.")
+
+
 def _param_count(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
@@ -398,25 +347,20 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     checkpoint and how to group them so that the activation bytes held from forward to backward (saved
     tensors and pooled boundaries, not parameters, gradients or optimizer state) plus the largest replay
     fit the budget with the least recompute. It measures each layer during the first training step and
-    plans for that step's input size; a budget below the least achievable raises ValueError stating the
-    minimum. ``ckpt_ext.explain(model)`` prints the plan. Returns the model."""
+    plans for that step's input size (and again, during its step, for an input larger in a dimension);
+    a budget below the least achievable raises ValueError stating the minimum. ``ckpt_ext.explain(model)``
+    describes the plan. Hugging Face's checkpointing switch of ``model``, turned on later (Trainer's
+    ``gradient_checkpointing=True``), is handed over to ckpt_ext. Returns the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_checkpointing expects an nn.Module, got {type(model).__name__}")
-    if budget is not None and every is not None:
-        raise ValueError("give either every= (fixed groups) or budget= (planned groups), not both")
-    budget_bytes = parse_bytes(budget) if budget is not None else None
-    every = 1 if every is None else every
-    if isinstance(every, bool) or not isinstance(every, int):
-        raise TypeError(f"every must be a positive int, got {every!r}")
-    if every < 1:
-        raise ValueError(f"every must be at least 1, got {every}")
-    hf_flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
-    if getattr(model, hf_flag, False) or any(
-            getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+    options = {"every": every, "budget": budget, "layers": layers}
+    every, budget_bytes = _check_options(every, budget)
+    if hf_checkpointing_on(model):
         raise ValueError("this model has Hugging Face gradient checkpointing enabled; call "
                          "model.activation_checkpointing_disable() (gradient_checkpointing_disable() before "
                          "transformers 5.x renamed it) before ckpt_ext.enable_checkpointing(model), or the "
-                         "layers would be checkpointed twice")
+                         "layers would be checkpointed twice -- or ckpt_ext.take_over_hf_checkpointing(model), "
+                         "which hands Hugging Face's checkpointing over to ckpt_ext")
     if layers is not None:
         if isinstance(layers, (nn.ModuleList, nn.Sequential)):
             stacks = [("layers", layers)]
@@ -444,15 +388,45 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     for name, stack in stacks:
         mods = list(stack)
         if budget_bytes is not None:
-            _StackPlanner(name, mods, budget_bytes).install_probe_groups()
+            StackPlanner(name, mods, budget_bytes, _attach_planned).install_probe_groups()
             continue
         _attach_groups([_Group(mods[start:start + every], start) for start in range(0, len(mods), every)])
+    # Hugging Face's switch (Trainer's gradient_checkpointing=True) turned on later means ckpt_ext: a
+    # hand-over, never a second checkpoint around the same layers.
+    install_take_over(model, options)
     return model
 
 
-def explain(model: nn.Module) -> str:
-    """Prints (and returns) how ckpt_ext checkpoints the model: the groups, and for a budget the plan
-    with its predicted bytes held and recompute."""
+def _check_options(every, budget) -> Tuple[int, Optional[int]]:
+    """Validates enable_checkpointing's every/budget; returns (every, budget in bytes or None)."""
+    if budget is not None and every is not None:
+        raise ValueError("give either every= (fixed groups) or budget= (planned groups), not both")
+    budget_bytes = parse_bytes(budget) if budget is not None else None
+    every = 1 if every is None else every
+    if isinstance(every, bool) or not isinstance(every, int):
+        raise TypeError(f"every must be a positive int, got {every!r}")
+    if every < 1:
+        raise ValueError(f"every must be at least 1, got {every}")
+    return every, budget_bytes
+
+
+def is_enabled(model: nn.Module) -> bool:
+    """Whether enable_checkpointing is in effect on a module of ``model``."""
+    return any(_ATTR in m.__dict__ for m in model.modules())
+
+
+class Explanation(str):
+    """explain()'s text: a str whose repr is the text itself, so a REPL shows it once, readably (the
+    string is returned, not printed: ``print(ckpt_ext.explain(model))`` in a script)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def explain(model: nn.Module) -> Explanation:
+    """Says how ckpt_ext checkpoints the model: the groups, and for a budget the plan with its predicted
+    bytes held and recompute. Returns the text (a str that a REPL displays as it is); it prints
+    nothing."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"explain expects an nn.Module, got {type(model).__name__}")
     groups, planners = [], []
@@ -470,29 +444,36 @@ def explain(model: nn.Module) -> str:
     elif planners:
         parts = []
         for p in planners:
-            head = f"{p.name or 'layers'}: {len(p.layers)} layers, budget {p.budget} bytes"
-            if p.plan is None:
+            head = f"{p.name or 'layers'}: {len(p.layers)} layers"
+            if p.plan is None:  # (a plan's description states the budget)
                 known = sum(c is not None for c in p.costs)
-                parts.append(f"{head}; plan pending: it is made during the first training step "
-                             f"({known}/{len(p.layers)} layers measured so far)")
+                parts.append(f"{head}, budget {fmt_bytes(p.budget)}; plan pending: it is made during the first "
+                             f"training step ({known}/{len(p.layers)} layers measured so far)")
             else:
                 state = "in use" if p.installed else "made; in use from the next training step"
-                parts.append(f"{head}; plan {state}, for input shape {p.shape}\n{p.plan.describe()}")
+                others = [s for s in p.plans if s != p.shape]
+                more = (f" (also planned for {', '.join(map(str, others))}; a larger input is planned for when "
+                        "it comes)") if others else " (a larger input is planned for when it comes)"
+                parts.append(f"{head}; plan {state}, for input shape {p.shape}{more}\n{p.plan.describe()}")
         text = "\n".join(parts)
     else:
         sizes = sorted({len(g.layers) for g in groups})
         text = (f"ckpt_ext checkpoints {sum(len(g.layers) for g in groups)} layers in {len(groups)} groups of "
                 f"{'/'.join(map(str, sizes))} layer(s); every group keeps only its input from forward to backward.")
-    print(text)
-    return text
+    return Explanation(text)
 
 
 def disable_checkpointing(model: nn.Module) -> nn.Module:
     """Undoes enable_checkpointing; returns the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"disable_checkpointing expects an nn.Module, got {type(model).__name__}")
+    _detach_groups(model)
+    remove_take_over(model)
+    return model
+
+
+def _detach_groups(model: nn.Module):
     for m in model.modules():
         if _ATTR in m.__dict__:
             del m.__dict__[_ATTR]
             m.__dict__.pop("forward", None)
-    return model

@@ -1,0 +1,127 @@
+"""ckpt_ext in place of Hugging Face's activation (gradient) checkpointing, for Trainer and accelerate.
+
+transformers 5.x checkpoints a layer when its ``gradient_checkpointing`` attribute is True: the class
+``forward`` of every ``GradientCheckpointingLayer`` is wrapped to call ``_gradient_checkpointing_func``.
+``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before 5.x renamed it),
+which ``Trainer`` calls for ``TrainingArguments(gradient_checkpointing=True)``, sets those attributes.
+A layer that ckpt_ext checkpoints and whose flag is also set would be checkpointed twice (run three
+times per step), so ckpt_ext takes those four methods over on the model instance: enabling means
+``ckpt_ext.enable_checkpointing`` and disabling means ``ckpt_ext.disable_checkpointing``.
+"""
+import logging
+import types
+from typing import Optional, Union
+
+from torch import nn
+
+__all__ = ["take_over_hf_checkpointing", "hf_checkpointing_on", "install_take_over", "remove_take_over"]
+
+logger = logging.getLogger("ckpt_ext")
+# ckpt_ext.stack imports this module, so this one imports stack inside the functions that call it.
+
+_OPTIONS = "_ckpt_ext_hf_options"  # instance attribute: the enable_checkpointing options the flag means
+_ENABLE = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+_DISABLE = ("activation_checkpointing_disable", "gradient_checkpointing_disable")
+# Keyword arguments of HF's checkpoint function that ckpt_ext satisfies as they are meant: ckpt_ext's
+# checkpoint is non-reentrant-like (inputs need not require grad) and always restores the RNG state.
+_ACCEPTED_KWARGS = {"use_reentrant": (True, False), "preserve_rng_state": (True,)}
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """A transformers PreTrainedModel, or a model that forwards its checkpointing switch to one (a peft
+    PeftModel), recognised by its methods."""
+    return any(callable(getattr(model, name, None)) for name in _ENABLE)
+
+
+def hf_checkpointing_on(model: nn.Module) -> bool:
+    """Whether Hugging Face's checkpointing is enabled on a module of ``model``. Reads the per-module
+    flags that ``is_activation_checkpointing`` reads, without its deprecated alias
+    ``is_gradient_checkpointing`` (which warns FutureWarning in transformers 5.x)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def _hf_checkpointing_off(model: nn.Module):
+    """Clears Hugging Face's per-module flags as its disable does, without its FutureWarning (the hook its
+    enable put on the input embeddings, making their output require grad, stays: harmless)."""
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False) is True:
+            m.gradient_checkpointing = False
+
+
+def take_over_hf_checkpointing(model: nn.Module, every: Optional[int] = None,
+                               budget: Union[int, str, None] = None) -> nn.Module:
+    """Makes Hugging Face's checkpointing switch of ``model`` mean ckpt_ext: afterwards
+    ``TrainingArguments(gradient_checkpointing=True)`` (Trainer calls ``model.activation_checkpointing_enable()``)
+    and ``model.gradient_checkpointing_enable()`` run ``ckpt_ext.enable_checkpointing(model, every=every,
+    budget=budget)``, and the disable methods ``ckpt_ext.disable_checkpointing``. If Hugging Face's
+    checkpointing is already on, it is handed over to ckpt_ext now. Returns the model.
+
+    The switch's ``use_reentrant`` is accepted and has no effect (ckpt_ext needs no input that requires
+    grad); ``every_n_layers`` other than 1, ``offload=True`` and other checkpoint arguments raise
+    ``ValueError`` (give ckpt_ext's ``every=``/``budget=`` here instead)."""
+    from ..stack import _check_options, enable_checkpointing
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"take_over_hf_checkpointing expects an nn.Module, got {type(model).__name__}")
+    if not is_hf_model(model):
+        raise TypeError(f"take_over_hf_checkpointing expects a Hugging Face model (a transformers PreTrainedModel "
+                        f"with activation_checkpointing_enable); {type(model).__name__} has none. Call "
+                        "ckpt_ext.enable_checkpointing(model) directly.")
+    _check_options(every, budget)
+    if hf_checkpointing_on(model):
+        _hf_checkpointing_off(model)
+        logger.info("ckpt_ext: Hugging Face's checkpointing of %s handed over to ckpt_ext", type(model).__name__)
+        enable_checkpointing(model, every=every, budget=budget)
+    install_take_over(model, {"every": every, "budget": budget})
+    return model
+
+
+def install_take_over(model: nn.Module, options: dict):
+    """Replaces the model instance's four checkpointing methods, so that enabling means
+    ``enable_checkpointing(model, **options)`` (a no-op on a model that is not Hugging Face's)."""
+    if not is_hf_model(model):
+        return
+    object.__setattr__(model, _OPTIONS, dict(options))
+    for name in _ENABLE:
+        if callable(getattr(model, name, None)):
+            object.__setattr__(model, name, types.MethodType(_enable, model))
+    for name in _DISABLE:
+        if callable(getattr(model, name, None)):
+            object.__setattr__(model, name, types.MethodType(_disable, model))
+
+
+def remove_take_over(model: nn.Module):
+    """Gives the four methods back to Hugging Face."""
+    if model.__dict__.pop(_OPTIONS, None) is not None:
+        for name in _ENABLE + _DISABLE:
+            model.__dict__.pop(name, None)
+
+
+def _check_hf_arguments(kwargs: Optional[dict], every_n_layers: int, offload: bool):
+    where = "ckpt_ext checkpoints this model (ckpt_ext.take_over_hf_checkpointing)"
+    if every_n_layers != 1:
+        raise ValueError(f"{where}: every_n_layers={every_n_layers} (Hugging Face's every n-th layer) has no "
+                         "ckpt_ext meaning; give ckpt_ext.take_over_hf_checkpointing(model, every=k) (groups of k "
+                         "layers) or budget= instead")
+    if offload:
+        raise ValueError(f"{where}: offload=True (saved activations in host memory) is not supported by ckpt_ext")
+    for key, value in (kwargs or {}).items():
+        if key not in _ACCEPTED_KWARGS or value not in _ACCEPTED_KWARGS[key]:
+            raise ValueError(f"{where}: the checkpoint argument {key}={value!r} has no ckpt_ext equivalent "
+                             f"(accepted: use_reentrant, preserve_rng_state=True)")
+
+
+def _enable(model: nn.Module, activation_checkpointing_kwargs: Optional[dict] = None, every_n_layers: int = 1,
+            offload: bool = False, *, gradient_checkpointing_kwargs: Optional[dict] = None):
+    """Hugging Face's enable, taken over (both names: the kwargs arrive under either)."""
+    from ..stack import enable_checkpointing, is_enabled
+    _check_hf_arguments(activation_checkpointing_kwargs or gradient_checkpointing_kwargs, every_n_layers, offload)
+    if is_enabled(model):
+        logger.info("ckpt_ext: %s is checkpointed by ckpt_ext already; Hugging Face's checkpointing switch is "
+                    "handed over to it", type(model).__name__)
+        return
+    enable_checkpointing(model, **model.__dict__[_OPTIONS])
+
+
+def _disable(model: nn.Module):
+    from ..stack import _detach_groups
+    _detach_groups(model)  # the take-over stays: enabling again means ckpt_ext again

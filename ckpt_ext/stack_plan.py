@@ -1,0 +1,128 @@
+"""enable_checkpointing(budget=...) on one layer stack: measures each layer during a training step, plans
+with ckpt_ext.planner, and plans again when a larger input comes (stack.py installs the groups)."""
+import logging
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .planner import LayerCost, Plan, plan_chain
+
+__all__ = ["StackPlanner"]
+
+logger = logging.getLogger("ckpt_ext")
+
+
+class StackPlanner:
+    """enable_checkpointing(budget=...) on one layer stack. The first training step checkpoints every
+    layer and probes each one first (its saved-tensor bytes, input bytes and forward time, measured on
+    a throw-away run with the RNG forked, so the step's results are unchanged); the plan is made as
+    soon as every layer is measured and installed when the next step starts."""
+
+    def __init__(self, name: str, layers: List[nn.Module], budget: int, attach: Callable):
+        self.name = name
+        self.attach = attach  # attach(planner, segments): installs (start, end, checkpointed) groups
+        self.layers = layers
+        self.budget = budget
+        self.index = {id(m): i for i, m in enumerate(layers)}
+        self.costs: List[Optional[LayerCost]] = [None] * len(layers)
+        self.plan: Optional[Plan] = None
+        self.installed = False
+        self.shape = None  # input shape the plan was made for
+        self.plans: Dict[Optional[Tuple[int, ...]], Plan] = {}  # plans made so far, by input shape
+
+    def begin_step(self, args: Tuple):
+        """At the first layer of a training step: keeps the plan when it was made for an input at least as
+        large in every dimension (its tensors are no larger, so it still fits the budget); else installs
+        such a plan made earlier, or starts measuring again to plan for this input."""
+        if self.plan is None:
+            return  # measuring (the first step, or a new input size)
+        shape = _shape_of(args)
+        if self.installed and _covers(self.shape, shape):
+            return
+        known = next((s for s in reversed(list(self.plans)) if _covers(s, shape)), None)
+        if known is not None:
+            self.shape, self.plan = known, self.plans[known]
+            self.install_plan()
+            return
+        logger.info("ckpt_ext: %s receives input of shape %s, larger than the %s its plan was made for; "
+                    "measuring again to plan for it during this step", self.name or "layers", shape, self.shape)
+        self.costs = [None] * len(self.layers)
+        self.plan, self.shape, self.installed = None, None, False
+        self.install_probe_groups()
+
+    def install_probe_groups(self):
+        """Every layer checkpointed alone (and probed), until a plan is made."""
+        self.attach(self, [(i, i + 1, True) for i in range(len(self.layers))])
+
+    def install_plan(self):
+        self.attach(self, self.plan.segments)
+        self.installed = True
+
+    def probe(self, layer: nn.Module, args: Tuple, kwargs: Dict):
+        i = self.index[id(layer)]
+        if self.costs[i] is not None:
+            return
+        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        device = hidden.device if hidden is not None else torch.device("cpu")
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        storages: Dict[int, torch.UntypedStorage] = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                # The storage is held until the probe ends: freed, its address could be handed to a later
+                # saved tensor, which would then count as the same one (the allocator decides, so the
+                # measured bytes -- and the least achievable budget -- varied from run to run).
+                storages[st.data_ptr()] = st
+            # The graph keeps nothing: it is measured, never differentiated (and a pack hook returning a
+            # saved output would tie it to its own grad_fn in a cycle that outlives the probe).
+            return None
+
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
+            out = type(layer).forward(layer, *args, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        del out
+        saved = sum(st.nbytes() for st in storages.values())
+        storages.clear()
+        boundary = hidden.untyped_storage().nbytes() if hidden is not None else 0
+        self.costs[i] = LayerCost(saved, boundary, elapsed)
+        if i == 0:
+            self.shape = _shape_of(args)
+        if all(c is not None for c in self.costs):
+            try:
+                self.plan = plan_chain(self.costs, self.budget)
+                self.plans[self.shape] = self.plan
+                while len(self.plans) > _MAX_PLANS:
+                    del self.plans[next(iter(self.plans))]
+            except ValueError:
+                # No plan fits the budget (the error states the minimum). Forget the measurements, so the
+                # next step measures again -- and raises again, unless its inputs are smaller.
+                self.costs = [None] * len(self.layers)
+                self.shape = None
+                raise
+
+
+_MAX_PLANS = 8  # plans kept per stack (inputs whose size varies from step to step re-plan once per size)
+
+
+def _shape_of(args: Tuple) -> Optional[Tuple[int, ...]]:
+    return tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else None
+
+
+def _covers(planned: Optional[Tuple[int, ...]], shape: Optional[Tuple[int, ...]]) -> bool:
+    """Whether a plan made for input `planned` serves input `shape`: no dimension is larger."""
+    if planned is None or shape is None or len(planned) != len(shape):
+        return planned == shape
+    return all(p >= s for p, s in zip(planned, shape))
+
+
+def _never_unpacked(_):
+    raise RuntimeError("ckpt_ext: the planner's probe graph cannot be differentiated")
