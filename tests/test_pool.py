@@ -350,7 +350,8 @@ def test_empty_tensors_are_not_pooled():
 MIN_CHUNK = ckpt_ext._C.pool_min_chunk_bytes  # defined once, in the C++ pool
 
 
-@pytest.mark.parametrize("nbytes,error", [(0, ValueError), (-1, ValueError), (MIN_CHUNK - 1, ValueError), (1 << 62, ValueError),
+@pytest.mark.parametrize("nbytes,error", [(0, ValueError), (-1, ValueError), (MIN_CHUNK - 1, ValueError),
+                                          (1 << 62, ValueError),
                                           (2.0, TypeError), (True, TypeError), ("4096", TypeError), (None, TypeError)])
 def test_set_pool_chunk_bytes_invalid(nbytes, error):
     before = ckpt_ext._C.pool_chunk_bytes(CPU)
