@@ -267,7 +267,10 @@ def test_budget_plans_fit_and_give_identical_gradients():
     costs = plans[0][1].costs
     recomputes = [plan_chain(costs, budget).recompute / plans[0][1].total_compute for budget, _ in plans]
     assert recomputes == sorted(recomputes)
-    assert recomputes[0] < 0.25 < recomputes[-1]  # the full budget keeps nearly everything
+    # The full budget keeps nearly everything; half of it must replay something. (A share of the step's
+    # time is not asserted for the half budget: on a loaded machine one layer's measured time can swamp
+    # the others', and a plan replaying a few percent is then right.)
+    assert recomputes[0] < 0.25 and recomputes[0] < recomputes[-1]
     assert plans[0][1].recompute / plans[0][1].total_compute < 0.25
     ckpt_ext.disable_checkpointing(model)
     assert "not enabled" in ckpt_ext.explain(model)
