@@ -35,30 +35,37 @@ def _device(device: DeviceLike) -> torch.device:
 
 
 def pool_stats(device: DeviceLike = None) -> Dict[str, int]:
-    """Counters of the device's pool: ``reserved_bytes`` (held in chunks), ``in_use_bytes`` (live
-    slots), ``peak_in_use_bytes``, ``live_slots``, ``grows`` (chunks ever added), ``chunks``,
-    ``allocations`` and ``stream_fences``. Default device: the current CUDA device, else CPU."""
+    """Counters of the device's pool: ``reserved_bytes`` (held in chunks), ``peak_reserved_bytes``,
+    ``in_use_bytes`` (live slots), ``peak_in_use_bytes``, ``live_slots``, ``grows`` (chunks ever added),
+    ``releases`` (chunks ever given back), ``chunks``, ``allocations`` and ``stream_fences``. Peaks are
+    high-water marks since the last `reset_peak_stats`. Default device: the current CUDA device, else CPU.
+
+    A chunk goes back to PyTorch's allocator as soon as its last slot is freed, except one spare
+    shared chunk kept for the next step, so ``reserved_bytes`` falls during backward."""
     return dict(_C.pool_stats(_device(device)))
 
 
 def reset_peak_stats(device: DeviceLike = None) -> None:
-    """Sets ``peak_in_use_bytes`` of the device's pool to its current ``in_use_bytes``."""
+    """Sets ``peak_in_use_bytes`` and ``peak_reserved_bytes`` of the device's pool to the current values."""
     _C.reset_peak_stats(_device(device))
 
 
 def empty_pool(device: DeviceLike = None) -> int:
-    """Returns the pool's chunks that hold no live slot to PyTorch's allocator; returns the bytes freed."""
+    """Returns the pool's chunks that hold no live slot (the spare, if any) to PyTorch's allocator;
+    returns the bytes freed."""
     return int(_C.empty_pool(_device(device)))
 
 
 def set_pool_chunk_bytes(nbytes: int, device: DeviceLike = None) -> None:
     """Size of the chunks the device's arena grows by (default 64 MiB on GPUs, 4 MiB on CPU; the
-    environment variable CKPT_EXT_POOL_CHUNK_MB sets the default). Affects later growth only."""
+    environment variable CKPT_EXT_POOL_CHUNK_MB sets the default). Affects later growth only. A slot
+    of more than a quarter of this gets a chunk of exactly its own size; smaller slots share chunks
+    holding a whole number of them."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise TypeError(f"nbytes must be an int (bytes), got {type(nbytes).__name__}; "
                         "for '64MiB' use ckpt_ext.planner.parse_bytes('64MiB')")
-    if nbytes < 256:
-        raise ValueError(f"nbytes must be at least 256, got {nbytes}")
+    if nbytes < _C.pool_min_chunk_bytes:
+        raise ValueError(f"nbytes must be at least {_C.pool_min_chunk_bytes}, got {nbytes}")
     d = _device(device)
     total = _device_memory(d)
     if total is not None and nbytes > total:

@@ -15,10 +15,12 @@ namespace {
 py::dict stats_dict(const ckpt_ext::PoolStats& s) {
   py::dict d;
   d["reserved_bytes"] = s.reserved_bytes;
+  d["peak_reserved_bytes"] = s.peak_reserved_bytes;
   d["in_use_bytes"] = s.in_use_bytes;
   d["peak_in_use_bytes"] = s.peak_in_use_bytes;
   d["live_slots"] = s.live_slots;
   d["grows"] = s.grows;
+  d["releases"] = s.releases;
   d["chunks"] = s.chunks;
   d["allocations"] = s.allocations;
   d["stream_fences"] = s.stream_fences;
@@ -129,6 +131,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("empty_pool", [](c10::Device d) { return BoundaryPool::for_device(d)->release_unused(); });
   m.def("set_pool_chunk_bytes", [](c10::Device d, int64_t bytes) { BoundaryPool::for_device(d)->set_chunk_bytes(bytes); });
   m.def("pool_chunk_bytes", [](c10::Device d) { return BoundaryPool::for_device(d)->chunk_bytes(); });
+  m.attr("pool_min_chunk_bytes") = BoundaryPool::kMinChunkBytes;
   m.def("pool_store", [](const at::Tensor& t) { return BoundaryPool::for_device(t.device())->store(t); });
   m.def("is_pooled", &BoundaryPool::owns);
   m.def("record_stream", [](const at::Tensor& t, int64_t stream_id, int64_t device_index, int64_t device_type) {

@@ -1,8 +1,10 @@
-"""The planner: the dynamic program is optimal (brute force on small chains), the budget is respected,
-a larger budget never recomputes more, and sizes parse."""
+"""The planner: its plan is optimal on integer computes and within 1% on any (brute force on small
+chains), the budget is respected, a larger budget never recomputes more, a chain of 128 varied layers
+plans in seconds, and sizes parse."""
 import gc
 import itertools
 import random
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -41,6 +43,93 @@ def test_dp_matches_brute_force(costs, frac):
     assert plan.need_bytes <= budget
     assert plan.recompute == brute_force(costs, budget)
     assert plan_chain(costs, None).need_bytes == least
+
+
+float_layer = st.builds(LayerCost, act_bytes=st.integers(0, 1000), boundary_bytes=st.integers(0, 200),
+                        compute=st.floats(0.0, 50.0) | st.just(0.0))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None)
+@given(costs=st.lists(float_layer, min_size=1, max_size=6), frac=st.floats(0.0, 1.2))
+def test_recompute_within_one_percent_on_any_computes(costs, frac):
+    # Measured computes are not integers: the planner counts recompute in units, and certifies 1%.
+    total = sum(c.act_bytes for c in costs)
+    least = min(p.need_bytes for p in all_plans(costs))
+    budget = int(least + frac * max(0, total - least))
+    plan = plan_chain(costs, budget)
+    best = brute_force(costs, budget)
+    assert plan.need_bytes <= budget
+    assert best <= plan.recompute <= 1.01 * best + 1e-12
+    if best == 0:
+        assert plan.recompute == 0  # found exactly
+    assert plan_chain(costs, None).need_bytes == least
+
+
+def pareto_reference(costs, budget):
+    """The least recompute of a plan fitting `budget`, exactly: for every bound on the largest replay, a
+    DP over segment ends keeping Pareto fronts of (held, recompute) -- the planner's former algorithm,
+    exponential in the worst case, fine for a dozen layers."""
+    n = len(costs)
+    pa = [0]
+    for c in costs:
+        pa.append(pa[-1] + c.act_bytes)
+    best = None
+    for bound in sorted({pa[j] - pa[i] for i in range(n) for j in range(i + 1, n + 1)} | {0}):
+        if bound > budget:
+            break
+        fronts = [[(0, 0.0)]]
+        for j in range(1, n + 1):
+            cand = [(h + costs[j - 1].act_bytes, rc) for h, rc in fronts[j - 1]]
+            cand += [(h + costs[i].boundary_bytes, rc + sum(c.compute for c in costs[i:j]))
+                     for i in range(j) if pa[j] - pa[i] <= bound for h, rc in fronts[i]]
+            front = []
+            for h, rc in sorted(cand):
+                if h + bound <= budget and (not front or rc < front[-1][1]):
+                    front.append((h, rc))
+            fronts.append(front)
+        if fronts[n]:
+            best = min(best if best is not None else float("inf"), fronts[n][-1][1])
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_within_one_percent_of_exact_on_a_dozen_layers(seed):
+    rng = random.Random(seed)
+    costs = [LayerCost(rng.randint(50, 500), rng.randint(5, 60), rng.uniform(0.5, 9.0)) for _ in range(12)]
+    least = plan_chain(costs, None).need_bytes
+    total = sum(c.act_bytes for c in costs)
+    for frac in (0.05, 0.3, 0.7):
+        budget = int(least + frac * (total - least))
+        plan = plan_chain(costs, budget)
+        best = pareto_reference(costs, budget)
+        assert plan.need_bytes <= budget
+        assert best <= plan.recompute <= 1.01 * best
+
+
+def _varied(n, seed, integral=False):
+    rng = random.Random(seed)
+    return [LayerCost(rng.randint(40, 400) << 20, rng.randint(4, 40) << 20,
+                      float(rng.randint(1, 9)) if integral else rng.uniform(1.0, 9.0)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("integral", [False, True])
+def test_128_varied_layers_plan_in_seconds(integral):
+    # < 1 s on an idle machine (benchmarks/bench_planner.py); 10 s leaves room for a loaded CI runner.
+    costs = _varied(128, seed=1, integral=integral)
+    total = sum(c.act_bytes for c in costs)
+    start = time.perf_counter()
+    least = plan_chain(costs, None)
+    plans = [plan_chain(costs, int(f * total)) for f in (0.15, 0.3, 0.6)]
+    elapsed = time.perf_counter() - start
+    assert elapsed < 10, f"planning 128 layers took {elapsed:.1f} s"
+    last = float("inf")
+    for f, plan in zip((0.15, 0.3, 0.6), plans):
+        assert least.need_bytes <= plan.need_bytes <= int(f * total)
+        assert plan.recompute < last  # more memory, less recompute
+        last = plan.recompute
+        assert plan.segments[0][0] == 0 and plan.segments[-1][1] == 128
+        assert all(a[1] == b[0] for a, b in zip(plan.segments, plan.segments[1:]))
+    assert sqrt_plan(costs).need_bytes >= least.need_bytes
 
 
 def test_budget_below_minimum_raises_with_the_minimum():
@@ -178,7 +267,10 @@ def test_budget_plans_fit_and_give_identical_gradients():
     costs = plans[0][1].costs
     recomputes = [plan_chain(costs, budget).recompute / plans[0][1].total_compute for budget, _ in plans]
     assert recomputes == sorted(recomputes)
-    assert recomputes[0] < 0.25 < recomputes[-1]  # the full budget keeps nearly everything
+    # The full budget keeps nearly everything; half of it must replay something. (A share of the step's
+    # time is not asserted for the half budget: on a loaded machine one layer's measured time can swamp
+    # the others', and a plan replaying a few percent is then right.)
+    assert recomputes[0] < 0.25 and recomputes[0] < recomputes[-1]
     assert plans[0][1].recompute / plans[0][1].total_compute < 0.25
     ckpt_ext.disable_checkpointing(model)
     assert "not enabled" in ckpt_ext.explain(model)

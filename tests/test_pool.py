@@ -101,6 +101,63 @@ def test_steady_state_training_does_not_grow_the_pool():
     assert stats()["in_use_bytes"] == start["in_use_bytes"]
 
 
+BOUNDARY = (64, 19)  # float32: 4864 bytes, a multiple of the alignment
+BOUNDARY_BYTES = 64 * 19 * 4
+
+
+def _sampled_backward(stack, x):
+    """Forward through checkpointed blocks keeping only the last output; returns the pool's stats
+    after forward and as sampled by a hook on each boundary's gradient during backward."""
+    samples = []
+    h = x
+    for block in stack:
+        h = ckpt_ext.checkpoint(block, h)
+        h.register_hook(lambda g: samples.append(ckpt_ext.pool_stats("cpu")))
+    after_forward = ckpt_ext.pool_stats("cpu")
+    loss = loss_of(h)
+    del h  # the graph alone holds the boundaries now
+    loss.backward()
+    return after_forward, samples
+
+
+def test_reserved_bytes_fall_during_backward(chunk_bytes):
+    _empty_pool_at_start()
+    chunk = 4 * BOUNDARY_BYTES  # four boundaries a chunk: twelve layers fill three
+    chunk_bytes(chunk)
+    stack = make_stack(12, p=0.1, seed=7)
+    x, = leaf_inputs(BOUNDARY, seed=7)
+    after_forward, samples = _sampled_backward(stack, x)
+    assert (after_forward["reserved_bytes"], after_forward["live_slots"]) == (3 * chunk, 12)
+    reserved = [s["reserved_bytes"] for s in samples]
+    assert len(reserved) == 12 and reserved == sorted(reserved, reverse=True)
+    assert min(reserved) < after_forward["reserved_bytes"]  # given back while backward still runs
+    # What is reserved beyond the live slots is at most the spare and one partly freed chunk.
+    assert all(s["reserved_bytes"] - s["in_use_bytes"] <= 2 * chunk for s in samples)
+    end = stats()
+    assert (end["reserved_bytes"], end["chunks"], end["live_slots"]) == (chunk, 1, 0)  # the spare
+
+
+def test_training_loop_reaches_a_steady_state(chunk_bytes):
+    # Chunks go back and come again every step; what the pool holds between steps and at its peak
+    # within a step stays the same for 50 steps after the warm-up.
+    _empty_pool_at_start()
+    chunk_bytes(4 * BOUNDARY_BYTES)
+    stack = make_stack(12, p=0.1, seed=8)
+    params = dict(stack.named_parameters())
+    x, = leaf_inputs(BOUNDARY, seed=8)
+    for step in range(3):
+        run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=step)
+    before = ckpt_ext.pool_stats("cpu")
+    seen = set()
+    for step in range(50):
+        ckpt_ext.reset_peak_stats("cpu")
+        run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=step)
+        s = ckpt_ext.pool_stats("cpu")
+        seen.add((s["reserved_bytes"], s["chunks"], s["peak_reserved_bytes"], s["in_use_bytes"]))
+    assert seen == {(4 * BOUNDARY_BYTES, 1, 3 * 4 * BOUNDARY_BYTES, 0)}
+    assert ckpt_ext.pool_stats("cpu")["releases"] - before["releases"] == 50 * 2  # not vacuous
+
+
 def test_checkpointed_training_matches_after_many_steps():
     # Slots reused step after step still hold the right boundaries.
     stack = make_stack(3, p=0.2, seed=4)
@@ -191,28 +248,56 @@ def _empty_pool_at_start():
     return s
 
 
-def test_empty_pool_releases_unused_chunks(chunk_bytes):
+def test_empty_chunk_goes_back_at_once_but_one_spare(chunk_bytes):
     _empty_pool_at_start()
-    chunk = 2 << 20
+    ckpt_ext.reset_peak_stats("cpu")
+    chunk = 1 << 20
     chunk_bytes(chunk)
-    n = (chunk - 4 * ALIGN) // 4  # one per chunk
-    held = [pool_store(_filled(n, float(i))) for i in range(3)]
+    n = chunk // 4 // 4  # four slots fill a shared chunk exactly
+    held = [pool_store(_filled(n, float(i))) for i in range(12)]
     s = ckpt_ext.pool_stats("cpu")
-    assert (s["reserved_bytes"], s["chunks"], s["live_slots"]) == (3 * chunk, 3, 3)
-    middle = held[1]
-    del held
-    assert ckpt_ext.empty_pool("cpu") == 2 * chunk
-    s = ckpt_ext.pool_stats("cpu")
-    assert (s["reserved_bytes"], s["chunks"], s["live_slots"]) == (chunk, 1, 1)
-    assert torch.equal(middle, _filled(n, 1.0))
+    assert (s["reserved_bytes"], s["chunks"], s["live_slots"], s["in_use_bytes"]) == (3 * chunk, 3, 12, 3 * chunk)
+    releases = s["releases"]
+
+    def reserved_chunks_releases():
+        s = ckpt_ext.pool_stats("cpu")
+        return s["reserved_bytes"], s["chunks"], s["releases"] - releases
+
+    del held[8:]  # the last chunk is empty: kept as the spare
+    assert reserved_chunks_releases() == (3 * chunk, 3, 0)
+    del held[4:]  # a second empty chunk: one of the two goes back
+    assert reserved_chunks_releases() == (2 * chunk, 2, 1)
+    first = held.pop(0)
+    del held[:]  # the first chunk keeps one live slot
+    assert reserved_chunks_releases() == (2 * chunk, 2, 1)
+    assert torch.equal(first, _filled(n, 0.0))
+    assert ckpt_ext.empty_pool("cpu") == chunk  # the spare
+    assert reserved_chunks_releases() == (chunk, 1, 2)
     assert ckpt_ext.empty_pool("cpu") == 0  # the live slot's chunk stays
-    del middle
+    del first  # now the first chunk is the spare
+    assert reserved_chunks_releases() == (chunk, 1, 2)
     assert ckpt_ext.empty_pool("cpu") == chunk
     s = ckpt_ext.pool_stats("cpu")
-    assert (s["reserved_bytes"], s["chunks"], s["in_use_bytes"]) == (0, 0, 0)
+    assert (s["reserved_bytes"], s["chunks"], s["in_use_bytes"], s["peak_reserved_bytes"]) == (0, 0, 0, 3 * chunk)
+    ckpt_ext.reset_peak_stats("cpu")
+    assert ckpt_ext.pool_stats("cpu")["peak_reserved_bytes"] == 0
     # The pool grows again after being emptied.
     again = pool_store(_filled(10, 3.0))
     assert ckpt_ext.pool_stats("cpu")["chunks"] == 1 and torch.equal(again, _filled(10, 3.0))
+
+
+def test_spare_is_the_larger_empty_chunk(chunk_bytes):
+    _empty_pool_at_start()
+    chunk_bytes(1 << 20)
+    small = pool_store(_filled(1000, 1.0))  # a shared chunk of 1 MiB
+    chunk_bytes(4 << 20)
+    first = pool_store(_filled(262_000, 2.0))  # does not fit beside `small`: a second chunk, of four such slots
+    second_chunk = ckpt_ext.pool_stats("cpu")["reserved_bytes"] - (1 << 20)
+    assert second_chunk > 1 << 20
+    del first  # the larger chunk empties first: the spare
+    del small  # the smaller one goes back
+    s = ckpt_ext.pool_stats("cpu")
+    assert (s["reserved_bytes"], s["chunks"]) == (second_chunk, 1)
 
 
 def test_small_chunk_size_is_honoured(chunk_bytes):
@@ -224,19 +309,32 @@ def test_small_chunk_size_is_honoured(chunk_bytes):
     del held
 
 
-def test_outsize_request_gets_its_own_chunk(chunk_bytes):
+def test_shared_chunks_hold_a_whole_number_of_slots(chunk_bytes):
+    # A slot of 0.9 MiB in 4 MiB chunks: four to a chunk and no unusable tail, so eight slots reserve
+    # exactly their bytes (a 4 MiB chunk would leave 0.4 MiB of each idle).
     _empty_pool_at_start()
-    chunk = 2 << 20
-    chunk_bytes(chunk)
-    small = pool_store(_filled(10, 1.0))
-    big = pool_store(torch.ones(3 << 20))  # 12 MiB > chunk
+    chunk_bytes(4 << 20)
+    n = 900 * 1024 // 4
+    held = [pool_store(_filled(n, float(i))) for i in range(8)]
     s = ckpt_ext.pool_stats("cpu")
-    assert s["chunks"] == 2
-    assert slot_bytes(big) <= s["reserved_bytes"] - chunk < slot_bytes(big) + chunk
-    assert torch.equal(big, torch.ones(3 << 20)) and torch.equal(small, _filled(10, 1.0))
-    del big
-    assert ckpt_ext.empty_pool("cpu") >= slot_bytes(torch.ones(3 << 20))
-    assert ckpt_ext.pool_stats("cpu")["chunks"] == 1
+    assert (s["chunks"], s["reserved_bytes"], s["in_use_bytes"]) == (2, 8 * 900 * 1024, 8 * 900 * 1024)
+    assert all(torch.equal(t, _filled(n, float(i))) for i, t in enumerate(held))
+
+
+@pytest.mark.parametrize("numel", [(1 << 20) // 4 // 4 + 64, 3 << 20])  # just over a quarter chunk; 12 MiB
+def test_large_slot_gets_its_own_chunk_and_gives_it_back_at_once(chunk_bytes, numel):
+    _empty_pool_at_start()
+    chunk = 1 << 20
+    chunk_bytes(chunk)
+    big = pool_store(torch.ones(numel))
+    small = pool_store(_filled(10, 1.0))  # big's chunk is full: a shared chunk
+    s = ckpt_ext.pool_stats("cpu")
+    assert (s["chunks"], s["reserved_bytes"]) == (2, chunk + slot_bytes(big))  # exactly the slot
+    assert torch.equal(big, torch.ones(numel)) and torch.equal(small, _filled(10, 1.0))
+    del big  # never kept as the spare
+    s = ckpt_ext.pool_stats("cpu")
+    assert (s["chunks"], s["reserved_bytes"]) == (1, chunk)
+    del small
 
 
 def test_empty_tensors_are_not_pooled():
@@ -249,7 +347,11 @@ def test_empty_tensors_are_not_pooled():
 # --------------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("nbytes,error", [(0, ValueError), (-1, ValueError), (255, ValueError), (1 << 62, ValueError),
+MIN_CHUNK = ckpt_ext._C.pool_min_chunk_bytes  # defined once, in the C++ pool
+
+
+@pytest.mark.parametrize("nbytes,error", [(0, ValueError), (-1, ValueError), (MIN_CHUNK - 1, ValueError),
+                                          (1 << 62, ValueError),
                                           (2.0, TypeError), (True, TypeError), ("4096", TypeError), (None, TypeError)])
 def test_set_pool_chunk_bytes_invalid(nbytes, error):
     before = ckpt_ext._C.pool_chunk_bytes(CPU)
@@ -261,6 +363,8 @@ def test_set_pool_chunk_bytes_invalid(nbytes, error):
 def test_set_pool_chunk_bytes_aligns(chunk_bytes):
     chunk_bytes(1000)
     assert ckpt_ext._C.pool_chunk_bytes(CPU) == 1024
+    chunk_bytes(MIN_CHUNK)
+    assert ckpt_ext._C.pool_chunk_bytes(CPU) == MIN_CHUNK == ALIGN
 
 
 @pytest.mark.parametrize("device", ["not_a_device", "cpu:x", 3.5])

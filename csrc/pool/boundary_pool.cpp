@@ -4,6 +4,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/SmallVector.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <unordered_map>
 
@@ -146,21 +147,53 @@ std::pair<BoundaryPool::Chunk*, size_t> BoundaryPool::reserve(size_t bytes) {
       return {active_, offset};
     }
   }
-  // Grow by a chunk of the configured size, or by one just big enough for an outsize request.
-  size_t capacity = std::max(chunk_bytes_, bytes);
+  active_ = grow(bytes);
+  take_from_top(*active_, bytes, &offset);
+  return {active_, offset};
+}
+
+BoundaryPool::Chunk* BoundaryPool::grow(size_t bytes) {
+  // A large request gets a chunk of its own size; smaller ones share a chunk holding a whole number
+  // of them (why: the header's file comment).
+  bool shared = bytes <= chunk_bytes_ / 4;
+  size_t capacity = shared ? chunk_bytes_ / bytes * bytes : bytes;
   auto chunk = std::make_unique<Chunk>();
-  chunk->buffer = at::empty({static_cast<int64_t>(capacity + kAlignment)},
-                            at::TensorOptions().dtype(at::kByte).device(device_));
+  auto options = at::TensorOptions().dtype(at::kByte).device(device_);
+  // CUDA's caching allocator returns 512-byte aligned blocks, so ask it for exactly the capacity (a
+  // padded request would turn a 64 MiB chunk into a 66 MiB segment); elsewhere pad for the alignment.
+  size_t pad = device_.is_cuda() ? 0 : kAlignment;
+  chunk->buffer = at::empty({static_cast<int64_t>(capacity + pad)}, options);
   auto raw = reinterpret_cast<uintptr_t>(chunk->buffer.data_ptr());
+  if (align_up(raw, kAlignment) - raw > pad) {  // an allocator that does not align: pad after all
+    chunk->buffer = at::empty({static_cast<int64_t>(capacity + kAlignment)}, options);
+    raw = reinterpret_cast<uintptr_t>(chunk->buffer.data_ptr());
+  }
   chunk->base = reinterpret_cast<uint8_t*>(align_up(raw, kAlignment));
   chunk->capacity = capacity;
+  chunk->shared = shared;
   chunk->alloc_stream = current_stream();
   stats_.grows++;
   stats_.reserved_bytes += static_cast<int64_t>(capacity);
+  stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
   chunks_.push_back(std::move(chunk));
-  active_ = chunks_.back().get();
-  take_from_top(*active_, bytes, &offset);
-  return {active_, offset};
+  return chunks_.back().get();
+}
+
+at::Tensor BoundaryPool::drop_chunk(Chunk* chunk) {
+  auto it = std::find_if(chunks_.begin(), chunks_.end(), [&](const auto& c) { return c.get() == chunk; });
+  TORCH_INTERNAL_ASSERT(it != chunks_.end() && chunk->live == 0);
+  // PyTorch's allocator reuses the buffer in the order of the stream it was allocated on; make it wait
+  // for the arena stream, where the slots were last handed out and where release() fenced every
+  // stream that used them.
+  if (arena_stream_ && chunk->alloc_stream && *arena_stream_ != *chunk->alloc_stream)
+    chunk->buffer.record_stream(*arena_stream_);
+  at::Tensor buffer = std::move(chunk->buffer);
+  stats_.reserved_bytes -= static_cast<int64_t>(chunk->capacity);
+  stats_.releases++;
+  if (active_ == chunk) active_ = nullptr;
+  if (spare_ == chunk) spare_ = nullptr;
+  chunks_.erase(it);
+  return buffer;
 }
 
 at::Tensor BoundaryPool::empty(at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype) {
@@ -181,6 +214,7 @@ at::Tensor BoundaryPool::empty(at::IntArrayRef sizes, at::IntArrayRef strides, a
     std::lock_guard<std::mutex> lock(mutex_);
     order_after_arena_stream(stream);
     auto [chunk, offset] = reserve(bytes);
+    if (chunk == spare_) spare_ = nullptr;  // in use again
     chunk->live++;
     slot->chunk = chunk;
     slot->offset = offset;
@@ -216,11 +250,11 @@ at::Tensor BoundaryPool::store(const at::Tensor& src) {
 void BoundaryPool::delete_slot(void* ctx) {
   auto* slot = static_cast<Slot*>(ctx);
   std::shared_ptr<BoundaryPool> pool = std::move(slot->pool);
-  pool->release(slot);
+  at::Tensor dropped = pool->release(slot);  // a released chunk's buffer, freed here, outside the lock
   delete slot;
 }
 
-void BoundaryPool::release(Slot* slot) {
+at::Tensor BoundaryPool::release(Slot* slot) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!device_.is_cpu()) {
     // Work on other streams may still read this slot: make the arena stream wait for it.
@@ -235,10 +269,24 @@ void BoundaryPool::release(Slot* slot) {
       }
     }
   }
-  give_back(*slot->chunk, slot->offset, slot->bytes);
-  slot->chunk->live--;
+  Chunk* chunk = slot->chunk;
+  give_back(*chunk, slot->offset, slot->bytes);
+  chunk->live--;
   stats_.in_use_bytes -= static_cast<int64_t>(slot->bytes);
   stats_.live_slots--;
+  if (chunk->live != 0) return {};
+  // The chunk is empty: it goes back to PyTorch's allocator at once unless it becomes the spare. Of two
+  // empty shared chunks the larger is kept, so the spare's size only grows: a training loop settles on
+  // a fixed reservation even when its shapes vary.
+  if (!chunk->shared || kMaxSpareChunks == 0) return drop_chunk(chunk);
+  if (!spare_) {
+    spare_ = chunk;
+    return {};
+  }
+  if (spare_->capacity > chunk->capacity) return drop_chunk(chunk);
+  at::Tensor dropped = drop_chunk(spare_);
+  spare_ = chunk;
+  return dropped;
 }
 
 bool BoundaryPool::owns(const at::Tensor& t) {
@@ -266,6 +314,7 @@ PoolStats BoundaryPool::stats() const {
 void BoundaryPool::reset_peak() {
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.peak_in_use_bytes = stats_.in_use_bytes;
+  stats_.peak_reserved_bytes = stats_.reserved_bytes;
 }
 
 int64_t BoundaryPool::release_unused() {
@@ -273,29 +322,19 @@ int64_t BoundaryPool::release_unused() {
   int64_t released = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = chunks_.begin(); it != chunks_.end();) {
-      Chunk& c = **it;
-      if (c.live != 0) {
-        ++it;
-        continue;
-      }
-      // PyTorch's allocator reuses the buffer in the order of the stream it was allocated on; make it
-      // wait for the arena stream, which is where the slots were last handed out.
-      if (arena_stream_ && c.alloc_stream && *arena_stream_ != *c.alloc_stream)
-        c.buffer.record_stream(*arena_stream_);
-      released += static_cast<int64_t>(c.capacity);
-      dropped.push_back(std::move(c.buffer));
-      if (active_ == &c) active_ = nullptr;
-      it = chunks_.erase(it);
+    std::vector<Chunk*> empty;
+    for (auto& c : chunks_)
+      if (c->live == 0) empty.push_back(c.get());
+    for (Chunk* c : empty) {
+      released += static_cast<int64_t>(c->capacity);
+      dropped.push_back(drop_chunk(c));
     }
-    stats_.reserved_bytes -= released;
   }
   return released;
 }
 
 void BoundaryPool::set_chunk_bytes(int64_t bytes) {
-  TORCH_CHECK(bytes >= static_cast<int64_t>(kAlignment),
-              "pool chunk size must be at least ", kAlignment, " bytes, got ", bytes);
+  TORCH_CHECK(bytes >= kMinChunkBytes, "pool chunk size must be at least ", kMinChunkBytes, " bytes, got ", bytes);
   std::lock_guard<std::mutex> lock(mutex_);
   chunk_bytes_ = align_up(static_cast<size_t>(bytes), kAlignment);
 }
