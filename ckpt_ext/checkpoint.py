@@ -11,7 +11,6 @@ This module does what must be Python: the call, the user's contexts (context_fn,
 inputs, and the BatchNorm guard of the replay.
 """
 import functools
-import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -88,29 +87,31 @@ def _describe(fwd: List[str], rep: List[str]) -> str:
 # --------------------------------------------------------------------------------------------------
 # The replay: what the C++ frame calls on the first unpack of a backward.
 # --------------------------------------------------------------------------------------------------
-class _BatchNormGuard:
-    """The forward already updated BatchNorm running statistics; the replay must not do it again. A global
-    module pre-hook, registered only while a replay runs, saves the statistics of each training BatchNorm
-    the replay calls (on this thread); they are put back when the replay ends."""
+def _batchnorms_of(fn, args) -> List[_BatchNorm]:
+    """The training BatchNorm modules with running statistics that `fn` uses (see _discovery)."""
+    if isinstance(fn, nn.Module):
+        return [m for m in fn.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    return _discover(fn, args, set()).batchnorms
 
-    __slots__ = ("saved", "thread", "handle")
+
+class _BatchNormGuard:
+    """The forward already updated BatchNorm running statistics; the replay must not do it again (torch's
+    checkpoint does). The modules are found when the replay starts (not in forward: no per-call cost) and
+    their statistics put back when it ends, however it ends."""
+
+    __slots__ = ("modules", "saved")
+
+    def __init__(self, modules: List[_BatchNorm]):
+        self.modules = modules
 
     def __enter__(self):
-        self.saved = []
-        self.thread = threading.get_ident()
-        self.handle = nn.modules.module.register_module_forward_pre_hook(self._pre_hook)
+        self.saved = [[b.clone() if b is not None else None
+                       for b in (m.running_mean, m.running_var, m.num_batches_tracked)] for m in self.modules]
         return self
 
-    def _pre_hook(self, module, args):
-        if isinstance(module, _BatchNorm) and module.training and module.track_running_stats and \
-                threading.get_ident() == self.thread and all(m is not module for m, _ in self.saved):
-            bufs = (module.running_mean, module.running_var, module.num_batches_tracked)
-            self.saved.append((module, [b.clone() if b is not None else None for b in bufs]))
-
     def __exit__(self, *exc):
-        self.handle.remove()
         with torch.no_grad():
-            for m, old in self.saved:
+            for m, old in zip(self.modules, self.saved):
                 for buf, value in zip((m.running_mean, m.running_var, m.num_batches_tracked), old):
                     if buf is not None:
                         buf.copy_(value)
@@ -119,18 +120,20 @@ class _BatchNormGuard:
 
 
 class _Replay:
-    __slots__ = ("fn", "saved", "kwargs", "context")
+    __slots__ = ("fn", "saved", "kwargs", "context", "batchnorms")
 
-    def __init__(self, fn, saved, kwargs, context):
+    def __init__(self, fn, saved, kwargs, context, batchnorms):
         self.fn = fn
         self.saved = saved  # the positional arguments, tensors as SavedTensor
         self.kwargs = kwargs
         self.context = context  # context_fn's recompute context, or None
+        self.batchnorms = batchnorms  # known by the caller (enable_checkpointing), or None: found at replay
 
     def __call__(self):
         args = [a.unpack() if isinstance(a, _SavedTensor) else a for a in self.saved]
+        bns = self.batchnorms if self.batchnorms is not None else _batchnorms_of(self.fn, args)
         try:
-            with _BatchNormGuard():
+            with _BatchNormGuard(bns):
                 if self.context is None:
                     self.fn(*args, **self.kwargs)
                 else:
@@ -246,7 +249,8 @@ def _checkpoint_with_grad(function, args: tuple, kwargs: dict, found: Optional[_
     tensors = [a for a in args if isinstance(a, _Tensor)]
     saved = args if _make_saved is None else \
         [_make_saved(a, is_output=False) if isinstance(a, _Tensor) else a for a in args]
-    frame = _C.CheckpointFrame(_Replay(function, saved, kwargs, recompute_context), describe,
+    frame = _C.CheckpointFrame(_Replay(function, saved, kwargs, recompute_context,
+                                       found.batchnorms if found is not None else None), describe,
                                _function_name(function), _devices(args, kwargs), preserve_rng_state,
                                _DETERMINISM[determinism_check], early_stop)
     versions = [t._version for t in tensors]

@@ -15,6 +15,8 @@ struct StopRecomputation : std::exception {
   const char* what() const noexcept override { return "ckpt_ext: recomputation stopped early"; }
 };
 
+std::atomic<int64_t> frames_created{0};  // tests count engine entries with it (e.g. under torch.compile)
+
 PyObject* stop_type = nullptr;  // ckpt_ext._C._StopRecomputation, set by bind_checkpoint
 
 // Python objects looked up once and kept for the life of the process (never destroyed: the
@@ -87,7 +89,9 @@ Frame::Frame(py::object recompute, py::object describe, std::string name, const 
       describe_(std::move(describe)),
       name_(std::move(name)),
       options_(options),
-      snapshot_(ExecutionSnapshot::capture(devices, options.preserve_rng_state)) {}
+      snapshot_(ExecutionSnapshot::capture(devices, options.preserve_rng_state)) {
+  frames_created.fetch_add(1, std::memory_order_relaxed);
+}
 
 Frame::~Frame() {
   if (Py_IsInitialized()) {
@@ -214,6 +218,7 @@ void Frame::fail(const std::string& what) const {
 void bind_checkpoint(py::module_& m) {
   stop_type = py::register_exception<StopRecomputation>(m, "_StopRecomputation").ptr();
   py::class_<Holder, std::shared_ptr<Holder>>(m, "_CheckpointHolder");
+  m.def("checkpoint_frames_created", [] { return frames_created.load(); });
   py::class_<Frame, std::shared_ptr<Frame>>(m, "CheckpointFrame")
       .def(py::init([](py::object recompute, py::object describe, std::string name, std::vector<c10::Device> devices,
                        bool preserve_rng_state, bool check_metadata, bool early_stop) {
