@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
+from . import _compiler
 from ._compiler import check_not_capturing, eager_under_compile
 from ._discovery import (_ATOMS, _add_module, _check_fsdp_units, _collect, _discover, _Found,  # noqa: F401
                          _fsdp_unit_class, _fsdp_units_in)
@@ -133,12 +134,11 @@ class _Replay:
         args = [a.unpack() if isinstance(a, _SavedTensor) else a for a in self.saved]
         bns = self.batchnorms if self.batchnorms is not None else _batchnorms_of(self.fn, args)
         try:
-            with _BatchNormGuard(bns):
-                if self.context is None:
-                    self.fn(*args, **self.kwargs)
-                else:
-                    with self.context:
-                        self.fn(*args, **self.kwargs)
+            if bns:
+                with _BatchNormGuard(bns):
+                    self._run(args)
+            else:
+                self._run(args)
         except _C._StopRecomputation:
             raise
         except BaseException as e:  # KeyboardInterrupt too: the note is what tells where it landed
@@ -148,6 +148,13 @@ class _Replay:
                            "during backward: a checkpointed function runs again in backward, with "
                            "ckpt_ext.is_recomputing() True)")
             raise
+
+    def _run(self, args):
+        if self.context is None:
+            self.fn(*args, **self.kwargs)
+        else:
+            with self.context:
+                self.fn(*args, **self.kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,9 +197,17 @@ def _check_options(use_reentrant, determinism_check, debug, preserve_rng_state):
 
 def _devices(args: tuple, kwargs: dict) -> List[torch.device]:
     """The non-CPU devices of the call's tensors (their generators are snapshotted), as torch does."""
-    leaves = args if not kwargs and all(not isinstance(a, (list, tuple, dict)) for a in args) \
-        else pytree.tree_leaves((args, kwargs))
-    return [t.device for t in leaves if isinstance(t, _Tensor) and not t.is_cpu]
+    devices = []
+    for a in args:
+        if isinstance(a, _Tensor):
+            if not a.is_cpu:
+                devices.append(a.device)
+        elif isinstance(a, (list, tuple, dict)):
+            break
+    else:
+        if not kwargs:
+            return devices
+    return [t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Tensor) and not t.is_cpu]
 
 
 def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] = None,
@@ -228,11 +243,12 @@ def _checkpoint_with_grad(function, args: tuple, kwargs: dict, found: Optional[_
         units = found.fsdp_units if found is not None else _discover(function, args, set()).fsdp_units
         if units:
             _check_fsdp_units(_function_name(function), units, outside)
-    check_not_capturing(
-        f"checkpointing `{_function_name(function)}` (checkpoint, checkpoint_sequential, enable_checkpointing)",
-        "the frame saves and restores generator state on the host. Capture the model without ckpt_ext "
-        "checkpointing (ckpt_ext.disable_checkpointing(model)), or keep the checkpointed part outside the captured "
-        "region (under torch.no_grad() nothing is checkpointed, and capture works).")
+    if _compiler._stream_capturing():
+        check_not_capturing(
+            f"checkpointing `{_function_name(function)}` (checkpoint, checkpoint_sequential, enable_checkpointing)",
+            "the frame saves and restores generator state on the host. Capture the model without ckpt_ext "
+            "checkpointing (ckpt_ext.disable_checkpointing(model)), or keep the checkpointed part outside the "
+            "captured region (under torch.no_grad() nothing is checkpointed, and capture works).")
     if _torch_checkpoint._checkpoint_debug_enabled is not None:
         debug = _torch_checkpoint._checkpoint_debug_enabled
     if _torch_checkpoint._enable_checkpoint_early_stop is not None:

@@ -1,6 +1,8 @@
 #include "checkpoint_function.h"
 
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <pybind11/eval.h>
 
 #include <atomic>
 #include <sstream>
@@ -75,6 +77,44 @@ struct PopHooks {
   }
 };
 
+// The replay's pack hook: a C function (not pybind11) so that early stop raises without a C++ throw.
+struct RecomputeHook {
+  std::shared_ptr<Frame> frame;
+  int64_t gid;
+};
+
+void free_hook(PyObject* capsule) {
+  delete static_cast<RecomputeHook*>(PyCapsule_GetPointer(capsule, "ckpt_ext.RecomputeHook"));
+}
+
+PyObject* make_capsule(RecomputeHook* hook) {
+  PyObject* c = PyCapsule_New(hook, "ckpt_ext.RecomputeHook", free_hook);
+  if (c == nullptr) delete hook;
+  return c;
+}
+
+PyObject* recompute_pack_c(PyObject* capsule, PyObject* tensor) {
+  auto* hook = static_cast<RecomputeHook*>(PyCapsule_GetPointer(capsule, "ckpt_ext.RecomputeHook"));
+  if (hook == nullptr) return nullptr;
+  try {
+    return hook->frame->recompute_pack(hook->gid, THPVariable_Unpack(tensor)).release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef recompute_pack_def = {"ckpt_ext_recompute_pack", recompute_pack_c, METH_O, nullptr};
+
+// The replay's unpack hook: what the pack hook returned (the replay's own graph is never backwarded
+// through, but it may be: torch's Rule 6).
+const py::object& identity() {
+  static py::object* fn = new py::object(py::eval("lambda x: x"));
+  return *fn;
+}
+
 }  // namespace
 
 Holder::Entry* Holder::find(int64_t gid) {
@@ -141,14 +181,19 @@ void Frame::replay(int64_t gid) {
   ReplayGuard guard(snapshot_);  // RNG, autocast, current device; is_recomputing()
   at::AutoGradMode grad_mode(true);
   auto& refs = PyRefs::get();
-  py::cpp_function pack([keep_alive, gid](const at::Tensor& x) { return keep_alive->recompute_pack(gid, x); });
-  py::cpp_function unpack([](py::object x) { return x; });
-  refs.push_hooks(pack, unpack);
+  auto* hook = new RecomputeHook{keep_alive, gid};
+  py::object pack = py::reinterpret_steal<py::object>(PyCFunction_New(&recompute_pack_def, make_capsule(hook)));
+  if (!pack) throw py::error_already_set();
+  refs.push_hooks(pack, identity());
   PopHooks pop;
-  try {
-    recompute_();
-  } catch (py::error_already_set& e) {
-    if (!e.matches(stop_type)) throw;
+  // Called through the C API: early stop is a Python exception that must not cost C++ throws here.
+  PyObject* result = PyObject_CallObject(recompute_.ptr(), nullptr);
+  if (result != nullptr) {
+    Py_DECREF(result);
+  } else if (PyErr_ExceptionMatches(stop_type)) {
+    PyErr_Clear();
+  } else {
+    throw py::error_already_set();
   }
 }
 
@@ -171,7 +216,10 @@ py::object Frame::recompute_pack(int64_t gid, const at::Tensor& x) {
     TORCH_INTERNAL_ASSERT(h->find(gid) == nullptr);
     h->entries.push_back({gid, keep});
   }
-  if (options_.early_stop && st.counter == holders_.size()) throw StopRecomputation();
+  if (options_.early_stop && st.counter == holders_.size()) {
+    PyErr_SetNone(stop_type);
+    return py::object();  // null: the C hook returns it with the error set
+  }
   return py::cast(keep);
 }
 
