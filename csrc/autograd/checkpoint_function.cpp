@@ -181,8 +181,9 @@ void Frame::replay(int64_t gid) {
   ReplayGuard guard(snapshot_);  // RNG, autocast, current device; is_recomputing()
   at::AutoGradMode grad_mode(true);
   auto& refs = PyRefs::get();
-  auto* hook = new RecomputeHook{keep_alive, gid};
-  py::object pack = py::reinterpret_steal<py::object>(PyCFunction_New(&recompute_pack_def, make_capsule(hook)));
+  py::object capsule = py::reinterpret_steal<py::object>(make_capsule(new RecomputeHook{keep_alive, gid}));
+  if (!capsule) throw py::error_already_set();
+  py::object pack = py::reinterpret_steal<py::object>(PyCFunction_New(&recompute_pack_def, capsule.ptr()));
   if (!pack) throw py::error_already_set();
   refs.push_hooks(pack, identity());
   PopHooks pop;
