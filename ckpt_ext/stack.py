@@ -155,7 +155,9 @@ class _Group:
 
 
 def _drop_cache(layer: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
-    sig = _signature(type(layer))
+    # A fused layer takes (*args, **kwargs) and falls back to the Hugging Face layer's forward: the cache
+    # positions are that layer's (GPT-2 passes its cache positionally).
+    sig = _signature(type(getattr(layer, "_hf_layer", layer)))
     changed = []
     args = list(args)
     for name in _CACHE_ARGS + ("use_cache",):

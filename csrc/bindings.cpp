@@ -42,23 +42,9 @@ ckpt_ext::layers::LayerInputs layer_inputs(const std::optional<at::Tensor>& mask
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "ckpt_ext C++ core: BoundaryPool and CheckpointFunction";
+  m.doc() = "ckpt_ext C++ core: BoundaryPool, CheckpointFrame, fused layers";
 
-  m.def(
-      "checkpoint_apply",
-      [](const py::object& runner, const std::string& name, const std::vector<at::Tensor>& inputs,
-         const std::vector<at::Tensor>& params, bool preserve_rng_state, bool determinism_check, bool debug,
-         bool finish_hook) {
-        ckpt_ext::CheckpointOptions o;
-        o.preserve_rng_state = preserve_rng_state;
-        o.determinism_check = determinism_check;
-        o.debug = debug;
-        o.finish_hook = finish_hook;
-        return ckpt_ext::checkpoint_apply(runner, name, inputs, params, o);
-      },
-      py::arg("runner"), py::arg("name"), py::arg("inputs"), py::arg("params"), py::arg("preserve_rng_state"),
-      py::arg("determinism_check"), py::arg("debug"), py::arg("finish_hook"));
-
+  ckpt_ext::bind_checkpoint(m);
   m.def("is_recomputing", &ckpt_ext::is_recomputing);
 
   namespace L = ckpt_ext::layers;

@@ -116,15 +116,11 @@ def test_hf_layers_are_checkpointed_and_state_dict_kept():
     ids, mask = _inputs()
     ckpt_ext.enable_checkpointing(model, every=2)
     assert list(model.state_dict()) == keys
-    before = ckpt_ext.pool_stats("cpu")["in_use_bytes"]
+    frames = ckpt_ext._C.checkpoint_frames_created()
     out = model(input_ids=ids, attention_mask=mask).last_hidden_state
-    # two groups of two layers: two boundaries in the pool, the last one is the output itself
-    assert ckpt_ext.is_pooled(out)
-    hidden_bytes = out.numel() * out.element_size()
-    assert ckpt_ext.pool_stats("cpu")["in_use_bytes"] - before >= 2 * hidden_bytes
+    # two groups of two layers: two checkpointed calls (issue 13: no pool on this path)
+    assert ckpt_ext._C.checkpoint_frames_created() - frames == 2
     out.sum().backward()
-    del out
-    assert ckpt_ext.pool_stats("cpu")["in_use_bytes"] == before
 
 
 def test_eval_and_no_grad_do_not_checkpoint():

@@ -53,36 +53,18 @@ def _forward_chain(stack, x):
     return outs
 
 
-def test_boundaries_pooled_during_forward_and_returned_after_backward():
+def test_checkpoint_outputs_are_not_pooled():
+    # ckpt_ext.checkpoint follows torch's non-reentrant design (issue 13): its outputs are the function's
+    # own tensors in the real graph, so the pool is untouched; the fused SegmentFunction still pools.
     stack = make_stack(4, p=0.1, seed=1)
     x, = leaf_inputs((9, 19), seed=1)
     start = stats()
     outs = _forward_chain(stack, x)
-    during = stats()
-    assert all(ckpt_ext.is_pooled(t) for t in outs)
-    assert not ckpt_ext.is_pooled(x)
-    assert during["live_slots"] - start["live_slots"] == len(outs)
-    assert during["in_use_bytes"] - start["in_use_bytes"] >= sum(t.numel() * t.element_size() for t in outs)
-    assert during["in_use_bytes"] - start["in_use_bytes"] == sum(slot_bytes(t) for t in outs)
-    assert during["allocations"] - start["allocations"] == len(outs)
+    assert not any(ckpt_ext.is_pooled(t) for t in outs)
+    assert stats()["in_use_bytes"] == start["in_use_bytes"]
     loss_of(outs[-1]).backward()
     del outs
-    end = stats()
-    assert end["in_use_bytes"] == start["in_use_bytes"]
-    assert end["live_slots"] == start["live_slots"]
-
-
-def test_graph_dropped_without_backward_returns_pool():
-    stack = make_stack(4, p=0.1, seed=2)
-    x, = leaf_inputs((9, 19), seed=2)
-    start = stats()
-    out = chain(stack, ckpt_ext.checkpoint)(x)
-    loss = loss_of(out)
-    assert stats()["in_use_bytes"] > start["in_use_bytes"]
-    del loss, out
-    end = stats()
-    assert end["in_use_bytes"] == start["in_use_bytes"]
-    assert end["live_slots"] == start["live_slots"]
+    assert stats()["live_slots"] == start["live_slots"]
 
 
 def test_steady_state_training_does_not_grow_the_pool():

@@ -411,7 +411,8 @@ def test_checkpoint_matches_the_plain_call(dim, hidden, n_blocks, p, batch, tree
         assert_grads_close(plain, ours, exact=True)
     anything_needs_grad = params_grad or any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
     pooled = [ckpt_ext.is_pooled(t) for t in pytree.tree_leaves(ours.outputs) if isinstance(t, torch.Tensor)]
-    assert all(pooled) if anything_needs_grad else not any(pooled)  # checkpointed for real, or a plain call
+    assert not any(pooled)  # torch's design (issue 13): outputs are the function's own tensors
+    del anything_needs_grad
 
 
 def test_checkpoint_of_a_tensor_returned_several_times_is_bit_identical():
@@ -425,10 +426,8 @@ def test_checkpoint_of_a_tensor_returned_several_times_is_bit_identical():
     params = dict(block.named_parameters())
     assert_grads_close(_step(fn, [x], params, 0), _step(lambda t: ckpt_ext.checkpoint(fn, t), [x], params, 0),
                        exact=True)
-    before = ckpt_ext.pool_stats("cpu")["live_slots"]
     out = ckpt_ext.checkpoint(fn, x)
-    assert out[0] is out[1] is out[3] and ckpt_ext.is_pooled(out[0])
-    assert ckpt_ext.pool_stats("cpu")["live_slots"] == before + 1
+    assert out[0] is out[1] is out[3]
 
 
 @examples(30)
@@ -499,7 +498,9 @@ def test_enable_checkpointing_matches_the_unchecked_model(n, dim, style, ps, x_g
     try:
         ours = _step(model, inputs, params, seed=3)
         torch.manual_seed(3)
-        assert ckpt_ext.is_pooled(model(*inputs)[0])  # the stack really ran checkpointed
+        frames = ckpt_ext._C.checkpoint_frames_created()
+        model(*inputs)
+        assert ckpt_ext._C.checkpoint_frames_created() > frames  # the stack really ran checkpointed
     finally:
         ckpt_ext.disable_checkpointing(model)
     if shift and 1 < every < n:

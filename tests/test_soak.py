@@ -65,6 +65,8 @@ def _keep_a_graph(kept, model, after=0):
     return hook
 
 
+@pytest.mark.xfail(strict=True, reason="issue 13: ckpt_ext.checkpoint no longer uses the pool, so the soak's pool "
+                   "leak check cannot see a leaked graph of the 'stack' model; the check needs another signal")
 def test_pool_check_catches_a_leaked_graph():
     kept = []
     result = _run(steps=4, models=("stack",), fault_every=0, step_hook=_keep_a_graph(kept, "ck"))

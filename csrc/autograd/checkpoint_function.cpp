@@ -1,334 +1,288 @@
 #include "checkpoint_function.h"
 
-#include "../pool/boundary_pool.h"
-#include "replay_context.h"
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <pybind11/eval.h>
 
-#include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
-
-#include <mutex>
+#include <atomic>
 #include <sstream>
-#include <unordered_set>
 
 namespace py = pybind11;
 
 namespace ckpt_ext {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::Node;
-using torch::autograd::variable_list;
-
-struct OutputMeta {
-  std::vector<int64_t> sizes;
-  at::ScalarType dtype;
-  c10::Device device;
+// Raised by the replay's pack hook once every live Holder is filled (early stop); caught by the replay.
+struct StopRecomputation : std::exception {
+  const char* what() const noexcept override { return "ckpt_ext: recomputation stopped early"; }
 };
 
-// Everything backward needs besides the saved tensors. Lives in the node's context.
-struct ReplayState : torch::CustomClassHolder {
-  py::object runner;
-  std::string name;
-  CheckpointOptions options;
-  size_t num_inputs = 0;
-  std::vector<bool> input_requires_grad;
-  // Parameters are held here rather than saved for backward: saved-tensor hooks (save_on_cpu, an
-  // enclosing torch.utils.checkpoint) would copy or detach them. Their versions are checked instead.
-  std::vector<at::Tensor> params;
-  std::vector<uint32_t> param_versions;
-  ExecutionSnapshot snapshot;
-  std::vector<OutputMeta> outputs;
+std::atomic<int64_t> frames_created{0};  // tests count engine entries with it (e.g. under torch.compile)
 
-  ~ReplayState() override {
-    if (!runner) return;
-    if (Py_IsInitialized()) {
-      py::gil_scoped_acquire gil;  // the node may die on an autograd thread
-      runner = py::object();
-    } else {
-      runner.release();  // interpreter gone: leak rather than touch it
-    }
+PyObject* stop_type = nullptr;  // ckpt_ext._C._StopRecomputation, set by bind_checkpoint
+
+// Python objects looked up once and kept for the life of the process (never destroyed: the
+// interpreter may be gone when static destructors run).
+struct PyRefs {
+  py::object checkpoint_error;  // torch.utils.checkpoint.CheckpointError
+  py::object push_hooks, pop_hooks;
+  py::object get_exec_group;  // torch._C._get_graph_exec_group, None on torches without it
+
+  static PyRefs& get() {
+    static PyRefs* refs = [] {
+      auto* r = new PyRefs();
+      r->checkpoint_error = py::module_::import("torch.utils.checkpoint").attr("CheckpointError");
+      auto autograd = py::module_::import("torch._C._autograd");
+      r->push_hooks = autograd.attr("_push_saved_tensors_default_hooks");
+      r->pop_hooks = autograd.attr("_pop_saved_tensors_default_hooks");
+      r->get_exec_group = py::getattr(py::module_::import("torch._C"), "_get_graph_exec_group", py::none());
+      return r;
+    }();
+    return *refs;
   }
 };
 
-std::vector<at::Tensor> call_runner(const py::object& runner, const char* method, const variable_list& tensors) {
-  py::list args(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) args[i] = py::cast(tensors[i]);
-  return runner.attr(method)(args).cast<std::vector<at::Tensor>>();
+[[noreturn]] void raise_checkpoint_error(const std::string& msg) {
+  PyErr_SetString(PyRefs::get().checkpoint_error.ptr(), msg.c_str());
+  throw py::error_already_set();
 }
 
-std::string describe_meta(const std::vector<int64_t>& sizes, at::ScalarType dtype, c10::Device device) {
+// The backward a replay belongs to: torch's GraphExecGroup if one is active, else the graph task;
+// outside any backward (grad_fn._saved_* inspection) every unpack is its own task, as in torch.
+int64_t current_gid() {
+  static std::atomic<int64_t> outside{-2};
+  const auto& get_group = PyRefs::get().get_exec_group;
+  if (!get_group.is_none()) {
+    py::object group = get_group();
+    if (!group.is_none()) return static_cast<int64_t>(reinterpret_cast<intptr_t>(group.ptr()));
+  }
+  int64_t gid = torch::autograd::get_current_graph_task_id();
+  return gid == -1 ? outside.fetch_sub(1) : gid;
+}
+
+std::string describe_meta(c10::IntArrayRef sizes, at::ScalarType dtype, c10::Device device) {
   std::ostringstream os;
-  os << "Tensor(shape=" << c10::IntArrayRef(sizes) << ", dtype=" << dtype << ", device=" << device << ")";
+  os << "shape=" << sizes << ", dtype=" << dtype << ", device=" << device;
   return os.str();
 }
 
-// The replay must produce the tensors the forward produced; otherwise gradients would silently be
-// computed for a different computation.
-void check_replay(const ReplayState& st, const std::vector<at::Tensor>& outs) {
-  std::ostringstream why;
-  if (outs.size() != st.outputs.size()) {
-    why << "it returned " << outs.size() << " tensor(s) in backward but " << st.outputs.size() << " in forward";
-  } else {
-    for (size_t i = 0; i < outs.size(); ++i) {
-      const auto& m = st.outputs[i];
-      const auto& o = outs[i];
-      if (o.sizes() != c10::IntArrayRef(m.sizes) || o.scalar_type() != m.dtype || o.device() != m.device) {
-        why << "tensor output " << i << " was " << describe_meta(m.sizes, m.dtype, m.device) << " in forward but "
-            << describe_meta(o.sizes().vec(), o.scalar_type(), o.device()) << " when replayed in backward";
-        break;
-      }
+// Pops the replay's saved-tensor hooks however the replay ends.
+struct PopHooks {
+  ~PopHooks() {
+    try {
+      PyRefs::get().pop_hooks();
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable(__func__);
     }
-  }
-  const std::string reason = why.str();
-  if (reason.empty()) return;
-  std::string detail;
-  if (st.options.debug) {
-    py::gil_scoped_acquire gil;
-    detail = "\n" + st.runner.attr("describe")().cast<std::string>();
-  } else {
-    detail = "\nPass debug=True to ckpt_ext.checkpoint to see the operators run in forward and in the replay.";
-  }
-  TORCH_CHECK(false, "ckpt_ext.checkpoint: the replay of `", st.name, "` differs from its forward: ", reason,
-              ". The checkpointed function must compute the same tensors when called again with the same "
-              "inputs and RNG state (no dependence on global state that changes between forward and backward). "
-              "determinism_check=\"none\" disables this check.", detail);
-}
-
-// Leaves that the replay reaches but that were not passed to the node (a parameter the wrapper could
-// not discover). Walks the replay graph from its outputs, stopping at the node's own inputs. Inputs
-// are recognised by their TensorImpl (leaves) or grad_fn (non-leaves); no grad accumulator is created.
-variable_list undiscovered_leaves(const variable_list& outs, const variable_list& known) {
-  std::unordered_set<const c10::TensorImpl*> known_leaves;
-  std::unordered_set<const Node*> stop;
-  for (const auto& t : known) {
-    if (auto fn = t.grad_fn())
-      stop.insert(fn.get());
-    else
-      known_leaves.insert(t.unsafeGetTensorImpl());
-  }
-  variable_list found;
-  std::unordered_set<const c10::TensorImpl*> found_set;
-  auto leaf = [&](const at::Tensor& v) {
-    if (v.defined() && !known_leaves.count(v.unsafeGetTensorImpl()) && found_set.insert(v.unsafeGetTensorImpl()).second)
-      found.push_back(v);
-  };
-  std::unordered_set<const Node*> seen;
-  std::vector<Node*> stack;
-  for (const auto& o : outs) {
-    if (auto fn = o.grad_fn())
-      stack.push_back(fn.get());
-    else
-      leaf(o);  // an output that is itself a leaf
-  }
-  while (!stack.empty()) {
-    Node* node = stack.back();
-    stack.pop_back();
-    if (stop.count(node) || !seen.insert(node).second) continue;
-    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
-      leaf(acc->variable);
-      continue;
-    }
-    for (const auto& e : node->next_edges())
-      if (e.is_valid()) stack.push_back(e.function.get());
-  }
-  return found;
-}
-
-void warn_undiscovered_once(const std::string& name, const variable_list& leaves) {
-  static std::mutex m;
-  static std::unordered_set<std::string> warned;
-  {
-    std::lock_guard<std::mutex> lock(m);
-    if (!warned.insert(name).second) return;
-  }
-  std::ostringstream shapes;
-  for (size_t i = 0; i < leaves.size() && i < 4; ++i) shapes << (i ? ", " : "") << leaves[i].sizes();
-  if (leaves.size() > 4) shapes << ", ...";
-  TORCH_WARN("ckpt_ext.checkpoint: `", name, "` uses ", leaves.size(),
-             " tensor(s) requiring grad that were neither arguments nor discoverable from the function "
-             "(shapes ", shapes.str(), "). Their gradients are accumulated into .grad directly, as "
-             "reentrant torch.utils.checkpoint does, which bypasses gradient hooks (DDP, FSDP) and "
-             "torch.autograd.grad. Pass a module, bound method, functools.partial or closure that holds "
-             "them, or pass them as arguments.");
-}
-
-struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction> {
-  // tensors = the call's tensor inputs followed by the parameters it uses.
-  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<ReplayState> st, at::TensorList tensors) {
-    const size_t n_in = st->num_inputs;
-    std::vector<c10::Device> devices;
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const auto& t = tensors[i];
-      TORCH_CHECK(t.is_cpu() || t.is_cuda(), "ckpt_ext.checkpoint: `", st->name, "` got ",
-                  i < n_in ? "tensor argument " : "parameter ", i < n_in ? i : i - n_in, " on device ", t.device(),
-                  "; ckpt_ext checkpoints CPU and CUDA tensors only. Run the function without checkpointing, or "
-                  "use torch.utils.checkpoint.checkpoint for other devices.");
-      devices.push_back(t.device());
-    }
-    st->snapshot = ExecutionSnapshot::capture(devices, st->options.preserve_rng_state);
-
-    variable_list inputs(tensors.begin(), tensors.begin() + static_cast<std::ptrdiff_t>(n_in));
-    std::vector<uint32_t> versions;
-    versions.reserve(n_in);
-    for (const auto& t : inputs) versions.push_back(t._version());
-
-    std::vector<at::Tensor> outs = call_runner(st->runner, "forward", inputs);
-
-    for (size_t i = 0; i < n_in; ++i) {
-      TORCH_CHECK(inputs[i]._version() == versions[i], "ckpt_ext.checkpoint: `", st->name,
-                  "` modified its tensor argument ", i, " in place. A checkpointed function is run again in "
-                  "backward on its saved inputs, so it must not modify them; clone the argument first.");
-    }
-
-    variable_list result;
-    variable_list non_differentiable;
-    result.reserve(outs.size());
-    st->outputs.reserve(outs.size());
-    for (size_t i = 0; i < outs.size(); ++i) {
-      const auto& o = outs[i];
-      TORCH_CHECK(o.layout() == c10::kStrided && (o.is_cpu() || o.is_cuda()), "ckpt_ext.checkpoint: `", st->name,
-                  "` returned tensor output ", i, " with layout ", o.layout(), " on ", o.device(),
-                  "; the boundary pool holds dense (strided) CPU and CUDA tensors only. Return a dense tensor "
-                  "(.to_dense()), or use torch.utils.checkpoint.checkpoint for this function.");
-      TORCH_CHECK(!o.key_set().has(c10::DispatchKey::Python), "ckpt_ext.checkpoint: `", st->name,
-                  "` returned tensor output ", i, " that is a tensor subclass with __torch_dispatch__ (e.g. DTensor); "
-                  "ckpt_ext would store it as a plain tensor. Return a plain tensor (e.g. .to_local() / "
-                  ".full_tensor()), or use torch.utils.checkpoint.checkpoint for this function.");
-    }
-    for (auto& o : outs) {
-      st->outputs.push_back({o.sizes().vec(), o.scalar_type(), o.device()});
-      // The boundary goes into the pool once; the function's own output is released right away.
-      at::Tensor pooled = BoundaryPool::for_device(o.device())->store(o);
-      o.reset();
-      if (!c10::isFloatingType(pooled.scalar_type()) && !c10::isComplexType(pooled.scalar_type()))
-        non_differentiable.push_back(pooled);
-      result.push_back(std::move(pooled));
-    }
-    st->input_requires_grad.reserve(n_in);
-    for (const auto& t : inputs) st->input_requires_grad.push_back(t.requires_grad());
-    st->params.assign(tensors.begin() + static_cast<std::ptrdiff_t>(n_in), tensors.end());
-    for (const auto& p : st->params) st->param_versions.push_back(p._version());
-    ctx->save_for_backward(inputs);
-    if (!non_differentiable.empty()) ctx->mark_non_differentiable(non_differentiable);
-    ctx->set_materialize_grads(false);
-    ctx->saved_data["state"] = at::IValue::make_capsule(st);
-    return result;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    auto st = c10::static_intrusive_pointer_cast<ReplayState>(ctx->saved_data.at("state").toCapsule());
-    variable_list saved = ctx->get_saved_variables();  // version checks, second-backward check
-    const size_t n_in = st->num_inputs;
-    const size_t n_all = n_in + st->params.size();
-    variable_list result(1 + n_all);  // slot 0: the state argument
-    for (size_t j = 0; j < st->params.size(); ++j) {
-      TORCH_CHECK(st->params[j]._version() == st->param_versions[j], "ckpt_ext.checkpoint: a parameter of `",
-                  st->name, "` (shape ", st->params[j].sizes(), ") was modified in place between forward and "
-                  "backward (for example by optimizer.step()); the replay would use the new values. Run "
-                  "backward before updating parameters.");
-    }
-
-    std::vector<size_t> wanted;  // which of the node's tensor inputs need a gradient now
-    for (size_t i = 0; i < n_all; ++i)
-      if (ctx->needs_input_grad(i)) wanted.push_back(i);
-    bool any_grad_output = false;
-    for (const auto& g : grad_outputs) any_grad_output = any_grad_output || g.defined();
-    if (wanted.empty() || !any_grad_output) return result;
-
-    // Double backward (create_graph): the replay must hang off the real inputs so that the gradients
-    // it produces are differentiable with respect to them. Otherwise it runs on detached inputs, so
-    // that the replay's backward stops at this node.
-    const bool create_graph = at::GradMode::is_enabled();
-    variable_list detached(n_in);
-    for (size_t i = 0; i < n_in; ++i) {
-      if (create_graph && saved[i].requires_grad()) {
-        detached[i] = saved[i];
-        continue;
-      }
-      detached[i] = saved[i].detach();
-      if (st->input_requires_grad[i]) detached[i].requires_grad_(true);
-    }
-
-    // Restores side effects of the replay (BatchNorm statistics) however backward ends.
-    struct FinishHook {
-      ReplayState* st;
-      ~FinishHook() {
-        if (!st->options.finish_hook) return;
-        py::gil_scoped_acquire gil;
-        try {
-          st->runner.attr("replay_done")();
-        } catch (py::error_already_set& e) {
-          e.discard_as_unraisable(__func__);
-        }
-      }
-    } finish{st.get()};
-
-    std::vector<at::Tensor> outputs;
-    {
-      ReplayGuard guard(st->snapshot);
-      at::AutoGradMode grad_mode(true);
-      py::gil_scoped_acquire gil;
-      outputs = call_runner(st->runner, "replay", detached);
-    }
-
-    if (st->options.determinism_check) check_replay(*st, outputs);
-
-    variable_list outs, gouts;
-    for (size_t k = 0; k < outputs.size() && k < grad_outputs.size(); ++k) {
-      if (grad_outputs[k].defined() && outputs[k].requires_grad()) {
-        outs.push_back(outputs[k]);
-        gouts.push_back(grad_outputs[k]);
-      }
-    }
-    if (outs.empty()) return result;
-
-    variable_list targets;
-    targets.reserve(wanted.size());
-    for (size_t i : wanted) targets.push_back(i < n_in ? detached[i] : st->params[i - n_in]);
-    // Every tensor input of the node is known, wanted now or not (torch.autograd.grad may ask for a
-    // subset); only leaves outside that set were missed by the wrapper.
-    variable_list known;
-    known.reserve(n_all);
-    for (size_t i = 0; i < n_all; ++i) {
-      const at::Tensor& t = i < n_in ? detached[i] : st->params[i - n_in];
-      if (t.requires_grad()) known.push_back(t);
-    }
-    variable_list extra = undiscovered_leaves(outs, known);
-    if (!extra.empty()) {
-      warn_undiscovered_once(st->name, extra);
-      targets.insert(targets.end(), extra.begin(), extra.end());
-    }
-
-    variable_list grads = torch::autograd::grad(outs, targets, gouts, /*retain_graph=*/create_graph,
-                                                create_graph, /*allow_unused=*/true);
-    for (size_t j = 0; j < wanted.size(); ++j) result[1 + wanted[j]] = grads[j];
-    for (size_t j = 0; j < extra.size(); ++j) {
-      const at::Tensor& g = grads[wanted.size() + j];
-      if (!g.defined()) continue;
-      at::AutoGradMode accumulate_mode(create_graph);
-      at::Tensor& slot = extra[j].mutable_grad();
-      slot = slot.defined() ? slot + g : g.clone(at::MemoryFormat::Contiguous);
-    }
-    return result;
   }
 };
 
+// The replay's pack hook: a C function (not pybind11) so that early stop raises without a C++ throw.
+struct RecomputeHook {
+  std::shared_ptr<Frame> frame;
+  int64_t gid;
+};
+
+void free_hook(PyObject* capsule) {
+  delete static_cast<RecomputeHook*>(PyCapsule_GetPointer(capsule, "ckpt_ext.RecomputeHook"));
+}
+
+PyObject* make_capsule(RecomputeHook* hook) {
+  PyObject* c = PyCapsule_New(hook, "ckpt_ext.RecomputeHook", free_hook);
+  if (c == nullptr) delete hook;
+  return c;
+}
+
+PyObject* recompute_pack_c(PyObject* capsule, PyObject* tensor) {
+  auto* hook = static_cast<RecomputeHook*>(PyCapsule_GetPointer(capsule, "ckpt_ext.RecomputeHook"));
+  if (hook == nullptr) return nullptr;
+  try {
+    return hook->frame->recompute_pack(hook->gid, THPVariable_Unpack(tensor)).release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef recompute_pack_def = {"ckpt_ext_recompute_pack", recompute_pack_c, METH_O, nullptr};
+
+// The replay's unpack hook: what the pack hook returned (the replay's own graph is never backwarded
+// through, but it may be: torch's Rule 6).
+const py::object& identity() {
+  static py::object* fn = new py::object(py::eval("lambda x: x"));
+  return *fn;
+}
+
 }  // namespace
 
-std::vector<at::Tensor> checkpoint_apply(const py::object& runner, const std::string& name,
-                                         const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& params,
-                                         const CheckpointOptions& options) {
-  auto st = c10::make_intrusive<ReplayState>();
-  st->runner = runner;
-  st->name = name;
-  st->options = options;
-  st->num_inputs = inputs.size();
-  std::vector<at::Tensor> all;
-  all.reserve(inputs.size() + params.size());
-  all.insert(all.end(), inputs.begin(), inputs.end());
-  all.insert(all.end(), params.begin(), params.end());
-  return CheckpointFunction::apply(st, at::TensorList(all));
+Holder::Entry* Holder::find(int64_t gid) {
+  for (auto& e : entries)
+    if (e.gid == gid) return &e;
+  return nullptr;
+}
+
+Frame::Frame(py::object recompute, py::object describe, std::string name, const std::vector<c10::Device>& devices,
+             const FrameOptions& options)
+    : recompute_(std::move(recompute)),
+      describe_(std::move(describe)),
+      name_(std::move(name)),
+      options_(options),
+      snapshot_(ExecutionSnapshot::capture(devices, options.preserve_rng_state)) {
+  frames_created.fetch_add(1, std::memory_order_relaxed);
+}
+
+Frame::~Frame() {
+  if (Py_IsInitialized()) {
+    py::gil_scoped_acquire gil;  // the last reference may go on an autograd thread
+    recompute_ = py::object();
+    describe_ = py::object();
+  } else {  // interpreter gone: leak rather than touch it
+    recompute_.release();
+    describe_.release();
+  }
+}
+
+std::shared_ptr<Holder> Frame::pack(const at::Tensor& x) {
+  auto h = std::make_shared<Holder>();
+  holders_.push_back(h);
+  if (options_.check_metadata) metas_.push_back({x.sizes().vec(), x.scalar_type(), x.device()});
+  return h;
+}
+
+Frame::GraphTaskState& Frame::state(int64_t gid) {
+  for (auto& t : tasks_)
+    if (t.gid == gid) return t;
+  tasks_.push_back({gid});
+  return tasks_.back();
+}
+
+at::Tensor Frame::unpack(const std::shared_ptr<Holder>& h) {
+  const int64_t gid = current_gid();
+  if (!state(gid).recomputed) {
+    replay(gid);
+    state(gid).recomputed = true;  // tasks_ may have grown during the replay: look it up again
+    check_replay(gid);
+  }
+  Holder::Entry* e = h->find(gid);
+  TORCH_INTERNAL_ASSERT(e != nullptr, "ckpt_ext.checkpoint: a saved tensor of `", name_, "` was not recomputed");
+  if (e->consumed) {
+    raise_checkpoint_error(
+        "ckpt_ext.checkpoint (torch.utils.checkpoint semantics): Unpack is being triggered for a tensor that was "
+        "already unpacked once. If you are calling ctx.saved_tensors in backward, make sure to do so only once.");
+  }
+  e->consumed = true;
+  return std::move(e->tensor);
+}
+
+void Frame::replay(int64_t gid) {
+  auto keep_alive = shared_from_this();
+  ReplayGuard guard(snapshot_);  // RNG, autocast, current device; is_recomputing()
+  at::AutoGradMode grad_mode(true);
+  auto& refs = PyRefs::get();
+  py::object capsule = py::reinterpret_steal<py::object>(make_capsule(new RecomputeHook{keep_alive, gid}));
+  if (!capsule) throw py::error_already_set();
+  py::object pack = py::reinterpret_steal<py::object>(PyCFunction_New(&recompute_pack_def, capsule.ptr()));
+  if (!pack) throw py::error_already_set();
+  refs.push_hooks(pack, identity());
+  PopHooks pop;
+  // Called through the C API: early stop is a Python exception that must not cost C++ throws here.
+  PyObject* result = PyObject_CallObject(recompute_.ptr(), nullptr);
+  if (result != nullptr) {
+    Py_DECREF(result);
+  } else if (PyErr_ExceptionMatches(stop_type)) {
+    PyErr_Clear();
+  } else {
+    throw py::error_already_set();
+  }
+}
+
+py::object Frame::recompute_pack(int64_t gid, const at::Tensor& x) {
+  // A tensor that requires grad is kept detached (the replay's graph is not used); others are kept as
+  // they are, so that a custom Function gets back the very object it saved.
+  at::Tensor keep = x.requires_grad() ? x.detach() : x;
+  auto& st = state(gid);
+  const size_t index = st.counter++;
+  if (index >= holders_.size()) {
+    TORCH_INTERNAL_ASSERT(!options_.early_stop || !forward_completed_);
+    if (!forward_completed_) {
+      // A backward inside the forward replays a forward that had not finished saving yet.
+      ignore_mismatch_ = true;
+      return py::cast(keep);
+    }
+    fail("the replay saved more tensors for backward than the forward did (" + std::to_string(holders_.size()) + ")");
+  }
+  if (auto h = holders_[index].lock()) {  // a Holder already freed (partial backward) needs nothing
+    TORCH_INTERNAL_ASSERT(h->find(gid) == nullptr);
+    h->entries.push_back({gid, keep});
+  }
+  if (options_.early_stop && st.counter == holders_.size()) {
+    PyErr_SetNone(stop_type);
+    return py::object();  // null: the C hook returns it with the error set
+  }
+  return py::cast(keep);
+}
+
+void Frame::check_replay(int64_t gid) {
+  if (ignore_mismatch_) return;
+  const size_t count = state(gid).counter;
+  if (count != holders_.size()) {
+    fail("a different number of tensors was saved for backward during the original forward and the "
+         "recomputation.\nNumber of tensors saved during forward: " + std::to_string(holders_.size()) +
+         "\nNumber of tensors saved during recomputation: " + std::to_string(count));
+  }
+  if (!options_.check_metadata) return;
+  std::ostringstream diff;
+  for (size_t i = 0; i < holders_.size(); ++i) {
+    auto h = holders_[i].lock();
+    if (!h) continue;
+    Holder::Entry* e = h->find(gid);
+    TORCH_INTERNAL_ASSERT(e != nullptr && !e->consumed);
+    const Meta& m = metas_[i];
+    const at::Tensor& t = e->tensor;
+    if (t.sizes() != c10::IntArrayRef(m.sizes) || t.scalar_type() != m.dtype || t.device() != m.device) {
+      diff << "\ntensor at position " << i << ":\n  saved metadata: " << describe_meta(m.sizes, m.dtype, m.device)
+           << "\n  recomputed metadata: " << describe_meta(t.sizes(), t.scalar_type(), t.device());
+    }
+  }
+  const std::string d = diff.str();
+  if (!d.empty()) fail("recomputed values for the following tensors have different metadata than during the forward "
+                       "pass:" + d);
+}
+
+void Frame::fail(const std::string& what) const {
+  std::string detail;
+  if (describe_ && !describe_.is_none()) {
+    detail = "\n" + describe_().cast<std::string>();
+  } else {
+    detail = "\nPass debug=True to ckpt_ext.checkpoint to see the operators run in forward and in the replay.";
+  }
+  raise_checkpoint_error("ckpt_ext.checkpoint: the replay of `" + name_ + "` differs from its forward: " + what +
+                         ".\nThe checkpointed function must compute the same tensors when called again with the same "
+                         "inputs and RNG state (no dependence on global state that changes between forward and "
+                         "backward). determinism_check=\"none\" disables the metadata check." + detail);
+}
+
+void bind_checkpoint(py::module_& m) {
+  stop_type = py::register_exception<StopRecomputation>(m, "_StopRecomputation").ptr();
+  py::class_<Holder, std::shared_ptr<Holder>>(m, "_CheckpointHolder");
+  m.def("checkpoint_frames_created", [] { return frames_created.load(); });
+  py::class_<Frame, std::shared_ptr<Frame>>(m, "CheckpointFrame")
+      .def(py::init([](py::object recompute, py::object describe, std::string name, std::vector<c10::Device> devices,
+                       bool preserve_rng_state, bool check_metadata, bool early_stop) {
+             FrameOptions o;
+             o.preserve_rng_state = preserve_rng_state;
+             o.check_metadata = check_metadata;
+             o.early_stop = early_stop;
+             return std::make_shared<Frame>(std::move(recompute), std::move(describe), std::move(name), devices, o);
+           }),
+           py::arg("recompute"), py::arg("describe"), py::arg("name"), py::arg("devices"),
+           py::arg("preserve_rng_state"), py::arg("check_metadata"), py::arg("early_stop"))
+      .def("pack", &Frame::pack)
+      .def("unpack", &Frame::unpack)
+      .def("forward_done", &Frame::forward_done)
+      .def_property_readonly("saved_count", &Frame::saved_count);
 }
 
 }  // namespace ckpt_ext

@@ -1,36 +1,87 @@
-// CheckpointFunction: a torch::autograd::Function that runs a Python callable without building a
-// graph, keeps only its inputs (saved without copying) and its outputs (copied once into the
-// BoundaryPool), and in backward replays the callable from C++ -- under the forward's RNG, autocast
-// and device state -- to compute the gradients of the inputs and of the parameters used inside.
+// CheckpointFrame: the C++ state of one ckpt_ext.checkpoint call, in torch's non-reentrant design.
+//
+// The function runs in forward with grad enabled, building the real autograd graph, under saved-tensor
+// hooks whose pack (Frame::pack) drops each tensor autograd would save and returns a small Holder in
+// its place. The first unpack of any Holder in a backward (one per graph task) replays the function
+// under the forward's RNG/autocast/device state with recompute hooks that fill the Holders in order;
+// the replay stops early once every live Holder is filled, and the count and metadata of what it saved
+// are checked against the forward (torch.utils.checkpoint.CheckpointError otherwise). Gradients then
+// flow through the real graph: parameter hooks fire once, grad_fn is the real op, outputs are separate.
 #pragma once
 
 #include <torch/extension.h>
 
+#include "replay_context.h"
+
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace ckpt_ext {
 
-struct CheckpointOptions {
-  bool preserve_rng_state = true;
-  bool determinism_check = true;
-  bool debug = false;
-  bool finish_hook = false;  // call runner.replay_done() after the replay's gradients are computed
+// What the forward's pack hook returns in place of a tensor: per graph task, the recomputed tensor
+// (filled by the replay, handed out once).
+struct Holder {
+  struct Entry {
+    int64_t gid;
+    at::Tensor tensor;
+    bool consumed = false;
+  };
+  std::vector<Entry> entries;  // usually one (one backward)
+  Entry* find(int64_t gid);
 };
 
-// Runs `runner` under checkpointing.
-//   runner.forward(list[Tensor]) -> list[Tensor]   in forward, grad disabled
-//   runner.replay(list[Tensor])  -> list[Tensor]   in backward, on detached inputs, grad enabled
-//   runner.replay_done()                          after the replay's backward (if finish_hook)
-//   runner.describe()            -> str           detail for errors when debug is set
-// `inputs` are the call's tensor arguments; `params` the tensors it uses without taking them as
-// arguments (module parameters, captured tensors), so that their gradients flow through this node.
-// Returns the forward outputs, each stored in the device's BoundaryPool.
-std::vector<at::Tensor> checkpoint_apply(
-    const pybind11::object& runner,
-    const std::string& name,
-    const std::vector<at::Tensor>& inputs,
-    const std::vector<at::Tensor>& params,
-    const CheckpointOptions& options);
+struct FrameOptions {
+  bool preserve_rng_state = true;
+  bool check_metadata = true;  // determinism_check="default"
+  bool early_stop = true;
+};
+
+class Frame : public std::enable_shared_from_this<Frame> {
+ public:
+  // recompute(): runs the function again (Python; the caller's recompute context, BatchNorm guard).
+  // describe(): debug detail appended to determinism errors, or None.
+  Frame(pybind11::object recompute, pybind11::object describe, std::string name,
+        const std::vector<c10::Device>& devices, const FrameOptions& options);
+  ~Frame();
+
+  std::shared_ptr<Holder> pack(const at::Tensor& x);  // forward hook
+  at::Tensor unpack(const std::shared_ptr<Holder>& h);  // forward hook
+  void forward_done() { forward_completed_ = true; }
+  size_t saved_count() const { return holders_.size(); }
+
+  // The replay's pack hook (see recompute_hooks in the .cpp).
+  pybind11::object recompute_pack(int64_t gid, const at::Tensor& x);
+
+ private:
+  struct GraphTaskState {
+    int64_t gid;
+    size_t counter = 0;
+    bool recomputed = false;
+  };
+  GraphTaskState& state(int64_t gid);
+  void replay(int64_t gid);
+  void check_replay(int64_t gid);
+  [[noreturn]] void fail(const std::string& what) const;
+
+  pybind11::object recompute_;
+  pybind11::object describe_;
+  std::string name_;
+  FrameOptions options_;
+  ExecutionSnapshot snapshot_;
+  std::vector<std::weak_ptr<Holder>> holders_;
+  struct Meta {
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype;
+    c10::Device device;
+  };
+  std::vector<Meta> metas_;
+  std::vector<GraphTaskState> tasks_;
+  bool forward_completed_ = false;
+  bool ignore_mismatch_ = false;  // the replay of a backward run inside the forward went past it
+};
+
+// Registers CheckpointFrame, the Holder type and the stop exception on the module.
+void bind_checkpoint(pybind11::module_& m);
 
 }  // namespace ckpt_ext

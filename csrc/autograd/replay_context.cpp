@@ -36,7 +36,8 @@ RngSnapshot RngSnapshot::capture(const std::vector<c10::Device>& devices) {
   {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    s.cpu_state = gen.get_state();
+    auto* impl = at::check_generator<at::CPUGeneratorImpl>(gen);
+    s.cpu = CpuRng{impl->engine(), impl->next_float_normal_sample(), impl->next_double_normal_sample()};
   }
   for (const auto& d : devices) {
     auto gen = at::globalContext().defaultGenerator(d);
@@ -57,7 +58,10 @@ void RngSnapshot::restore() const {
   {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(cpu_state);
+    auto* impl = at::check_generator<at::CPUGeneratorImpl>(gen);
+    impl->set_engine(cpu->engine);
+    impl->set_next_float_normal_sample(cpu->next_float_normal);
+    impl->set_next_double_normal_sample(cpu->next_double_normal);
   }
   for (const auto& r : devices) {
     auto gen = at::globalContext().defaultGenerator(r.device);

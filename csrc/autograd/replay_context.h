@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/MT19937RNGEngine.h>
 #include <c10/core/Device.h>
 
 #include <optional>
@@ -21,7 +22,13 @@ struct RngSnapshot {
     uint64_t offset = 0;
     at::Tensor state;  // only for generators without a (seed, offset) state
   };
-  at::Tensor cpu_state;
+  // The CPU generator's state copied as values (no state tensor is built: this runs once per call).
+  struct CpuRng {
+    at::mt19937 engine;
+    std::optional<float> next_float_normal;
+    std::optional<double> next_double_normal;
+  };
+  std::optional<CpuRng> cpu;
   std::vector<DeviceRng> devices;
 
   static RngSnapshot capture(const std::vector<c10::Device>& devices);

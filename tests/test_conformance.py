@@ -1,0 +1,509 @@
+"""Conformance: ckpt_ext.checkpoint behaves as torch.utils.checkpoint.checkpoint(use_reentrant=False).
+
+Every test runs one scenario twice, once with torch's checkpoint and once with ckpt_ext's, on the same
+fresh random inputs, and asserts that what user code can observe is identical (gradients bitwise, hook
+calls, exceptions, side effects of replays). The scenarios are this project's own, written from the
+behaviours torch documents and tests (TestCheckpoint, TestNestedCheckpoint, selective checkpointing).
+"""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import checkpoint as tc
+
+import ckpt_ext
+
+TORCH = functools.partial(tc.checkpoint, use_reentrant=False)
+CKPT = ckpt_ext.checkpoint
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+def both(scenario, *args, **kwargs):
+    """Runs scenario(checkpoint_fn, ...) with torch's checkpoint and ckpt_ext's; returns both results."""
+    return scenario(TORCH, *args, **kwargs), scenario(CKPT, *args, **kwargs)
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b), (a - b).abs().max()
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), (a, b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    else:
+        assert a == b, (a, b)
+
+
+def conform(scenario, *args, **kwargs):
+    a, b = both(scenario, *args, **kwargs)
+    assert_same(a, b)
+    return a
+
+
+def model(seed=0, d=8, p=0.0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Dropout(p), nn.Linear(d, d))
+
+
+def data(seed=1, d=8, requires_grad=True):
+    torch.manual_seed(seed)
+    return torch.randn(4, d, requires_grad=requires_grad)
+
+
+def grads(m, *tensors):
+    return [p.grad for p in m.parameters()] + [t.grad for t in tensors]
+
+
+# ------------------------------------------------------------------------------------------------ hooks
+def test_parameter_hook_fires_once():
+    def run(ckpt):
+        m, x = model(), data()
+        calls = []
+        m[0].weight.register_hook(lambda g: calls.append(1) or 2 * g)
+        ckpt(m, x).sum().backward()
+        return grads(m, x), len(calls)
+
+    (_, calls) = conform(run)
+    assert calls == 1
+
+
+def test_input_output_and_post_accumulate_hooks():
+    def run(ckpt):
+        m, x = model(), data()
+        log = []
+        x.register_hook(lambda g: log.append("x"))
+        m[3].bias.register_post_accumulate_grad_hook(lambda p: log.append("post"))
+        h = x * 2
+        h.register_hook(lambda g: log.append("h") or g * 3)
+        out = ckpt(m, h)
+        out.register_hook(lambda g: log.append("out") or g + 1)
+        out.sum().backward()
+        return grads(m, x), log
+
+    conform(run)
+
+
+def test_hook_on_output_grad_fn_calling_backward_on_input_descendant():
+    def run(ckpt):
+        m, x = model(), data()
+        out = ckpt(m, x)
+        calls = []
+
+        def hook(*_):
+            calls.append(1)
+            if len(calls) > 3:
+                raise RuntimeError("hook re-entered")
+            with torch.enable_grad():
+                (x * 3).sum().backward()
+
+        out.grad_fn.register_prehook(hook)
+        out.sum().backward()
+        return grads(m, x), len(calls)
+
+    conform(run)
+
+
+# ------------------------------------------------------------------------------ autograd inside/between
+def test_autograd_grad_inside_the_function():
+    def fn(x, w):
+        y = (x * w).sin()
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return g * y
+
+    def run(ckpt, early_stop):
+        x, w = data(), data(2)
+        ckpt(fn, x, w, early_stop=early_stop).sum().backward()
+        return x.grad, w.grad
+
+    conform(run, True)
+    conform(run, False)
+
+
+def test_autograd_grad_between_outputs_of_one_call():
+    def fn(x):
+        y = x.sin()
+        return y, y.exp() * x
+
+    def run(ckpt):
+        x = data()
+        y, z = ckpt(fn, x)
+        (g,) = torch.autograd.grad(z.sum(), inputs=(y,), retain_graph=True)
+        (gx,) = torch.autograd.grad(z.sum(), inputs=(x,))
+        return g, gx
+
+    conform(run)
+
+
+def test_backward_inputs_subset_and_retain_graph():
+    def run(ckpt):
+        m, x = model(), data()
+        out = ckpt(m, x)
+        out.sum().backward(inputs=[x], retain_graph=True)
+        first = x.grad.clone()
+        out.pow(2).sum().backward()
+        return first, grads(m, x)
+
+    conform(run)
+
+
+def test_double_backward():
+    def run(ckpt):
+        x = data()
+        y = ckpt(lambda t: (t.sin() * t).sum(), x)
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        g.pow(2).sum().backward()
+        return g.detach(), x.grad
+
+    conform(run)
+
+
+def test_inputs_without_grad_and_detached_inputs():
+    def run(ckpt):
+        m, x = model(), data(requires_grad=False)
+        mask = torch.ones(4, 8)
+        out = ckpt(lambda a, b: m(a) * b, x.detach(), mask)
+        out.sum().backward()
+        return grads(m), out.requires_grad
+
+    conform(run)
+
+
+# ------------------------------------------------------------------------------ nesting and early stop
+def _counted(calls):
+    def fn(x):
+        calls.append("start")
+        y = x.sin()
+        calls.append("after-sin")
+        z = y.cos()
+        calls.append("after-cos")
+        return z * 2  # saves no tensor: early stop ends the replay inside cos
+
+    return fn
+
+
+@pytest.mark.parametrize("early_stop", [True, False, "context"])
+def test_early_stop(early_stop):
+    def run(ckpt):
+        calls = []
+        x = data()
+        if early_stop == "context":
+            with tc.set_checkpoint_early_stop(False):
+                out = ckpt(_counted(calls), x)
+        else:
+            out = ckpt(_counted(calls), x, early_stop=early_stop)
+        out.sum().backward()
+        return x.grad, calls
+
+    conform(run)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_nested_checkpoints(early_stop):
+    def run(ckpt):
+        calls = []
+        m, x = model(), data()
+        inner = _counted(calls)
+
+        def outer(t):
+            return ckpt(inner, m(t), early_stop=early_stop).tanh()
+
+        out = ckpt(outer, x, early_stop=early_stop)
+        out.sum().backward()
+        return grads(m, x), calls
+
+    conform(run)
+
+
+def test_two_backwards_over_a_retained_graph():
+    def run(ckpt):
+        calls = []
+        x = data()
+        out = ckpt(_counted(calls), x)
+        out.sum().backward(retain_graph=True)
+        out.sum().backward()
+        return x.grad, calls
+
+    conform(run)
+
+
+# ------------------------------------------------------------------------------ saved tensors, Functions
+def test_save_on_cpu_and_counting_hooks_around():
+    def run(ckpt):
+        m, x = model(), data()
+        packed = []
+
+        def pack(t):
+            packed.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = ckpt(m, x * 1)
+        with torch.autograd.graph.save_on_cpu():
+            out2 = ckpt(m, x)
+        (out.sum() + out2.sum()).backward()
+        return grads(m, x), packed
+
+    conform(run)
+
+
+class _SaveNonGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x, scale)
+        ctx.scale = scale
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        x, scale = ctx.saved_tensors
+        ctx.same_object = scale is ctx.scale
+        try:
+            ctx.saved_tensors
+            ctx.second = "ok"
+        except Exception as e:  # torch raises CheckpointError on a second access
+            ctx.second = type(e).__name__
+        return g * scale, None
+
+
+def test_custom_function_saved_tensors():
+    def run(ckpt):
+        x = data()
+        scale = torch.full((8,), 3.0)
+        out = ckpt(lambda a, s: _SaveNonGrad.apply(a.sin(), s), x, scale)
+        ctx = out.grad_fn
+        out.sum().backward()
+        return x.grad, ctx.same_object, ctx.second
+
+    conform(run)
+
+
+def test_grad_fn_is_the_last_operator():
+    def run(ckpt):
+        x = data()
+        out = ckpt(lambda t: t.sin().mul(2.0).exp(), x)
+        name = type(out.grad_fn).__name__
+        saved = out.grad_fn._saved_result.clone()
+        out.sum().backward()
+        return name, saved, x.grad
+
+    conform(run)
+
+
+# ------------------------------------------------------------------------------ determinism check
+@pytest.mark.parametrize("change", ["count", "shape"])
+def test_nondeterministic_replay_raises_checkpoint_error(change):
+    def run(ckpt):
+        state = {"n": 0}
+
+        def fn(x):
+            state["n"] += 1
+            if state["n"] == 1:
+                return x.sin().cos()
+            if change == "count":  # saves one tensor fewer
+                return x.sin() * 2
+            return x[:2].sin().cos()
+
+        out = ckpt(fn, data())
+        with pytest.raises(tc.CheckpointError):
+            out.sum().backward()
+        return state["n"]
+
+    conform(run)
+
+
+def test_determinism_check_none_skips_metadata_check():
+    def run(ckpt):
+        state = {"n": 0}
+
+        def fn(x):
+            state["n"] += 1
+            y = x.sin() if state["n"] == 1 else x.double().sin().float()
+            return y * 2
+
+        x = data()
+        out = ckpt(fn, x, determinism_check="none")
+        try:
+            out.sum().backward()
+            return "ok"
+        except Exception as e:
+            return type(e).__name__
+
+    conform(run)
+
+
+# ------------------------------------------------------------------------------ RNG and autocast
+@pytest.mark.parametrize("device", DEVICES)
+def test_rng_dropout_matches_no_checkpoint(device):
+    def run(ckpt):
+        m, x = model(p=0.5).to(device), data().to(device).detach().requires_grad_()
+        torch.manual_seed(5)
+        out = m(x) if ckpt is None else ckpt(m, x)
+        after = torch.rand(3, device=device)  # the generator continues as without checkpointing
+        out.sum().backward()
+        return out.detach(), after, grads(m, x)
+
+    ref = run(None)
+    a, b = both(run)
+    assert_same(a, ref)
+    assert_same(b, ref)
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16), pytest.param(
+    "cuda", torch.float16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))])
+def test_autocast_gradients_bit_identical(device, dtype):
+    def run(ckpt):
+        m, x = model(p=0.1).to(device), data().to(device).detach().requires_grad_()
+        torch.manual_seed(5)
+        with torch.autocast(device, dtype=dtype):
+            out = m(x) if ckpt is None else ckpt(m, x)
+        out.float().sum().backward()
+        return out.detach(), grads(m, x)
+
+    ref = run(None)
+    a, b = both(run)
+    assert_same(a, ref)
+    assert_same(b, ref)
+
+
+# ------------------------------------------------------------------------------ selective checkpointing
+def _policy_run(policy_name):
+    aten = torch.ops.aten
+
+    def run(ckpt):
+        counts = {"mm": 0}
+        x, w = data(), data(2, requires_grad=True)
+
+        def policy(ctx, op, *args, **kwargs):
+            if op == aten.mm.default:
+                if not ctx.is_recompute:
+                    counts["mm"] += 1
+                return getattr(tc.CheckpointPolicy, policy_name)
+            return tc.CheckpointPolicy.PREFER_RECOMPUTE
+
+        def fn(a, b):
+            return torch.mm(a.sin(), b.t()).relu().sum(0)
+
+        ctx_fn = functools.partial(tc.create_selective_checkpoint_contexts, policy)
+        out = ckpt(fn, x, w, context_fn=ctx_fn)
+        out.sum().backward()
+        return x.grad, w.grad, counts["mm"]
+
+    return run
+
+
+@pytest.mark.parametrize("policy", [p for p in ("MUST_SAVE", "PREFER_SAVE", "MUST_RECOMPUTE", "PREFER_RECOMPUTE",
+                                                "MUST_CPU_OFFLOAD") if hasattr(tc.CheckpointPolicy, p)])
+def test_selective_checkpoint_policies(policy):
+    conform(_policy_run(policy))
+
+
+def test_selective_checkpoint_op_list():
+    def run(ckpt):
+        x = data()
+        ctx_fn = functools.partial(tc.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+        out = ckpt(lambda a: torch.mm(a.sin(), a.t()).exp(), x, context_fn=ctx_fn)
+        out.sum().backward()
+        return x.grad
+
+    conform(run)
+
+
+def test_context_fn_contexts_entered_in_forward_and_replay():
+    def run(ckpt):
+        log = []
+
+        class Ctx:
+            def __init__(self, name):
+                self.name = name
+
+            def __enter__(self):
+                log.append(self.name + ckpt_ext.is_recomputing().__class__.__name__)
+
+            def __exit__(self, *a):
+                log.append("/" + self.name)
+
+        x = data()
+        ckpt(lambda a: a.sin(), x, context_fn=lambda: (Ctx("fwd"), Ctx("rec"))).sum().backward()
+        return x.grad, [entry.replace("bool", "") for entry in log]
+
+    conform(run)
+
+
+# ------------------------------------------------------------------------------ call conventions
+def test_kwargs_non_tensor_outputs_and_returned_inputs():
+    def fn(x, y, *, scale, tag):
+        return {"x": x, "sum": (x * y).sin() * scale, "tag": tag, "n": 3, "none": None}
+
+    def run(ckpt):
+        x, y = data(), data(2)
+        out = ckpt(fn, x, y, scale=2.0, tag="t")
+        same_input = out["x"] is x
+        (out["sum"].sum() + out["x"].sum()).backward()
+        return same_input, out["tag"], out["n"], out["none"], x.grad, y.grad
+
+    conform(run)
+
+
+def test_same_tensor_returned_twice():
+    def run(ckpt):
+        x = data()
+        a, b = ckpt(lambda t: (t.sin(),) * 2, x)
+        same = a is b
+        (a.sum() + 2 * b.sum()).backward()
+        return same, x.grad
+
+    conform(run)
+
+
+def test_no_grad_call_runs_plainly():
+    def run(ckpt):
+        x = data()
+        with torch.no_grad():
+            out = ckpt(lambda t: t.sin(), x)
+        return out, out.requires_grad
+
+    conform(run)
+
+
+def test_unpack_outside_backward_recomputes():
+    def run(ckpt):
+        x = data()
+        out = ckpt(lambda t: t.sin().exp(), x)
+        first = out.grad_fn._saved_result.clone()
+        second = out.grad_fn._saved_result.clone()
+        out.sum().backward()
+        return first, second, x.grad
+
+    conform(run)
+
+
+def test_error_in_function_propagates():
+    def run(ckpt):
+        def fn(x):
+            raise ValueError("boom")
+
+        with pytest.raises(ValueError, match="boom"):
+            ckpt(fn, data())
+        return True
+
+    conform(run)
+
+
+def test_gradient_checkpointing_kwargs_style_call():
+    # Hugging Face passes use_reentrant and context_fn through gradient_checkpointing_kwargs.
+    def run(ckpt):
+        m, x = model(), data()
+        ctx_fn = functools.partial(tc.create_selective_checkpoint_contexts, [torch.ops.aten.addmm.default])
+        call = functools.partial(ckpt, use_reentrant=False, context_fn=ctx_fn) if ckpt is CKPT else \
+            functools.partial(tc.checkpoint, use_reentrant=False, context_fn=ctx_fn)
+        F.mse_loss(call(m, x), torch.zeros(4, 8)).backward()
+        return grads(m, x)
+
+    conform(run)
