@@ -1,45 +1,14 @@
-// Building blocks shared by the fused layers: the dropout seed, the last linear with its residual
-// (an autograd node of its own, so the segment replay can compute its gradients without running it),
-// and attention (SDPA, its dropout drawn from a generator state derived from the layer's seed).
+// The last linear of a GPT-2/Llama layer with its residual: out = residual + dropout(x W + b), an
+// autograd node of its own (ResidualLinearFunction), so that the segment replay can compute its
+// gradients without running it (replay_backward calls residual_linear_backward directly).
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <mutex>
-
-#include "../ops/fused_ops.h"
-#include "layer.h"
+#include "../ops/ops.h"
+#include "family.h"
 
 namespace ckpt_ext {
 namespace layers {
-
-namespace {
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
-
-int64_t draw_dropout_seed(c10::Device device) {
-  if (device.is_cpu()) {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    return static_cast<int64_t>(at::check_generator<at::CPUGeneratorImpl>(gen)->random64());
-  }
-  // Philox generators (CUDA) are fully described by (seed, offset): reserve offsets as torch's own
-  // kernels do (multiples of 4) and hash the pair, so that our counters never coincide with the ones
-  // torch's kernels use under the same seed, and nothing waits for the device.
-  auto gen = at::globalContext().defaultGenerator(device);
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  const uint64_t seed = gen.current_seed();
-  const uint64_t offset = gen.get_offset();
-  gen.set_offset(offset + 4);
-  return static_cast<int64_t>(splitmix64(seed ^ splitmix64(offset)));
-}
 
 // ---- residual linear ---------------------------------------------------------------------------------------------
 
@@ -59,9 +28,6 @@ Tensor matmul_2d(const Tensor& x, const LastLinear& lin) {
   return lin.conv1d ? x2d.mm(w) : x2d.mm(w.t());
 }
 
-std::optional<Tensor> bias_of(const LastLinear& lin) {
-  return lin.bias.defined() ? std::optional<Tensor>(lin.bias) : std::nullopt;
-}
 
 struct ResidualLinearFunction : torch::autograd::Function<ResidualLinearFunction> {
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& weight,
@@ -78,7 +44,7 @@ struct ResidualLinearFunction : torch::autograd::Function<ResidualLinearFunction
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["offset"] = offset;
     // Grad mode is off inside Function::forward, so this records nothing of its own.
-    return ops::bias_dropout_add(y, bias_of(lin), residual, p, seed, offset);
+    return ops::bias_dropout_add(y, opt(lin.bias), residual, p, seed, offset);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -106,14 +72,14 @@ struct ResidualLinearFunction : torch::autograd::Function<ResidualLinearFunction
 }  // namespace
 
 Tensor residual_linear(const Tensor& x, const LastLinear& lin, const Tensor& residual, int64_t seed) {
-  return ResidualLinearFunction::apply(x, lin.weight, bias_of(lin), residual, lin.conv1d, lin.p, seed, lin.offset);
+  return ResidualLinearFunction::apply(x, lin.weight, opt(lin.bias), residual, lin.conv1d, lin.p, seed, lin.offset);
 }
 
 ResidualLinearGrads residual_linear_backward(const Tensor& grad, const Tensor& x, const LastLinear& lin, int64_t seed,
                                              bool need_x, bool need_weight, bool need_bias) {
   ResidualLinearGrads r;
   if (!(need_x || need_weight || need_bias)) return r;
-  const Tensor g = lin.p > 0 ? ops::dropout_backward(grad, lin.p, seed, lin.offset) : grad;
+  const Tensor g = lin.p > 0 ? ops::dropout(grad, lin.p, seed, lin.offset) : grad;
   const Tensor g2d = g.reshape({-1, g.size(-1)});
   // The GEMMs run in x's dtype, as in forward (autocast: the weight cast down, its gradient cast back
   // to the parameter's dtype, as autograd does for Hugging Face's layer); the bias gradient is summed
@@ -132,74 +98,25 @@ ResidualLinearGrads residual_linear_backward(const Tensor& grad, const Tensor& x
   return r;
 }
 
-// ---- attention ---------------------------------------------------------------------------------------------------
-
-namespace {
-
-// [B, kv_heads, S, D] -> [B, kv_heads * n_rep, S, D], each kv head repeated n_rep times (Hugging Face's repeat_kv).
-Tensor repeat_kv(const Tensor& t, int64_t n_rep) {
-  if (n_rep == 1) return t;
-  const auto B = t.size(0), H = t.size(1), S = t.size(2), D = t.size(3);
-  return t.unsqueeze(2).expand({B, H, n_rep, S, D}).reshape({B, H * n_rep, S, D});
-}
-
-// Hugging Face's eager masks are additive with the dtype's lowest value; a query whose keys are all
-// masked (left padding) then gets a uniform row in its eager softmax. CUDA's fused kernels scale
-// score + mask by log2(e) in float32, which overflows float32's / bfloat16's lowest to -inf, and an
-// all -inf row comes out as zeros: the CUDA-only eager+padding parity failures. -1e30 is as good as
-// -inf for any row with one unmasked key (exp underflows to 0) and leaves fully masked rows uniform.
-Tensor finite_additive_mask(const Tensor& mask) {
-  const auto t = mask.scalar_type();
-  if (t != at::kFloat && t != at::kBFloat16 && t != at::kDouble) return mask;  // float16's lowest is safe
-  return mask.clamp_min(-1e30);
-}
-
-constexpr uint64_t kSdpaSalt = 0x5DBA7E11A5EEDULL;  // separates SDPA's generator seeds from our Philox keys
-
-// Sets the default generator of `device` to `seed` (offset 0 for Philox generators) for its lifetime
-// and puts the previous state back afterwards. The generator's mutex is not held in between (SDPA
-// takes it to draw), so, like torch.utils.checkpoint's set_rng_state, this assumes no other thread
-// draws from the same generator during the call.
-class SeededGeneratorScope {
- public:
-  SeededGeneratorScope(c10::Device device, uint64_t seed)
-      : gen_(device.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device)) {
-    std::lock_guard<std::mutex> lock(gen_.mutex());
-    saved_ = gen_.get_state();
-    gen_.set_current_seed(seed);
+LayerOutput last_linear_tail(const LayerSpec& s, const std::vector<Tensor>& w, const LayerRng& rng,
+                             const LastLinear& lin, const Tensor& act, const Tensor& h1, const Tensor& out_slot,
+                             bool stop) {
+  LayerOutput r;
+  if (stop) {
+    r.last_input = act;
+    r.residual = h1;
+    return r;
   }
-  ~SeededGeneratorScope() {
-    std::lock_guard<std::mutex> lock(gen_.mutex());
-    gen_.set_state(saved_);
+  if (out_slot.defined()) {
+    const Tensor w = like(lin.weight, act);
+    const Tensor y =
+        like(lin.conv1d ? conv1d_nobias(act, w) : act.reshape({-1, act.size(-1)}).mm(w.t()).view(h1.sizes()), h1);
+    ops::bias_dropout_add_into(y, opt(lin.bias), h1, lin.p, rng.seed, lin.offset, out_slot);
+    r.out = out_slot;
+  } else {
+    r.out = residual_linear(act, lin, h1, rng.seed);
   }
-  SeededGeneratorScope(const SeededGeneratorScope&) = delete;
-  SeededGeneratorScope& operator=(const SeededGeneratorScope&) = delete;
-
- private:
-  at::Generator gen_;
-  Tensor saved_;
-};
-
-}  // namespace
-
-Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
-                 double p, int64_t seed, int64_t offset) {
-  const int64_t n_rep = q.size(1) / k.size(1);
-  const bool use_causal = causal && !mask.defined() && q.size(2) > 1;
-  // Grouped-query attention: SDPA's own GQA support when there is no mask (the fast kernels need
-  // none), repeated heads otherwise -- Hugging Face's rule.
-  const bool gqa = n_rep > 1 && !mask.defined();
-  const Tensor kk = gqa ? k : repeat_kv(k, n_rep), vv = gqa ? v : repeat_kv(v, n_rep);
-  std::optional<Tensor> m;
-  if (mask.defined()) m = mask.scalar_type() == at::kBool ? mask : finite_additive_mask(mask);
-  if (p == 0.0) return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, use_causal, scale, gqa);
-  // SDPA draws its dropout from the device's default generator (CUDA flash/efficient kernels: the
-  // philox (seed, offset) they read from it and return for their backward; the math path, CPU: a
-  // bernoulli mask from it). Set to a state that is a function of the layer call's seed and this
-  // site, its mask is one more dropout site of the call: a replay with the same seed draws it again,
-  // and the user's generator is left as it was.
-  SeededGeneratorScope rng(q.device(), splitmix64(static_cast<uint64_t>(seed) ^ splitmix64(kSdpaSalt + offset)));
-  return at::scaled_dot_product_attention(q, kk, vv, m, p, use_causal, scale, gqa);
+  return r;
 }
 
 }  // namespace layers
