@@ -115,9 +115,9 @@ void check_weights(const LayerSpec& s, const std::vector<Tensor>& w, const Tenso
   for (size_t i = 0; i < w.size(); ++i) {
     if (!w[i].defined()) continue;
     TORCH_CHECK(w[i].device() == hidden.device() && w[i].scalar_type() == hidden.scalar_type(), "ckpt_ext fused ",
-                fam.info.name, " layer: weight ", i, " (", fam.info.slots[i], ") is ", w[i].scalar_type(), " on ",
-                w[i].device(), " but the hidden states are ", hidden.scalar_type(), " on ", hidden.device(),
-                "; the fused layers keep the residual stream in the parameters' dtype (cast the whole model with "
+                fam.info.name, " layer: weight ", i, " is ", w[i].scalar_type(), " on ", w[i].device(),
+                " but the hidden states are ", hidden.scalar_type(), " on ", hidden.device(), " (weight slot ",
+                fam.info.slots[i], "); the fused layers keep the residual stream in the parameters' dtype (cast the whole model with "
                 "model.to(dtype), or keep float32 weights and use torch.autocast)");
   }
   fam.check_weights(s, w);
