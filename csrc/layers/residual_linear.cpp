@@ -10,8 +10,6 @@
 namespace ckpt_ext {
 namespace layers {
 
-// ---- residual linear ---------------------------------------------------------------------------------------------
-
 namespace {
 
 // `t` in `dtype`: a no-op outside autocast. Under autocast the last linear's input is in the autocast
