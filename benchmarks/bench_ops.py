@@ -64,7 +64,7 @@ def cases(rows: int, hidden: int, dtype, device) -> List[tuple]:
          3 * ni * e),
         ("bias_dropout_add", lambda: ops.bias_dropout_add(x, b, r, P, SEED, 0), lambda: F.dropout(x + b, P) + r,
          3 * n * e),
-        ("dropout_backward", lambda: ops.dropout_backward(g, P, SEED, 0), lambda: g * mask / (1 - P), 2 * n * e),
+        ("dropout", lambda: ops.dropout(g, P, SEED, 0), lambda: g * mask / (1 - P), 2 * n * e),
         ("dropout_mask", lambda: ops.dropout_mask(n, P, SEED, 0, device),
          lambda: torch.rand(n, device=device) >= P, n),
         ("bias_dropout_add_layer_norm", lambda: ops.bias_dropout_add_layer_norm(x, b, r, w, b, P, EPS, SEED, 0),

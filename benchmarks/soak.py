@@ -220,7 +220,7 @@ class InterruptAtOp(TorchDispatchMode):
 
     _COMPUTE = ("mm", "addmm", "bmm", "_softmax", "native_layer_norm", "gelu", "tanh", "mul", "add", "sum",
                 "embedding", "masked_fill", "bias_gelu", "bias_dropout_add", "bias_dropout_add_layer_norm",
-                "dropout_backward", "native_layer_norm_backward", "_softmax_backward_data", "gelu_backward")
+                "dropout", "native_layer_norm_backward", "_softmax_backward_data", "gelu_backward")
 
     def __init__(self, n: int):
         super().__init__()

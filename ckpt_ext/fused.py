@@ -37,42 +37,62 @@ _C = load()
 
 __all__ = ["FusedTransformerLayer", "fuse", "run_segment"]
 
-BERT, GPT2, LLAMA = 0, 1, 2  # csrc/layers/layer.h: Family
-_FAMILY_NAMES = {BERT: "bert", GPT2: "gpt2", LLAMA: "llama"}
+# The layer layout has one home, C++ (csrc/layers/{bert,gpt2,llama}.cpp): family ids and weight slots.
+_FAMILIES: Dict[str, Tuple[int, List[str]]] = dict(_C.layer_families())
+BERT, GPT2, LLAMA = (_FAMILIES[name][0] for name in ("bert", "gpt2", "llama"))
+_FAMILY_NAMES = {family_id: name for name, (family_id, _) in _FAMILIES.items()}
 
-# Weight slots in the order of csrc/layers/layer.h (bert::, gpt2::, llama:: enums), as paths in the layer.
-_WEIGHTS = {
-    BERT: [
-        "attention.self.query.weight", "attention.self.query.bias",
-        "attention.self.key.weight", "attention.self.key.bias",
-        "attention.self.value.weight", "attention.self.value.bias",
-        "attention.output.dense.weight", "attention.output.dense.bias",
-        "attention.output.LayerNorm.weight", "attention.output.LayerNorm.bias",
-        "intermediate.dense.weight", "intermediate.dense.bias",
-        "output.dense.weight", "output.dense.bias",
-        "output.LayerNorm.weight", "output.LayerNorm.bias",
-    ],
-    GPT2: [
-        "ln_1.weight", "ln_1.bias",
-        "attn.c_attn.weight", "attn.c_attn.bias",
-        "attn.c_proj.weight", "attn.c_proj.bias",
-        "ln_2.weight", "ln_2.bias",
-        "mlp.c_fc.weight", "mlp.c_fc.bias",
-        "mlp.c_proj.weight", "mlp.c_proj.bias",
-    ],
-    LLAMA: [
-        "input_layernorm.weight",
-        "self_attn.q_proj.weight", "self_attn.q_proj.bias",
-        "self_attn.k_proj.weight", "self_attn.k_proj.bias",
-        "self_attn.v_proj.weight", "self_attn.v_proj.bias",
-        "self_attn.o_proj.weight", "self_attn.o_proj.bias",
-        "post_attention_layernorm.weight",
-        "mlp.gate_proj.weight", "mlp.gate_proj.bias",
-        "mlp.up_proj.weight", "mlp.up_proj.bias",
-        "mlp.down_proj.weight", "mlp.down_proj.bias",
-    ],
+# Where each C++ weight slot lives in the Hugging Face layer (parameter paths), written in C++'s slot
+# order; _slot_paths checks names and order against C++'s list.
+_HF_PARAMETERS: Dict[str, Dict[str, str]] = {
+    "bert": {
+        "q_weight": "attention.self.query.weight", "q_bias": "attention.self.query.bias",
+        "k_weight": "attention.self.key.weight", "k_bias": "attention.self.key.bias",
+        "v_weight": "attention.self.value.weight", "v_bias": "attention.self.value.bias",
+        "attn_out_weight": "attention.output.dense.weight", "attn_out_bias": "attention.output.dense.bias",
+        "ln1_weight": "attention.output.LayerNorm.weight", "ln1_bias": "attention.output.LayerNorm.bias",
+        "inter_weight": "intermediate.dense.weight", "inter_bias": "intermediate.dense.bias",
+        "out_weight": "output.dense.weight", "out_bias": "output.dense.bias",
+        "ln2_weight": "output.LayerNorm.weight", "ln2_bias": "output.LayerNorm.bias",
+    },
+    "gpt2": {
+        "ln1_weight": "ln_1.weight", "ln1_bias": "ln_1.bias",
+        "attn_weight": "attn.c_attn.weight", "attn_bias": "attn.c_attn.bias",
+        "attn_proj_weight": "attn.c_proj.weight", "attn_proj_bias": "attn.c_proj.bias",
+        "ln2_weight": "ln_2.weight", "ln2_bias": "ln_2.bias",
+        "fc_weight": "mlp.c_fc.weight", "fc_bias": "mlp.c_fc.bias",
+        "mlp_proj_weight": "mlp.c_proj.weight", "mlp_proj_bias": "mlp.c_proj.bias",
+    },
+    "llama": {
+        "ln1_weight": "input_layernorm.weight",
+        "q_weight": "self_attn.q_proj.weight", "q_bias": "self_attn.q_proj.bias",
+        "k_weight": "self_attn.k_proj.weight", "k_bias": "self_attn.k_proj.bias",
+        "v_weight": "self_attn.v_proj.weight", "v_bias": "self_attn.v_proj.bias",
+        "o_weight": "self_attn.o_proj.weight", "o_bias": "self_attn.o_proj.bias",
+        "ln2_weight": "post_attention_layernorm.weight",
+        "gate_weight": "mlp.gate_proj.weight", "gate_bias": "mlp.gate_proj.bias",
+        "up_weight": "mlp.up_proj.weight", "up_bias": "mlp.up_proj.bias",
+        "down_weight": "mlp.down_proj.weight", "down_bias": "mlp.down_proj.bias",
+    },
 }
-assert tuple(len(_WEIGHTS[f]) for f in (BERT, GPT2, LLAMA)) == tuple(_C.LAYER_WEIGHT_COUNTS)
+
+
+def _slot_paths(families: Dict[str, Tuple[int, List[str]]],
+                hf_parameters: Dict[str, Dict[str, str]]) -> Dict[int, List[str]]:
+    """{family id: Hugging Face parameter path of each C++ weight slot, in slot order}. Raises when the
+    Python mapping does not name exactly C++'s slots in C++'s order (a missing, extra or swapped slot)."""
+    paths = {}
+    for name, (family_id, slots) in families.items():
+        mapped = list(hf_parameters.get(name, {}))
+        if mapped != list(slots):
+            raise RuntimeError(f"ckpt_ext: the Hugging Face parameter map of the fused {name} layer names the slots "
+                               f"{mapped}, but C++ (csrc/layers/{name}.cpp) defines {list(slots)}; they must agree "
+                               "in names and order")
+        paths[family_id] = [hf_parameters[name][slot] for slot in slots]
+    return paths
+
+
+_WEIGHTS = _slot_paths(_FAMILIES, _HF_PARAMETERS)
 
 # Positional parameters of the Hugging Face layers' forward (transformers 5.x), after self.
 _POSITIONAL = {
@@ -406,7 +426,7 @@ class FusedTransformerLayer(nn.Module):
             _check_segment_not_capturing()
             return _C.segment_apply([self.spec], call.hidden, call.mask, call.cos, call.sin, [self.fused_weights()],
                                     True)
-        if self.training and (self.spec.attn_p > 0 or self.spec.hidden_p > 0):  # csrc/layers: uses_dropout
+        if _C.uses_dropout(self.spec, self.training):
             check_not_capturing(
                 f"a fused {self.layer_class} with dropout in training",
                 "its dropout seed is drawn from the generator on the host, so every replay of the graph would "

@@ -1,9 +1,9 @@
 """Stateless kernels for fused transformer layers, as ``torch.ops.ckpt_ext`` ops.
 
-The C++ side defines the schemas and the CPU/CUDA kernels (csrc/ops/fused_ops.cpp) and the autograd
-kernels of the forward ops (csrc/ops/fused_autograd.cpp, registered on the Autograd key so that C++ code
-such as the fused layers gets gradients without Python; each backward calls the matching ``*_backward``
-op). This module adds a fake (meta) kernel for every op, so they trace under ``torch.compile`` and
+The C++ side defines the schemas (csrc/ops/schemas.cpp), the checks and CPU/CUDA kernels (the op groups
+csrc/ops/elementwise.cpp and norms.cpp) and the autograd kernels of the forward ops (csrc/ops/autograd.cpp,
+registered on the Autograd key so that C++ code such as the fused layers gets gradients without Python;
+each backward calls the matching ``*_backward`` op). This module adds a fake (meta) kernel for every op, so they trace under ``torch.compile`` and
 ``FakeTensorMode``. The Python functions below are the documented entry points.
 
 Conventions:
@@ -18,7 +18,7 @@ Conventions:
 * Inputs that are not contiguous are copied to contiguous memory first; outputs are contiguous, except
   :func:`rotary`'s, which are laid out like its input.
 * Gradients are first order only: the ``*_backward`` ops have no autograd formula of their own, except
-  :func:`dropout_backward`, which is linear in ``grad`` and so is its own derivative.
+  :func:`dropout`, which is linear in ``x`` and so is its own derivative.
 """
 from typing import Optional, Tuple
 
@@ -31,7 +31,7 @@ __all__ = [
     "bias_gelu",
     "bias_gelu_backward",
     "bias_dropout_add",
-    "dropout_backward",
+    "dropout",
     "dropout_mask",
     "bias_dropout_add_layer_norm",
     "bias_dropout_add_layer_norm_backward",
@@ -73,9 +73,10 @@ def bias_dropout_add(
     return _lib.bias_dropout_add.default(x, bias, residual, p, seed, offset)
 
 
-def dropout_backward(grad: Tensor, p: float, seed: int, offset: int) -> Tensor:
-    """``grad * mask / (1 - p)`` with the mask that the forward drew for ``(seed, offset)``."""
-    return _lib.dropout_backward.default(grad, p, seed, offset)
+def dropout(x: Tensor, p: float, seed: int, offset: int) -> Tensor:
+    """``x * mask / (1 - p)`` with the mask of ``(seed, offset)``: dropout without bias or residual, and
+    the backward of every ckpt_ext dropout drawn for ``(seed, offset)`` (same mask, linear map)."""
+    return _lib.dropout.default(x, p, seed, offset)
 
 
 def dropout_mask(numel: int, p: float, seed: int, offset: int, device="cpu") -> Tensor:
@@ -240,9 +241,9 @@ def _(x, bias, residual, p, seed, offset):
     return _empty(x)
 
 
-@torch.library.register_fake("ckpt_ext::dropout_backward")
-def _(grad, p, seed, offset):
-    return _empty(grad)
+@torch.library.register_fake("ckpt_ext::dropout")
+def _(x, p, seed, offset):
+    return _empty(x)
 
 
 @torch.library.register_fake("ckpt_ext::dropout_mask")

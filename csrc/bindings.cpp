@@ -3,9 +3,10 @@
 
 #include "autograd/checkpoint_function.h"
 #include "autograd/replay_context.h"
-#include "autograd/segment_function.h"
+#include "common/optional.h"
 #include "layers/layer.h"
 #include "pool/boundary_pool.h"
+#include "segment/segment_function.h"
 
 namespace py = pybind11;
 using ckpt_ext::BoundaryPool;
@@ -27,16 +28,11 @@ py::dict stats_dict(const ckpt_ext::PoolStats& s) {
   return d;
 }
 
-std::vector<at::Tensor> undefined_for_none(const std::vector<std::optional<at::Tensor>>& ts) {
-  std::vector<at::Tensor> out;
-  out.reserve(ts.size());
-  for (const auto& t : ts) out.push_back(t.has_value() ? *t : at::Tensor());
-  return out;
-}
+using ckpt_ext::OptTensor;
+using ckpt_ext::undefined_if_absent;
 
-ckpt_ext::layers::LayerInputs layer_inputs(const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& cos,
-                                           const std::optional<at::Tensor>& sin) {
-  return {mask.value_or(at::Tensor()), cos.value_or(at::Tensor()), sin.value_or(at::Tensor())};
+ckpt_ext::layers::LayerInputs layer_inputs(const OptTensor& mask, const OptTensor& cos, const OptTensor& sin) {
+  return {undefined_if_absent(mask), undefined_if_absent(cos), undefined_if_absent(sin)};
 }
 
 }  // namespace
@@ -84,29 +80,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              t[4].cast<int64_t>(), t[5].cast<double>(), t[6].cast<double>(), t[7].cast<double>(),
                              t[8].cast<double>(), t[9].cast<bool>());
           }));
-  m.attr("LAYER_WEIGHT_COUNTS") =
-      py::make_tuple(L::weight_count(L::Family::kBert), L::weight_count(L::Family::kGPT2),
-                     L::weight_count(L::Family::kLlama));
+  // The layer layout's one home: {name: (family id, [weight slot names in call order])}; ckpt_ext/fused.py
+  // maps Hugging Face's parameters to these slots.
+  m.def("layer_families", [] {
+    py::dict d;
+    for (L::Family f : L::all_families()) {
+      const auto& info = L::family_info(f);
+      d[info.name] = py::make_tuple(static_cast<int64_t>(info.id), info.slots);
+    }
+    return d;
+  });
+  m.def("uses_dropout", &L::uses_dropout, py::arg("spec"), py::arg("training"));
 
   m.def(
       "fused_layer_forward",
-      [](const L::LayerSpec& spec, const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
-         const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-         const std::vector<std::optional<at::Tensor>>& weights, bool training) {
-        return L::fused_layer_forward(spec, hidden, layer_inputs(mask, cos, sin), undefined_for_none(weights),
+      [](const L::LayerSpec& spec, const at::Tensor& hidden, const OptTensor& mask, const OptTensor& cos,
+         const OptTensor& sin, const std::vector<OptTensor>& weights, bool training) {
+        return L::fused_layer_forward(spec, hidden, layer_inputs(mask, cos, sin), undefined_if_absent(weights),
                                       training);
       },
       py::arg("spec"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
       py::arg("training"));
-  m.def("draw_dropout_seed", &L::draw_dropout_seed, py::arg("device"));
   m.def(
       "segment_apply",
-      [](const std::vector<L::LayerSpec>& specs, const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
-         const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-         const std::vector<std::vector<std::optional<at::Tensor>>>& weights, bool training) {
+      [](const std::vector<L::LayerSpec>& specs, const at::Tensor& hidden, const OptTensor& mask,
+         const OptTensor& cos, const OptTensor& sin, const std::vector<std::vector<OptTensor>>& weights,
+         bool training) {
         std::vector<std::vector<at::Tensor>> w;
         w.reserve(weights.size());
-        for (const auto& l : weights) w.push_back(undefined_for_none(l));
+        for (const auto& l : weights) w.push_back(undefined_if_absent(l));
         return ckpt_ext::segment_apply(specs, hidden, layer_inputs(mask, cos, sin), w, training);
       },
       py::arg("specs"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),

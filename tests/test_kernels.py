@@ -288,7 +288,7 @@ def test_dropout_forward_and_backward_use_the_same_mask(device, dtype, shape):
     fwd = ops.bias_dropout_add(ones, None, zeros, p, seed, offset)
     assert torch.equal(fwd != 0, mask)
     assert torch.all(fwd[mask] == scale)
-    bwd = ops.dropout_backward(ones, p, seed, offset)
+    bwd = ops.dropout(ones, p, seed, offset)
     assert torch.equal(bwd, fwd)
     # The same mask through autograd of bias_dropout_add, and inside the fused LayerNorm.
     x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
@@ -310,8 +310,8 @@ def test_dropout_p_zero_and_one(device):
     r = torch.randn(7, 9, device=device)
     torch.testing.assert_close(ops.bias_dropout_add(x, None, r, 0.0, 1, 2), x + r)
     torch.testing.assert_close(ops.bias_dropout_add(x, None, r, 1.0, 1, 2), r)
-    assert torch.equal(ops.dropout_backward(x, 0.0, 1, 2), x)
-    assert torch.equal(ops.dropout_backward(x, 1.0, 1, 2), torch.zeros_like(x))
+    assert torch.equal(ops.dropout(x, 0.0, 1, 2), x)
+    assert torch.equal(ops.dropout(x, 1.0, 1, 2), torch.zeros_like(x))
 
 
 # ---- elementwise ops ----------------------------------------------------------------------------------------
@@ -560,7 +560,7 @@ def _opcheck_samples(device="cpu"):
         (L.bias_gelu_backward.default, (g, x.detach(), b.detach(), "tanh")),
         (L.bias_dropout_add.default, (x, b, r, 0.3, 5, 7)),
         (L.bias_dropout_add.default, (x, None, r, 0.0, 5, 7)),
-        (L.dropout_backward.default, (g, 0.3, 5, 7)),
+        (L.dropout.default, (g, 0.3, 5, 7)),
         (L.dropout_mask.default, (37, 0.3, 5, 7, torch.device(device))),
         (L.bias_dropout_add_layer_norm.default, (x, b, r, w, b, 0.2, 1e-5, 3, 4)),
         (L.bias_dropout_add_layer_norm.default, (x, None, r, w, None, 0.0, 1e-5, 3, 4)),
@@ -602,7 +602,7 @@ def test_every_op_has_an_opcheck_sample():
 
 # ---- autograd registration: in C++, so that C++ code (the fused layers) differentiates without Python ------------
 
-_FORWARD_OPS = ["bias_gelu", "bias_dropout_add", "dropout_backward", "bias_dropout_add_layer_norm", "add_layer_norm",
+_FORWARD_OPS = ["bias_gelu", "bias_dropout_add", "dropout", "bias_dropout_add_layer_norm", "add_layer_norm",
                 "add_rms_norm", "swiglu", "rotary"]
 
 
@@ -610,7 +610,7 @@ _FORWARD_OPS = ["bias_gelu", "bias_dropout_add", "dropout_backward", "bias_dropo
 def test_autograd_kernel_is_registered_in_cpp(name):
     dump = torch._C._dispatch_dump(f"ckpt_ext::{name}")
     autograd = [line for line in dump.splitlines() if line.startswith("Autograd")]
-    assert len(autograd) == 1 and "fused_autograd.cpp" in autograd[0], dump
+    assert len(autograd) == 1 and "csrc/ops/autograd.cpp" in autograd[0], dump
 
 
 def test_autograd_nodes_are_cpp_functions():
@@ -635,10 +635,10 @@ def test_non_differentiable_outputs_and_unused_grads():
     assert torch.equal(gr, torch.ones_like(r))
 
 
-def test_dropout_backward_is_its_own_derivative():
+def test_dropout_is_its_own_derivative():
     g = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda g: ops.dropout_backward(g, 0.3, 4, 9), (g,))
-    assert torch.autograd.gradgradcheck(lambda g: ops.dropout_backward(g, 0.3, 4, 9), (g,))
+    assert torch.autograd.gradcheck(lambda g: ops.dropout(g, 0.3, 4, 9), (g,))
+    assert torch.autograd.gradgradcheck(lambda g: ops.dropout(g, 0.3, 4, 9), (g,))
 
 
 # ---- float64 gradcheck -------------------------------------------------------------------------------------------
@@ -692,8 +692,8 @@ def test_cuda_dropout_kernels_match_cpu(dtype, shape):
     pre_cpu = ops.bias_dropout_add_layer_norm(x, None, zeros, w, None, p, 1e-5, seed, offset)[1]
     pre_cuda = ops.bias_dropout_add_layer_norm(x.cuda(), None, zeros.cuda(), w.cuda(), None, p, 1e-5, seed, offset)[1]
     assert torch.equal(pre_cpu == 0, pre_cuda.cpu() == 0)
-    grad_cuda = ops.dropout_backward(x.cuda(), p, seed, offset).cpu()
-    assert torch.equal(ops.dropout_backward(x, p, seed, offset) == 0, grad_cuda == 0)
+    grad_cuda = ops.dropout(x.cuda(), p, seed, offset).cpu()
+    assert torch.equal(ops.dropout(x, p, seed, offset) == 0, grad_cuda == 0)
 
 
 @requires_cuda

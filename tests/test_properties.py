@@ -693,7 +693,7 @@ def _keep_mask(shape, p, seed, offset):
 
 @examples(60)
 @given(lead=rows, hidden=hidden_sizes, dropout=dropout_args, data=st.data())
-def test_op_bias_dropout_add_and_dropout_backward(lead, hidden, dropout, data):
+def test_op_bias_dropout_add_and_dropout(lead, hidden, dropout, data):
     p, seed, offset = dropout
     shape = (*lead, hidden)
     mask = _keep_mask(shape, p, seed, offset)
@@ -701,7 +701,7 @@ def test_op_bias_dropout_add_and_dropout_backward(lead, hidden, dropout, data):
     _assert_op_matches(lambda x, bias, residual: ops.bias_dropout_add(x, bias, residual, p, seed, offset),
                        lambda x, bias, residual: ref_bias_dropout_add(x, bias, residual, mask, p),
                        dtype, t, lay, ["out"])
-    _assert_op_matches(lambda grad: ops.dropout_backward(grad, p, seed, offset),
+    _assert_op_matches(lambda grad: ops.dropout(grad, p, seed, offset),
                        lambda grad: ref_dropout(grad, mask, p), dtype, {"grad": t["x"]}, {"grad": lay["x"]}, ["out"])
 
 

@@ -12,11 +12,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define CKPT_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define CKPT_HOST_DEVICE inline
-#endif
+#include "host_device.h"
 
 namespace ckpt_ext {
 namespace philox {

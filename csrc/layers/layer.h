@@ -10,10 +10,12 @@
 //
 // Dropout: every dropout site of a layer call uses the call's seed and an offset of its own
 // (DropoutSite), so a replay with the same seed draws the same masks. The seed is drawn once per call
-// from the default generator of the device (draw_dropout_seed); the functions here never draw from
-// the user's generator state. Residual dropout: the ckpt_ext Philox ops keyed by (seed, site).
-// Attention dropout: SDPA's, from the device generator temporarily set to a state derived from
-// (seed, kAttnProbs) (see attention()).
+// from the default generator of the device (rng.h); the functions here never draw from the user's
+// generator state.
+//
+// Files: one per family (bert.cpp, gpt2.cpp, llama.cpp: forward, weight slots and checks), the shared
+// pieces (attention.cpp, residual_linear.cpp, rng.cpp; family.h declares them), and layer.cpp (the
+// spec, the input checks, the dispatch by family, the segment's replay interface).
 //
 // Autocast (CUDA bfloat16/float16, CPU bfloat16): the layers follow Hugging Face's dtype policy. The
 // GEMMs and SDPA, dispatched through autocast, run in the autocast dtype from the parameters; the
@@ -28,6 +30,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ckpt_ext {
@@ -57,21 +60,16 @@ struct LayerSpec {
   std::string repr() const;
 };
 
-// Weight slots, in the order the Python side passes them. Optional biases may be undefined tensors.
-namespace bert {
-enum : int64_t { kQW, kQB, kKW, kKB, kVW, kVB, kAttnOutW, kAttnOutB, kLn1W, kLn1B, kInterW, kInterB, kOutW, kOutB,
-                 kLn2W, kLn2B, kCount };
-}
-namespace gpt2 {
-enum : int64_t { kLn1W, kLn1B, kAttnW, kAttnB, kAttnProjW, kAttnProjB, kLn2W, kLn2B, kFcW, kFcB, kMlpProjW, kMlpProjB,
-                 kCount };
-}
-namespace llama {
-enum : int64_t { kLn1W, kQW, kQB, kKW, kKB, kVW, kVB, kOW, kOB, kLn2W, kGateW, kGateB, kUpW, kUpB, kDownW, kDownB,
-                 kCount };
-}
+// Weight slots: each family's list of names (family_info(f).slots, exported to Python as
+// _C.layer_families()) is the order in which the weights are passed. Optional biases may be undefined.
+struct FamilyInfo {
+  Family id;
+  const char* name;
+  std::vector<std::string> slots;
+};
+const FamilyInfo& family_info(Family f);
+const std::vector<Family>& all_families();
 
-int64_t weight_count(Family f);
 // Checks count, presence of the required weights, and device/dtype against the hidden states.
 void check_weights(const LayerSpec& spec, const std::vector<Tensor>& weights, const Tensor& hidden);
 
@@ -90,18 +88,12 @@ struct LayerRng {
   int64_t seed = 0;
 };
 
-// A random 64-bit dropout seed from the default generator of `device`. CPU: one draw of the
-// mt19937 generator. Philox devices (CUDA): the generator's (seed, offset) reserves 4 offsets, as
-// torch's own dropout does, and the pair is hashed into the seed -- no synchronisation.
-int64_t draw_dropout_seed(c10::Device device);
-
 // True when a call of this layer draws a seed (training and some dropout probability > 0).
 bool uses_dropout(const LayerSpec& spec, bool training);
 
-// What a layer forward returns. With stop_before_last_linear (GPT-2 and Llama only), `out` is not
-// computed: `last_input` is the input of the layer's last linear and `residual` the tensor its output
-// is added to (out = residual + dropout(last_input @ W + b)). The segment replay uses this to skip the
-// last GEMM, whose output only feeds the residual sum.
+// What a layer forward returns: `out`; or, from a replay_forward that stopped before the layer's
+// last linear, `last_input` (that linear's input) and `residual` (the tensor its output is added
+// to: out = residual + dropout(last_input @ W + b)) with `out` undefined.
 struct LayerOutput {
   Tensor out;
   Tensor last_input;
@@ -111,49 +103,31 @@ struct LayerOutput {
 // One layer. Differentiable through the weights and `hidden` when grad mode is on. `out_slot`
 // (no grad only): where to write the output (contiguous, hidden's shape), e.g. a BoundaryPool slot.
 LayerOutput layer_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
-                          const std::vector<Tensor>& weights, const LayerRng& rng, const Tensor& out_slot = Tensor(),
-                          bool stop_before_last_linear = false);
+                          const std::vector<Tensor>& weights, const LayerRng& rng, const Tensor& out_slot = Tensor());
 
 // The entry point for one layer call outside a segment: checks the weights, draws the call's seed
 // (training with dropout) and runs layer_forward.
 Tensor fused_layer_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
                            const std::vector<Tensor>& weights, bool training);
 
-// True when layer_forward supports stop_before_last_linear for this family.
-bool can_stop_before_last_linear(Family f);
+// ---- the segment's replay (csrc/segment/): the one interface it uses besides layer_forward ----
 
-// The last linear of a GPT-2/Llama layer: which weights it uses and how.
-struct LastLinear {
-  Tensor weight;
-  Tensor bias;   // may be undefined
-  bool conv1d;   // weight is [in, out] (GPT-2 Conv1D) rather than [out, in] (nn.Linear)
-  double p;      // dropout probability (0 when not training)
-  int64_t offset;
-  int64_t weight_slot;  // positions of weight and bias in the family's weight list
-  int64_t bias_slot;
+// Replays the last layer of a segment for backward (grad mode on, under the forward's autocast): a
+// family whose last linear only feeds the residual sum (GPT-2, Llama) stops before it, to compute its
+// gradients directly in replay_backward and save that GEMM; the others run whole.
+LayerOutput replay_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
+                           const std::vector<Tensor>& weights, const LayerRng& rng);
+
+// Where backward goes from a replay_forward: autograd::grad(outputs, ..., grads) gives the rest of
+// the gradients; slot_grads are the (weight slot, gradient) pairs computed directly.
+struct ReplayBackward {
+  std::vector<Tensor> outputs, grads;
+  std::vector<std::pair<int64_t, Tensor>> slot_grads;
 };
-LastLinear last_linear(const LayerSpec& spec, const std::vector<Tensor>& weights, const LayerRng& rng);
-
-// out = residual + dropout(x @ W^T + b) (nn.Linear) or residual + dropout(x @ W + b) (Conv1D), as one
-// autograd node whose backward is residual_linear_backward.
-Tensor residual_linear(const Tensor& x, const LastLinear& lin, const Tensor& residual, int64_t seed);
-
-struct ResidualLinearGrads {
-  Tensor x, weight, bias;  // undefined where not asked for; the residual's gradient is `grad` itself
-};
-// The backward of residual_linear, also called directly by the segment replay (so that both give
-// bit-identical gradients).
-ResidualLinearGrads residual_linear_backward(const Tensor& grad, const Tensor& x, const LastLinear& lin, int64_t seed,
-                                             bool need_x, bool need_weight, bool need_bias);
-
-// Multi-head attention of q [B, heads, S, D] over k, v [B, kv_heads, S, D] -> [B, heads, S, D], always
-// through at::scaled_dot_product_attention (on CUDA the flash kernel for causal/no mask, the efficient
-// or cuDNN kernel for a mask; SDPA's math path on CPU and for what no fused kernel takes). `mask`: see
-// LayerInputs; `causal` applies only when there is no mask (Hugging Face passes causal masks
-// explicitly when padding is present). p > 0: SDPA's dropout, drawn from the device's default
-// generator set to a state derived from (seed, offset) for the call and restored afterwards.
-Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
-                 double p, int64_t seed, int64_t offset);
+// `need_slot[i]`: the gradient of weight slot i is wanted. Runs under the backward's autocast state.
+ReplayBackward replay_backward(const LayerSpec& spec, const std::vector<Tensor>& weights, const LayerRng& rng,
+                               const LayerOutput& replayed, const Tensor& grad_out,
+                               const std::vector<bool>& need_slot);
 
 }  // namespace layers
 }  // namespace ckpt_ext

@@ -15,9 +15,9 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../fused_kernels.h"
+#include "../kernels.h"
 
-// CUDA kernels take float32, float16 and bfloat16 (fused_ops.cpp rejects the rest with a clear message).
+// CUDA kernels take float32, float16 and bfloat16 (ops/checks.h rejects the rest with a clear message).
 #define CKPT_EXT_DISPATCH_CUDA_FLOATING(TYPE, NAME, ...)      \
   AT_DISPATCH_SWITCH(TYPE, NAME,                               \
                      AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \

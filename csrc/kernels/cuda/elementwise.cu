@@ -1,10 +1,11 @@
-// CUDA elementwise kernels: bias+GELU, bias+dropout+residual, dropout backward and mask, SwiGLU, rotary.
+// CUDA elementwise kernels: bias+GELU, bias+dropout+residual, dropout and its mask, SwiGLU, rotary.
 //
 // Each thread owns groups of four consecutive elements (grid-stride loop): one vector load/store per
 // tensor when the pointers allow it, and one Philox call for the four dropout flags (the mask of element
 // i is keep4(i / 4)[i % 4], the same stream the CPU kernels walk). All arithmetic is float.
 #include <cmath>
 
+#include "../math.h"
 #include "common.cuh"
 
 namespace ckpt_ext {
@@ -81,26 +82,9 @@ RowBias<T> row_bias(const at::Tensor& bias, int64_t hidden) {
   return RowBias<T>{p, hidden, p != nullptr && hidden % 4 == 0 && pack4_aligned<T>(p)};
 }
 
-__device__ __forceinline__ float gelu(float x, bool tanh_approx) {
-  if (tanh_approx) {
-    const float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
-    return 0.5f * x * (1.f + tanhf(kBeta * (x + 0.044715f * x * x * x)));
-  }
-  return 0.5f * x * (1.f + erff(x * 0.7071067811865476f));
-}
-
-__device__ __forceinline__ float gelu_derivative(float x, bool tanh_approx) {
-  if (tanh_approx) {
-    const float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
-    const float t = tanhf(kBeta * (x + kKappa * x * x * x));
-    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * kBeta * (1.f + 3.f * kKappa * x * x);
-  }
-  const float cdf = 0.5f * (1.f + erff(x * 0.7071067811865476f));
-  const float pdf = expf(-0.5f * x * x) * 0.3989422804014327f;  // 1 / sqrt(2 pi)
-  return cdf + x * pdf;
-}
-
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+using math::gelu;
+using math::gelu_derivative;
+using math::sigmoid;
 
 template <typename T>
 struct BiasGeluForward {
@@ -145,7 +129,7 @@ struct BiasDropoutAdd {  // in: x, residual
   }
 };
 
-struct DropoutBackward {  // in: grad
+struct DropoutScale {  // in: x (dropout, or the gradient of one)
   philox::Dropout dropout;
   __device__ void operator()(int64_t group, int64_t, int, const float (&in)[1][4], float (&out)[1][4]) const {
     bool keep[4];
@@ -249,16 +233,16 @@ void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const
   });
 }
 
-void dropout_backward(const at::Tensor& grad, const DropoutArgs& dropout, const at::Tensor& grad_x) {
-  const c10::DeviceGuard guard(grad.device());
+void dropout(const at::Tensor& x, const DropoutArgs& dropout, const at::Tensor& out) {
+  const c10::DeviceGuard guard(x.device());
   if (!dropout.enabled()) {
-    grad_x.copy_(grad);
+    out.copy_(x);
     return;
   }
-  CKPT_EXT_DISPATCH_CUDA_FLOATING(grad.scalar_type(), "ckpt_ext::dropout_backward", [&] {
-    launch_elementwise4(grad.device(), ConstPtrs<scalar_t, 1>{{grad.const_data_ptr<scalar_t>()}},
-                        MutPtrs<scalar_t, 1>{{grad_x.mutable_data_ptr<scalar_t>()}}, grad.numel(),
-                        DropoutBackward{dropout.philox()});
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::dropout", [&] {
+    launch_elementwise4(x.device(), ConstPtrs<scalar_t, 1>{{x.const_data_ptr<scalar_t>()}},
+                        MutPtrs<scalar_t, 1>{{out.mutable_data_ptr<scalar_t>()}}, x.numel(),
+                        DropoutScale{dropout.philox()});
   });
 }
 

@@ -8,17 +8,19 @@
 //
 // Backward replays the K layers in C++ from the saved input, with grad enabled and the same seeds (so
 // the same dropout masks), then calls torch::autograd::grad once for the input's gradient and every
-// parameter's. All parameters are inputs of the node, so their AccumulateGrad (and DDP/FSDP hooks)
-// fire once per parameter. The replay of a GPT-2/Llama segment stops before the last layer's last
-// linear, whose output only feeds the residual sum: its gradients are computed directly from the
-// incoming gradient (residual_linear_backward), saving one of the layer's four large GEMMs.
+// parameter's. The replay runs on detached aliases of the parameters, so that grad never reaches the
+// real leaves: their tensor hooks, AccumulateGrad (and DDP/FSDP hooks) fire once, when this node's
+// gradients reach them. All parameters are inputs of the node. The last layer is replayed through the
+// layers' replay interface (layer.h: replay_forward / replay_backward), which lets a family skip its
+// last linear (GPT-2, Llama: its gradients come directly from the incoming gradient, saving one of
+// the layer's four large GEMMs). The segment knows no family.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <vector>
 
-#include "../layers/layer.h"
+#include "../layers/layer.h"  // the layers floor's public interface
 
 namespace ckpt_ext {
 

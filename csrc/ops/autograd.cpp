@@ -5,11 +5,21 @@
 // forward op is a torch::autograd::Function whose forward redispatches below autograd to the CPU/CUDA
 // kernel and whose backward calls the matching *_backward op (so fake tensors and tracing see the
 // backward as ops too). The formulas are first order: the *_backward ops have no gradient of their own,
-// except dropout_backward, which is linear in its input and therefore its own derivative.
+// except dropout, which is linear in its input and therefore its own derivative.
 //
 // Index conventions: ctx->needs_input_grad(i) counts only the tensor arguments that were present in
 // forward (an absent optional is no edge); backward returns one entry per forward argument, tensors
 // or not, with undefined tensors for the non-differentiable ones.
+//
+// Copies and casts (reviewed for issue 10.4): the backward kernels here cast nothing and copy nothing
+// of their own. What they allocate is what they return: the *_backward ops' outputs, and a bias
+// gradient as one row sum (sum_rows: a view of the contiguous kernel output, then one reduction). Three
+// allocations remain, each needed: (1) the norms' `zeros_like` when only the second output (pre_norm /
+// sum) carries a gradient -- the kernels take a dense grad_out, and the layers use both outputs, so
+// this path is the rare one of a caller that drops `out`; (2) rotary's `grad * x` and `rotate_half`
+// products, only when the cos/sin tables require grad (x is saved only then); (3) the ops' own
+// `.contiguous()` on their inputs (ops/checks.h), a no-op for the contiguous gradients autograd hands
+// them and a copy only for a strided one, which the kernels could not read.
 #include <ATen/core/Tensor.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>
@@ -22,7 +32,8 @@
 
 #include <string>
 
-#include "fused_ops.h"
+#include "../common/optional.h"
+#include "ops.h"
 
 namespace ckpt_ext {
 namespace {
@@ -30,11 +41,6 @@ namespace {
 using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using OptTensor = std::optional<Tensor>;
-
-bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
-
-Tensor value_or_undefined(const OptTensor& t) { return present(t) ? *t : Tensor(); }
 
 // Gradient of a bias broadcast over the last dimension. Sizes are read as SymInts throughout this file:
 // under torch.compile, plain sizes() would specialise the traced graph to the example's shape.
@@ -69,7 +75,7 @@ c10::SymInt saved_symint(AutogradContext* ctx, const char* key) { return ctx->sa
 struct BiasGeluFunction : torch::autograd::Function<BiasGeluFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, c10::string_view approximate) {
     at::AutoDispatchBelowADInplaceOrView below;
-    ctx->save_for_backward({x, value_or_undefined(bias)});
+    ctx->save_for_backward({x, undefined_if_absent(bias)});
     ctx->saved_data["approximate"] = std::string(approximate);
     store_edges(ctx, Edges::of({true, present(bias)}), 2);
     return ops::bias_gelu(x, bias, approximate);
@@ -107,7 +113,7 @@ struct BiasDropoutAddFunction : torch::autograd::Function<BiasDropoutAddFunction
     const Tensor& grad = grads[0];
     if (!grad.defined()) return out;
     if (needs(ctx, e[0]) || needs(ctx, e[1])) {
-      Tensor grad_x = ops::dropout_backward(grad, ctx->saved_data.at("p").toDouble(), saved_symint(ctx, "seed"),
+      Tensor grad_x = ops::dropout(grad, ctx->saved_data.at("p").toDouble(), saved_symint(ctx, "seed"),
                                             saved_symint(ctx, "offset"));
       if (needs(ctx, e[1])) out[1] = sum_rows(grad_x);
       if (needs(ctx, e[0])) out[0] = grad_x;
@@ -117,21 +123,21 @@ struct BiasDropoutAddFunction : torch::autograd::Function<BiasDropoutAddFunction
   }
 };
 
-// ---- dropout_backward(grad, p, seed, offset): linear in grad, so its gradient is itself ------------------------
+// ---- dropout(x, p, seed, offset): linear in x, so its gradient is itself ---------------------------------------
 
 struct DropoutFunction : torch::autograd::Function<DropoutFunction> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& grad, double p, c10::SymInt seed, c10::SymInt offset) {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset) {
     at::AutoDispatchBelowADInplaceOrView below;
     ctx->saved_data["p"] = p;
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["offset"] = offset;
-    return ops::dropout_backward(grad, p, seed, offset);
+    return ops::dropout(x, p, seed, offset);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list out(4);
     if (grads[0].defined() && ctx->needs_input_grad(0))
-      out[0] = ops::dropout_backward(grads[0], ctx->saved_data.at("p").toDouble(), saved_symint(ctx, "seed"),
+      out[0] = ops::dropout(grads[0], ctx->saved_data.at("p").toDouble(), saved_symint(ctx, "seed"),
                                      saved_symint(ctx, "offset"));
     return out;
   }
@@ -305,8 +311,8 @@ Tensor bias_dropout_add_autograd(const Tensor& x, const OptTensor& bias, const T
   return BiasDropoutAddFunction::apply(x, bias, residual, p, seed, offset);
 }
 
-Tensor dropout_backward_autograd(const Tensor& grad, double p, c10::SymInt seed, c10::SymInt offset) {
-  return DropoutFunction::apply(grad, p, seed, offset);
+Tensor dropout_autograd(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset) {
+  return DropoutFunction::apply(x, p, seed, offset);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_autograd(
@@ -341,7 +347,7 @@ Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 TORCH_LIBRARY_IMPL(ckpt_ext, Autograd, m) {
   m.impl("bias_gelu", &ckpt_ext::bias_gelu_autograd);
   m.impl("bias_dropout_add", &ckpt_ext::bias_dropout_add_autograd);
-  m.impl("dropout_backward", &ckpt_ext::dropout_backward_autograd);
+  m.impl("dropout", &ckpt_ext::dropout_autograd);
   m.impl("bias_dropout_add_layer_norm", &ckpt_ext::bias_dropout_add_layer_norm_autograd);
   m.impl("add_layer_norm", &ckpt_ext::add_layer_norm_autograd);
   m.impl("add_rms_norm", &ckpt_ext::add_rms_norm_autograd);

@@ -1,7 +1,8 @@
-// C++ entry points of the ckpt_ext ops, for C++ code that runs them (the fused layers in csrc/layers/).
+// C++ entry points of the ckpt_ext ops, for C++ code that runs them (the fused layers in csrc/layers/);
+// defined in schemas.cpp, the *_into variants with their op group (elementwise.cpp, norms.cpp).
 //
 // The functions in ckpt_ext::ops call the registered ops through the dispatcher, exactly as
-// torch.ops.ckpt_ext.* does from Python: the C++ autograd kernels (fused_autograd.cpp) record
+// torch.ops.ckpt_ext.* does from Python: the C++ autograd kernels (autograd.cpp) record
 // gradients, and fake/meta tensors and tracing see the ops. The *_into variants are the exception:
 // they check their arguments like the ops, then launch the kernel directly into a caller-provided
 // output (for example a BoundaryPool slot), without autograd; use them only under no_grad.
@@ -15,19 +16,21 @@
 #include <optional>
 #include <tuple>
 
+#include "../common/optional.h"
+
 namespace ckpt_ext {
 namespace ops {
 
 // Dropout seeds and offsets are SymInts in the schemas, so that torch.compile can pass them as graph
 // inputs instead of recompiling for each value; C++ callers pass plain int64_t (converted implicitly).
 using at::Tensor;
-using OptTensor = std::optional<at::Tensor>;
 
 Tensor bias_gelu(const Tensor& x, const OptTensor& bias, c10::string_view approximate);
 Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias, c10::string_view approximate);
 Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, c10::SymInt seed,
                         c10::SymInt offset);
-Tensor dropout_backward(const Tensor& grad, double p, c10::SymInt seed, c10::SymInt offset);
+// x * mask / (1 - p) with the mask of (seed, offset): forward dropout, and the backward of any dropout.
+Tensor dropout(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset);
 std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias,
                                                                        const Tensor& residual, const Tensor& weight,
                                                                        const OptTensor& ln_bias, double p, double eps,

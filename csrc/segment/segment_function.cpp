@@ -1,6 +1,7 @@
 #include "segment_function.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/strides.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -8,8 +9,9 @@
 #include <unordered_map>
 #include <utility>
 
+#include "../autograd/replay_context.h"
+#include "../layers/rng.h"
 #include "../pool/boundary_pool.h"
-#include "replay_context.h"
 
 namespace ckpt_ext {
 namespace {
@@ -32,6 +34,15 @@ struct SegmentState : torch::CustomClassHolder {
   std::vector<int64_t> seeds;  // per layer, drawn once in forward
   bool training = false;
   AutocastSnapshot autocast;   // forward's autocast state, applied again to the replay's layer forwards
+
+  // Throws when a parameter was modified in place since forward (the replay would use new values).
+  void check_versions() const {
+    for (size_t j = 0; j < params.size(); ++j) {
+      TORCH_CHECK(params[j]._version() == param_versions[j], "ckpt_ext fused segment: a parameter (shape ",
+                  params[j].sizes(), ") was modified in place between forward and backward (for example by "
+                  "optimizer.step()); the replay would use the new values. Run backward before updating parameters.");
+    }
+  }
 
   std::vector<at::Tensor> weights_of(size_t layer, const std::vector<at::Tensor>& values) const {
     std::vector<at::Tensor> w;
@@ -61,14 +72,30 @@ class SegmentAutocast {
   AutocastSnapshot saved_, active_;
 };
 
-std::vector<int64_t> dense_strides(at::IntArrayRef sizes) {
-  std::vector<int64_t> strides(sizes.size());
-  int64_t s = 1;
-  for (size_t i = sizes.size(); i-- > 0;) {
-    strides[i] = s;
-    s *= std::max<int64_t>(sizes[i], 1);
+// Replays the segment for backward from `x` with the parameters `values` (grad on): the first K-1
+// layers and the last one's replay_forward under forward's autocast, the last one's replay_backward
+// (and the caller's autograd::grad) under the backward's own, as in the un-checkpointed backward.
+layers::ReplayBackward replay(const SegmentState& st, const at::Tensor& x, const std::vector<at::Tensor>& values,
+                              const at::Tensor& grad_out, const std::vector<bool>& need_param) {
+  const size_t last = st.specs.size() - 1;
+  const auto w = st.weights_of(last, values);
+  const layers::LayerRng rng{st.training, st.seeds[last]};
+  at::AutoGradMode grad_mode(true);
+  RecomputingScope recomputing;
+  layers::LayerOutput tail;
+  {
+    SegmentAutocast autocast(st.autocast, x.device());
+    at::Tensor h = x;
+    for (size_t l = 0; l < last; ++l)
+      h = layers::layer_forward(st.specs[l], h, st.inputs, st.weights_of(l, values),
+                                layers::LayerRng{st.training, st.seeds[l]})
+              .out;
+    tail = layers::replay_forward(st.specs[last], h, st.inputs, w, rng);
   }
-  return strides;
+  std::vector<bool> need_slot;
+  need_slot.reserve(st.weight_index[last].size());
+  for (int64_t i : st.weight_index[last]) need_slot.push_back(i >= 0 && need_param[static_cast<size_t>(i)]);
+  return layers::replay_backward(st.specs[last], w, rng, tail, grad_out, need_slot);
 }
 
 struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
@@ -83,7 +110,8 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
       at::Tensor slot;
       if (l + 1 == K) {
         // The segment output is written by the layer's last fused op straight into a pool slot.
-        slot = BoundaryPool::for_device(h.device())->empty(h.sizes(), dense_strides(h.sizes()), h.scalar_type());
+        slot = BoundaryPool::for_device(h.device())
+                   ->empty(h.sizes(), c10::contiguous_strides(h.sizes()), h.scalar_type());
       }
       h = layers::layer_forward(st->specs[l], h, st->inputs, st->weights_of(l, st->params), rng, slot).out;
     }
@@ -98,12 +126,7 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
     const variable_list saved = ctx->get_saved_variables();  // in-place modification / second-backward checks
     const size_t P = st->params.size();
     variable_list result(2 + P);  // slot 0: the state argument; 1: hidden; 2..: params
-    for (size_t j = 0; j < P; ++j) {
-      TORCH_CHECK(st->params[j]._version() == st->param_versions[j],
-                  "ckpt_ext fused segment: a parameter (shape ", st->params[j].sizes(),
-                  ") was modified in place between forward and backward (for example by optimizer.step()); the "
-                  "replay would use the new values. Run backward before updating parameters.");
-    }
+    st->check_versions();
     const at::Tensor& grad_out = grad_outputs[0];
     if (!grad_out.defined()) return result;
     TORCH_CHECK(!at::GradMode::is_enabled(),
@@ -113,83 +136,36 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
     std::vector<bool> need_param(P);
     bool any = need_hidden;
     for (size_t j = 0; j < P; ++j) {
-      need_param[j] = ctx->needs_input_grad(1 + j);
+      need_param[j] = ctx->needs_input_grad(1 + j) && st->params[j].requires_grad();
       any = any || need_param[j];
     }
     if (!any) return result;
-
-    // The replay starts from the saved input, detached, so its graph ends at this node.
+    // The replay starts from the saved input and detached aliases of the parameters, so its graph ends
+    // here: neither the node's inputs nor the parameters' hooks see the inner autograd::grad.
     at::Tensor x = saved[0].detach();
     if (need_hidden) x.requires_grad_(true);
-    const size_t K = st->specs.size();
-    variable_list outs, gouts;
-    // Gradients of the last linear, computed by hand (param index -> gradient).
-    std::vector<std::pair<int64_t, at::Tensor>> direct;
-    {
-      at::AutoGradMode grad_mode(true);
-      RecomputingScope recomputing;
-      // The layer forwards run under forward's autocast state; residual_linear_backward and the
-      // autograd::grad call below under the backward's own, as in the un-checkpointed backward.
-      std::optional<SegmentAutocast> autocast(std::in_place, st->autocast, x.device());
-      at::Tensor h = x;
-      for (size_t l = 0; l + 1 < K; ++l)
-        h = layers::layer_forward(st->specs[l], h, st->inputs, st->weights_of(l, st->params),
-                                  layers::LayerRng{st->training, st->seeds[l]})
-                .out;
-      const size_t last = K - 1;
-      const LayerSpec& spec = st->specs[last];
-      const auto w = st->weights_of(last, st->params);
-      const layers::LayerRng rng{st->training, st->seeds[last]};
-      if (layers::can_stop_before_last_linear(spec.family)) {
-        auto t = layers::layer_forward(spec, h, st->inputs, w, rng, at::Tensor(), /*stop_before_last_linear=*/true);
-        autocast.reset();
-        const layers::LastLinear lin = layers::last_linear(spec, w, rng);
-        const auto& idx = st->weight_index[last];
-        const int64_t w_param = idx[lin.weight_slot], b_param = idx[lin.bias_slot];
-        const bool need_w = w_param >= 0 && need_param[w_param];
-        const bool need_b = b_param >= 0 && need_param[b_param];
-        auto g = layers::residual_linear_backward(grad_out, t.last_input, lin, rng.seed,
-                                                  t.last_input.requires_grad(), need_w, need_b);
-        if (need_w) direct.emplace_back(w_param, g.weight);
-        if (need_b) direct.emplace_back(b_param, g.bias);
-        if (g.x.defined()) {
-          outs.push_back(t.last_input);
-          gouts.push_back(g.x);
-        }
-        if (t.residual.requires_grad()) {
-          outs.push_back(t.residual);
-          gouts.push_back(grad_out);
-        }
-      } else {
-        at::Tensor out = layers::layer_forward(spec, h, st->inputs, w, rng).out;
-        autocast.reset();
-        if (out.requires_grad()) {
-          outs.push_back(out);
-          gouts.push_back(grad_out);
-        }
-      }
-    }
-
+    std::vector<at::Tensor> aliases(P);
+    for (size_t j = 0; j < P; ++j) aliases[j] = st->params[j].detach().requires_grad_(need_param[j]);
+    const layers::ReplayBackward rep = replay(*st, x, aliases, grad_out, need_param);
     variable_list targets;
-    std::vector<int64_t> target_slot;  // result index of each target
+    std::vector<size_t> target_slot;  // result index of each target
     if (need_hidden) {
       targets.push_back(x);
       target_slot.push_back(1);
     }
     for (size_t j = 0; j < P; ++j) {
-      if (need_param[j] && st->params[j].requires_grad()) {
-        targets.push_back(st->params[j]);
-        target_slot.push_back(static_cast<int64_t>(2 + j));
-      }
+      if (!need_param[j]) continue;
+      targets.push_back(aliases[j]);
+      target_slot.push_back(2 + j);
     }
-    if (!outs.empty() && !targets.empty()) {
-      variable_list grads = torch::autograd::grad(outs, targets, gouts, /*retain_graph=*/false,
+    if (!rep.outputs.empty()) {
+      variable_list grads = torch::autograd::grad(rep.outputs, targets, rep.grads, /*retain_graph=*/false,
                                                   /*create_graph=*/false, /*allow_unused=*/true);
-      for (size_t i = 0; i < grads.size(); ++i) result[static_cast<size_t>(target_slot[i])] = grads[i];
+      for (size_t i = 0; i < grads.size(); ++i) result[target_slot[i]] = grads[i];
     }
-    for (auto& [j, g] : direct) {
-      at::Tensor& slot = result[static_cast<size_t>(2 + j)];
-      slot = slot.defined() ? slot + g : g;  // a last-linear weight also used elsewhere (tied)
+    for (auto& [slot, g] : rep.slot_grads) {
+      at::Tensor& r = result[2 + static_cast<size_t>(st->weight_index.back()[static_cast<size_t>(slot)])];
+      r = r.defined() ? r + g : g;  // a last-linear weight also used elsewhere (tied)
     }
     return result;
   }

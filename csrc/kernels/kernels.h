@@ -1,9 +1,9 @@
 // Kernel entry points of the fused-layer building blocks, one set per backend (kernels::cpu in
-// kernels/cpu/fused_cpu.cpp, kernels::cuda in kernels/cuda/*.cu).
+// kernels/cpu/*.cpp, kernels::cuda in kernels/cuda/*.cu).
 //
-// Contract (enforced by csrc/ops/fused_ops.cpp, the only caller): every tensor is on the same device,
-// has the dtype of the op's main input (mean/rstd: float32, or float64 for float64 inputs) and is
-// contiguous, except rotary's x/out/grad, which need only a contiguous last dimension. Outputs are
+// Contract (enforced by the op groups in csrc/ops/, the only callers, with ops/checks.h): every tensor
+// is on the same device, has the dtype of the op's main input (mean/rstd: float32, or float64 for
+// float64 inputs) and is contiguous, except rotary's x/out/grad, which need only a contiguous last dimension. Outputs are
 // allocated by the caller. An optional tensor that is absent is passed as an undefined at::Tensor.
 // Row-wise kernels see their input as [rows, hidden] with hidden = size(-1).
 #pragma once
@@ -38,8 +38,8 @@ struct DropoutArgs {
   /* out = residual + dropout(x + bias) */                                                                    \
   void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,      \
                                 const DropoutArgs& dropout, const at::Tensor& out);                           \
-  /* grad_x = grad * mask * scale */                                                                          \
-  void dropout_backward(const at::Tensor& grad, const DropoutArgs& dropout, const at::Tensor& grad_x);        \
+  /* out = x * mask * scale (dropout; also the backward of every dropout of the same seed/offset) */        \
+  void dropout(const at::Tensor& x, const DropoutArgs& dropout, const at::Tensor& out);                      \
   /* mask (bool) = keep flags of elements 0 .. numel-1 */                                                     \
   void dropout_mask(const DropoutArgs& dropout, const at::Tensor& mask);                                      \
   /* pre_norm = residual + dropout(x + bias); out = layer_norm(pre_norm) * weight + ln_bias */               \

@@ -1,0 +1,258 @@
+// CPU elementwise kernels: bias+GELU, bias+dropout+residual, dropout and its mask, SwiGLU, rotary
+// (declared in kernels/kernels.h; the norms are in norms.cpp).
+//
+// Every dtype (float32, float64, float16, bfloat16) computes in at::opmath_type (float, or double for
+// float64) and rounds once when it stores. Work is split with at::parallel_for.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/gelu_backward.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/silu_backward.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "../math.h"
+#include "common.h"
+
+namespace ckpt_ext {
+namespace kernels {
+namespace cpu {
+namespace {
+
+using math::gelu;
+using math::gelu_derivative;
+using math::sigmoid;
+
+// float32 / float64 are their own accumulation type, so ATen's vectorized kernels (SIMD erf, tanh, exp)
+// compute what the scalar loops below compute, in the same precision (up to the last bit of those
+// functions), an order of magnitude faster: the scalar GELU/SiLU loops, calling std::erf/std::exp per
+// element, dominated a CPU training step. The scalar loops serve float16 / bfloat16, which they compute
+// in float and round once.
+bool aten_vectorized(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble;
+}
+
+c10::string_view gelu_kind(bool tanh) { return tanh ? "tanh" : "none"; }
+
+}  // namespace
+
+// ---- elementwise ----------------------------------------------------------------------------------------
+
+void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, const at::Tensor& out) {
+  if (aten_vectorized(x)) {
+    at::Tensor o = out;
+    if (bias.defined())
+      at::add_out(o, x, bias);
+    else
+      o.copy_(x);
+    at::gelu_(o, gelu_kind(tanh));
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::bias_gelu", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* bp = ptr_or_null<scalar_t>(bias);
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    const int64_t hidden = x.size(-1);
+    at::parallel_for(0, x.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+      int64_t col = begin % hidden;
+      for (int64_t i = begin; i < end; ++i) {
+        const A v = static_cast<A>(xp[i]) + (bp ? static_cast<A>(bp[col]) : A(0));
+        op[i] = static_cast<scalar_t>(gelu(v, tanh));
+        if (++col == hidden) col = 0;
+      }
+    });
+  });
+}
+
+void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,
+                        const at::Tensor& grad_x) {
+  if (aten_vectorized(x)) {
+    at::Tensor gx = grad_x;
+    at::gelu_backward_out(gx, grad, bias.defined() ? at::add(x, bias) : x, gelu_kind(tanh));
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::bias_gelu_backward", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const scalar_t* gp = grad.const_data_ptr<scalar_t>();
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* bp = ptr_or_null<scalar_t>(bias);
+    scalar_t* dp = grad_x.mutable_data_ptr<scalar_t>();
+    const int64_t hidden = x.size(-1);
+    at::parallel_for(0, x.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+      int64_t col = begin % hidden;
+      for (int64_t i = begin; i < end; ++i) {
+        const A v = static_cast<A>(xp[i]) + (bp ? static_cast<A>(bp[col]) : A(0));
+        dp[i] = static_cast<scalar_t>(static_cast<A>(gp[i]) * gelu_derivative(v, tanh));
+        if (++col == hidden) col = 0;
+      }
+    });
+  });
+}
+
+void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+                              const DropoutArgs& dropout, const at::Tensor& out) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::bias_dropout_add", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* bp = ptr_or_null<scalar_t>(bias);
+    const scalar_t* rp = residual.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    const int64_t hidden = x.size(-1);
+    const bool drop = dropout.enabled();
+    const A scale = dropout_scale<A>(dropout);
+    const philox::Dropout ph = dropout.philox();
+    at::parallel_for(0, x.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+      DropoutWords mask(ph);
+      int64_t col = begin % hidden;
+      for (int64_t b0 = begin; b0 < end; b0 += DropoutWords::kBlock) {
+        const int64_t b1 = std::min(end, b0 + DropoutWords::kBlock);
+        const uint32_t* words = drop ? mask.fill(b0, b1 - b0) : nullptr;
+        for (int64_t i = b0; i < b1; ++i) {
+          A v = static_cast<A>(xp[i]) + (bp ? static_cast<A>(bp[col]) : A(0));
+          if (drop) v = mask.keep(words[i - b0]) ? v * scale : A(0);
+          op[i] = static_cast<scalar_t>(static_cast<A>(rp[i]) + v);
+          if (++col == hidden) col = 0;
+        }
+      }
+    });
+  });
+}
+
+void dropout(const at::Tensor& x, const DropoutArgs& dropout, const at::Tensor& out) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::dropout", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const scalar_t* gp = x.const_data_ptr<scalar_t>();
+    scalar_t* dp = out.mutable_data_ptr<scalar_t>();
+    const bool drop = dropout.enabled();
+    const A scale = dropout_scale<A>(dropout);
+    const philox::Dropout ph = dropout.philox();
+    at::parallel_for(0, x.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+      if (!drop) {
+        std::copy(gp + begin, gp + end, dp + begin);
+        return;
+      }
+      DropoutWords mask(ph);
+      for (int64_t b0 = begin; b0 < end; b0 += DropoutWords::kBlock) {
+        const int64_t b1 = std::min(end, b0 + DropoutWords::kBlock);
+        const uint32_t* words = mask.fill(b0, b1 - b0);
+        for (int64_t i = b0; i < b1; ++i)
+          dp[i] = mask.keep(words[i - b0]) ? static_cast<scalar_t>(static_cast<A>(gp[i]) * scale) : scalar_t(0);
+      }
+    });
+  });
+}
+
+void dropout_mask(const DropoutArgs& dropout, const at::Tensor& mask) {
+  bool* mp = mask.mutable_data_ptr<bool>();
+  const philox::Dropout ph = dropout.philox();
+  const bool drop = dropout.enabled();
+  at::parallel_for(0, mask.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+    if (!drop) {
+      std::fill(mp + begin, mp + end, true);
+      return;
+    }
+    DropoutWords mask(ph);
+    for (int64_t b0 = begin; b0 < end; b0 += DropoutWords::kBlock) {
+      const int64_t b1 = std::min(end, b0 + DropoutWords::kBlock);
+      const uint32_t* words = mask.fill(b0, b1 - b0);
+      for (int64_t i = b0; i < b1; ++i) mp[i] = mask.keep(words[i - b0]);
+    }
+  });
+}
+
+void swiglu_forward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out) {
+  if (aten_vectorized(gate)) {
+    at::Tensor o = out;
+    at::silu_out(o, gate);
+    o.mul_(up);
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate.scalar_type(), "ckpt_ext::swiglu", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const scalar_t* gp = gate.const_data_ptr<scalar_t>();
+    const scalar_t* up_ = up.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, gate.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const A g = static_cast<A>(gp[i]);
+        op[i] = static_cast<scalar_t>(g * sigmoid(g) * static_cast<A>(up_[i]));
+      }
+    });
+  });
+}
+
+void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
+                     const at::Tensor& grad_gate, const at::Tensor& grad_up) {
+  if (aten_vectorized(gate)) {
+    // d/dgate = silu'(gate) * (grad * up); d/dup = silu(gate) * grad.
+    at::Tensor gg = grad_gate, gu = grad_up;
+    at::silu_backward_out(gg, at::mul(grad, up), gate);
+    at::silu_out(gu, gate);
+    gu.mul_(grad);
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate.scalar_type(), "ckpt_ext::swiglu_backward", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const scalar_t* dy = grad.const_data_ptr<scalar_t>();
+    const scalar_t* gp = gate.const_data_ptr<scalar_t>();
+    const scalar_t* up_ = up.const_data_ptr<scalar_t>();
+    scalar_t* dg = grad_gate.mutable_data_ptr<scalar_t>();
+    scalar_t* du = grad_up.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, gate.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const A g = static_cast<A>(gp[i]);
+        const A u = static_cast<A>(up_[i]);
+        const A d = static_cast<A>(dy[i]);
+        const A s = sigmoid(g);
+        du[i] = static_cast<scalar_t>(d * g * s);
+        dg[i] = static_cast<scalar_t>(d * u * s * (A(1) + g * (A(1) - s)));
+      }
+    });
+  });
+}
+
+void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,
+            const at::Tensor& out) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::rotary", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3), half = D / 2;
+    const int64_t cos_batch_stride = cos.size(0) == 1 ? 0 : S * D;
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* cp = cos.const_data_ptr<scalar_t>();
+    const scalar_t* sp = sin.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, B * H * S, row_grain(D), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t b = r / (H * S), h = (r / S) % H, s = r % S;
+        const scalar_t* xr = xp + b * x.stride(0) + h * x.stride(1) + s * x.stride(2);
+        scalar_t* yr = op + b * out.stride(0) + h * out.stride(1) + s * out.stride(2);
+        const scalar_t* cr = cp + b * cos_batch_stride + s * D;
+        const scalar_t* sr = sp + b * cos_batch_stride + s * D;
+        for (int64_t j = 0; j < half; ++j) {
+          const A x1 = static_cast<A>(xr[j]), x2 = static_cast<A>(xr[j + half]);
+          const A c1 = static_cast<A>(cr[j]), c2 = static_cast<A>(cr[j + half]);
+          const A s1 = static_cast<A>(sr[j]), s2 = static_cast<A>(sr[j + half]);
+          if (!backward) {  // rotate_half(x) = [-x2, x1]
+            yr[j] = static_cast<scalar_t>(x1 * c1 - x2 * s1);
+            yr[j + half] = static_cast<scalar_t>(x2 * c2 + x1 * s2);
+          } else {  // transpose of the above: rotate_half^T(g * sin) = [g2 * s2, -g1 * s1]
+            yr[j] = static_cast<scalar_t>(x1 * c1 + x2 * s2);
+            yr[j + half] = static_cast<scalar_t>(x2 * c2 - x1 * s1);
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace cpu
+}  // namespace kernels
+}  // namespace ckpt_ext

@@ -1,0 +1,244 @@
+// CPU kernels of the row-wise norms (declared in kernels/kernels.h).
+//
+// Every dtype (float32, float64, float16, bfloat16) computes in at::opmath_type (float, or double for
+// float64) and rounds once when it stores. The per-row sums of the norms accumulate in double (RowSum): a
+// serial float sum of `hidden` terms is off by up to hidden/2 ulps, which normalisation multiplies by rstd
+// (a row with a large mean relative to its spread, a constant row) -- PyTorch's own kernels are exact there.
+// Work is split with at::parallel_for; reductions over rows (grad_weight, grad_bias) use a fixed partition
+// into chunks, so results do not depend on the number of threads.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common.h"
+
+namespace ckpt_ext {
+namespace kernels {
+namespace cpu {
+
+// ---- row-wise norms -------------------------------------------------------------------------------------
+
+namespace {
+
+// A fixed partition of rows into chunks for reductions over rows.
+struct RowChunks {
+  int64_t count;
+  int64_t rows_per_chunk;
+  explicit RowChunks(int64_t rows)
+      : count(std::max<int64_t>(1, std::min(rows, kMaxReduceChunks))),
+        rows_per_chunk((rows + count - 1) / count) {}
+};
+
+// Accumulator of the norms' per-row sums (see the top of this file).
+using RowSum = double;
+
+// Sums per-chunk partials [chunks, hidden] (in chunk order) into out[hidden].
+template <typename T, typename A>
+void reduce_chunks(const std::vector<A>& partial, int64_t chunks, int64_t hidden, T* out) {
+  at::parallel_for(0, hidden, kElementGrain / std::max<int64_t>(chunks, 1) + 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      A acc = 0;
+      for (int64_t c = 0; c < chunks; ++c) acc += partial[c * hidden + j];
+      out[j] = static_cast<T>(acc);
+    }
+  });
+}
+
+}  // namespace
+
+void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+                        const DropoutArgs& dropout, const at::Tensor& weight, const at::Tensor& ln_bias, double eps,
+                        const at::Tensor& out, const at::Tensor& pre_norm, const at::Tensor& mean,
+                        const at::Tensor& rstd) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::layer_norm_forward", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const int64_t hidden = weight.numel();
+    const int64_t rows = x.numel() / hidden;
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* bp = ptr_or_null<scalar_t>(bias);
+    const scalar_t* rp = ptr_or_null<scalar_t>(residual);
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    const scalar_t* lbp = ptr_or_null<scalar_t>(ln_bias);
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    scalar_t* pp = pre_norm.mutable_data_ptr<scalar_t>();
+    A* mp = mean.mutable_data_ptr<A>();
+    A* sp = rstd.mutable_data_ptr<A>();
+    const bool drop = dropout.enabled();
+    const A scale = dropout_scale<A>(dropout);
+    const philox::Dropout ph = dropout.philox();
+    at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
+      std::vector<A> v(hidden);
+      DropoutWords mask(ph);
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t base = r * hidden;
+        const uint32_t* words = drop ? mask.fill(base, hidden) : nullptr;
+        RowSum sum = 0;
+        for (int64_t j = 0; j < hidden; ++j) {
+          A val = static_cast<A>(xp[base + j]) + (bp ? static_cast<A>(bp[j]) : A(0));
+          if (drop) val = mask.keep(words[j]) ? val * scale : A(0);
+          if (rp) val += static_cast<A>(rp[base + j]);
+          const scalar_t stored = static_cast<scalar_t>(val);
+          pp[base + j] = stored;
+          v[j] = static_cast<A>(stored);  // normalise exactly what is stored (and what backward reads)
+          sum += v[j];
+        }
+        const A mu = static_cast<A>(sum / hidden);
+        RowSum var = 0;
+        for (int64_t j = 0; j < hidden; ++j) var += static_cast<RowSum>((v[j] - mu) * (v[j] - mu));
+        const A rs = static_cast<A>(1 / std::sqrt(var / hidden + eps));
+        mp[r] = mu;
+        sp[r] = rs;
+        for (int64_t j = 0; j < hidden; ++j) {
+          A y = (v[j] - mu) * rs * static_cast<A>(wp[j]);
+          if (lbp) y += static_cast<A>(lbp[j]);
+          op[base + j] = static_cast<scalar_t>(y);
+        }
+      }
+    });
+  });
+}
+
+void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_norm, const at::Tensor& pre_norm,
+                         const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
+                         const DropoutArgs& dropout, const at::Tensor& grad_pre, const at::Tensor& grad_x,
+                         const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias) {
+  const auto dtype = pre_norm.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "ckpt_ext::layer_norm_backward", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const int64_t hidden = weight.numel();
+    const int64_t rows = pre_norm.numel() / hidden;
+    const scalar_t* gp = grad_out.const_data_ptr<scalar_t>();
+    const scalar_t* gsp = ptr_or_null<scalar_t>(grad_pre_norm);
+    const scalar_t* vp = pre_norm.const_data_ptr<scalar_t>();
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    const A* mp = mean.const_data_ptr<A>();
+    const A* sp = rstd.const_data_ptr<A>();
+    scalar_t* dpre = grad_pre.mutable_data_ptr<scalar_t>();
+    scalar_t* dx = grad_x.defined() ? grad_x.mutable_data_ptr<scalar_t>() : nullptr;
+    const bool drop = dropout.enabled();
+    const A scale = dropout_scale<A>(dropout);
+    const philox::Dropout ph = dropout.philox();
+    const RowChunks chunks(rows);
+    std::vector<A> partial_w(chunks.count * hidden, A(0)), partial_b(chunks.count * hidden, A(0));
+    at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
+      DropoutWords mask(ph);
+      for (int64_t c = c0; c < c1; ++c) {
+        A* pw = partial_w.data() + c * hidden;
+        A* pb = partial_b.data() + c * hidden;
+        const int64_t r_end = std::min(rows, (c + 1) * chunks.rows_per_chunk);
+        for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
+          const int64_t base = r * hidden;
+          const A mu = mp[r], rs = sp[r];
+          RowSum sum_dy = 0, sum_dy_xhat = 0;  // dy = grad_out * weight
+          for (int64_t j = 0; j < hidden; ++j) {
+            const A g = static_cast<A>(gp[base + j]);
+            const A xhat = (static_cast<A>(vp[base + j]) - mu) * rs;
+            const A dy = g * static_cast<A>(wp[j]);
+            sum_dy += dy;
+            sum_dy_xhat += dy * xhat;
+            pw[j] += g * xhat;
+            pb[j] += g;
+          }
+          const A c_mean = static_cast<A>(sum_dy / hidden), c_xhat = static_cast<A>(sum_dy_xhat / hidden);
+          const uint32_t* words = drop && dx ? mask.fill(base, hidden) : nullptr;
+          for (int64_t j = 0; j < hidden; ++j) {
+            const A xhat = (static_cast<A>(vp[base + j]) - mu) * rs;
+            A d = rs * (static_cast<A>(gp[base + j]) * static_cast<A>(wp[j]) - c_mean - xhat * c_xhat);
+            if (gsp) d += static_cast<A>(gsp[base + j]);
+            dpre[base + j] = static_cast<scalar_t>(d);
+            if (dx) dx[base + j] = static_cast<scalar_t>(!drop ? d : mask.keep(words[j]) ? d * scale : A(0));
+          }
+        }
+      }
+    });
+    reduce_chunks(partial_w, chunks.count, hidden, grad_weight.mutable_data_ptr<scalar_t>());
+    reduce_chunks(partial_b, chunks.count, hidden, grad_ln_bias.mutable_data_ptr<scalar_t>());
+  });
+}
+
+void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                      const at::Tensor& out, const at::Tensor& sum, const at::Tensor& rstd) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::rms_norm_forward", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const int64_t hidden = weight.numel();
+    const int64_t rows = x.numel() / hidden;
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* rp = ptr_or_null<scalar_t>(residual);
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    scalar_t* sump = sum.mutable_data_ptr<scalar_t>();
+    A* sp = rstd.mutable_data_ptr<A>();
+    at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t base = r * hidden;
+        RowSum sum_sq = 0;
+        for (int64_t j = 0; j < hidden; ++j) {
+          A val = static_cast<A>(xp[base + j]);
+          if (rp) val += static_cast<A>(rp[base + j]);
+          const scalar_t stored = static_cast<scalar_t>(val);
+          sump[base + j] = stored;
+          sum_sq += static_cast<RowSum>(stored) * static_cast<RowSum>(stored);
+        }
+        const A rs = static_cast<A>(1 / std::sqrt(sum_sq / hidden + eps));
+        sp[r] = rs;
+        for (int64_t j = 0; j < hidden; ++j) {
+          // LlamaRMSNorm: normalise in float, cast back to the input dtype, then multiply by the weight.
+          const scalar_t normed = static_cast<scalar_t>(static_cast<A>(sump[base + j]) * rs);
+          op[base + j] = static_cast<scalar_t>(static_cast<A>(wp[j]) * static_cast<A>(normed));
+        }
+      }
+    });
+  });
+}
+
+void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, const at::Tensor& sum,
+                       const at::Tensor& weight, const at::Tensor& rstd, const at::Tensor& grad_input,
+                       const at::Tensor& grad_weight) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, sum.scalar_type(), "ckpt_ext::rms_norm_backward", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const int64_t hidden = weight.numel();
+    const int64_t rows = sum.numel() / hidden;
+    const scalar_t* gp = grad_out.const_data_ptr<scalar_t>();
+    const scalar_t* gsp = ptr_or_null<scalar_t>(grad_sum);
+    const scalar_t* vp = sum.const_data_ptr<scalar_t>();
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    const A* sp = rstd.const_data_ptr<A>();
+    scalar_t* dinp = grad_input.mutable_data_ptr<scalar_t>();
+    const RowChunks chunks(rows);
+    std::vector<A> partial_w(chunks.count * hidden, A(0));
+    at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        A* pw = partial_w.data() + c * hidden;
+        const int64_t r_end = std::min(rows, (c + 1) * chunks.rows_per_chunk);
+        for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
+          const int64_t base = r * hidden;
+          const A rs = sp[r];
+          RowSum sum_dn_n = 0;  // dn = grad_out * weight, n = sum * rstd
+          for (int64_t j = 0; j < hidden; ++j) {
+            const A g = static_cast<A>(gp[base + j]);
+            const A n = static_cast<A>(vp[base + j]) * rs;
+            sum_dn_n += g * static_cast<A>(wp[j]) * n;
+            pw[j] += g * static_cast<A>(static_cast<scalar_t>(n));  // out = weight * to_dtype(n)
+          }
+          const A c_n = static_cast<A>(sum_dn_n / hidden);
+          for (int64_t j = 0; j < hidden; ++j) {
+            const A n = static_cast<A>(vp[base + j]) * rs;
+            A d = rs * (static_cast<A>(gp[base + j]) * static_cast<A>(wp[j]) - n * c_n);
+            if (gsp) d += static_cast<A>(gsp[base + j]);
+            dinp[base + j] = static_cast<scalar_t>(d);
+          }
+        }
+      }
+    });
+    reduce_chunks(partial_w, chunks.count, hidden, grad_weight.mutable_data_ptr<scalar_t>());
+  });
+}
+
+}  // namespace cpu
+}  // namespace kernels
+}  // namespace ckpt_ext

@@ -1,0 +1,104 @@
+// Inside the layers floor: what a family file (bert.cpp, gpt2.cpp, llama.cpp) provides, and the shared
+// pieces the families are built from (attention.cpp, residual_linear.cpp). Not for code outside
+// csrc/layers/, which uses layer.h.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "../common/optional.h"
+#include "layer.h"
+
+namespace ckpt_ext {
+namespace layers {
+
+// The last linear of a layer whose output only feeds the residual sum (GPT-2, Llama): which weights it
+// uses and how.
+struct LastLinear {
+  Tensor weight;
+  Tensor bias;   // may be undefined
+  bool conv1d;   // weight is [in, out] (GPT-2 Conv1D) rather than [out, in] (nn.Linear)
+  double p;      // dropout probability (0 when not training)
+  int64_t offset;
+  int64_t weight_slot;  // positions of weight and bias in the family's weight list
+  int64_t bias_slot;
+};
+
+// One family: its slots and checks, its forward, and (optional) its last linear.
+struct LayerFamily {
+  FamilyInfo info;
+  // Shapes and presence of the family's weights (count, device and dtype are checked by the caller).
+  void (*check_weights)(const LayerSpec&, const std::vector<Tensor>& weights);
+  // `stop`: return before the last linear (only when last_linear is set); `out_slot`: see layer_forward.
+  LayerOutput (*forward)(const LayerSpec&, const Tensor& x, const LayerInputs&, const std::vector<Tensor>& w,
+                         const LayerRng&, const Tensor& out_slot, bool stop);
+  // nullptr when the family's forward cannot stop before its last linear.
+  LastLinear (*last_linear)(const LayerSpec&, const std::vector<Tensor>& w, const LayerRng&);
+};
+
+extern const LayerFamily kBertFamily;
+extern const LayerFamily kGpt2Family;
+extern const LayerFamily kLlamaFamily;
+
+// ---- shared pieces ----------------------------------------------------------------------------------------
+
+inline double effective(double p, const LayerRng& rng) { return rng.training ? p : 0.0; }
+
+// Autocast (layer.h): `t` in `ref`'s dtype -- a GEMM output (autocast dtype) joining the residual
+// stream, or a bias / rotary table joining a tensor in the GEMM's dtype. Outside autocast the dtypes
+// already agree and nothing is copied.
+inline Tensor like(const Tensor& t, const Tensor& ref) {
+  return !t.defined() || t.scalar_type() == ref.scalar_type() ? t : t.to(ref.scalar_type());
+}
+inline OptTensor opt_like(const Tensor& t, const Tensor& ref) { return opt(like(t, ref)); }
+
+// y = x @ W + b for a Conv1D weight [in, out], as Hugging Face computes it.
+Tensor conv1d(const Tensor& x, const Tensor& w, const Tensor& b);
+// x @ W (no bias: the bias is fused into the following op), keeping x's leading dims.
+Tensor conv1d_nobias(const Tensor& x, const Tensor& w);
+// The concatenation of the parts along dim 0, or undefined when one is (absent q/k/v biases).
+Tensor cat_or_undefined(std::initializer_list<Tensor> parts);
+
+// Splits the fused [B, S, (q_heads + 2 * kv_heads) * D] projection into q, k, v as [B, heads, S, D] views.
+std::array<Tensor, 3> split_qkv(const Tensor& qkv, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
+// [B, heads, S, D] -> [B, S, heads * D] (contiguous).
+Tensor merge_heads(const Tensor& ctx);
+
+// Multi-head attention of q [B, heads, S, D] over k, v [B, kv_heads, S, D] -> [B, heads, S, D], always
+// through at::scaled_dot_product_attention (on CUDA the flash kernel for causal/no mask, the efficient
+// or cuDNN kernel for a mask; SDPA's math path on CPU and for what no fused kernel takes). `mask`: see
+// LayerInputs; `causal` applies only when there is no mask (Hugging Face passes causal masks
+// explicitly when padding is present). p > 0: SDPA's dropout, drawn from the device's default
+// generator set to a state derived from (seed, offset) for the call and restored afterwards (rng.h).
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
+                 double p, int64_t seed, int64_t offset);
+
+// The end of a GPT-2/Llama layer: out = h1 + dropout(act @ W + b) through the family's last linear,
+// written into out_slot when given; with `stop`, only what the segment replay needs to skip it.
+LayerOutput last_linear_tail(const LayerSpec& s, const std::vector<Tensor>& w, const LayerRng& rng,
+                             const LastLinear& lin, const Tensor& act, const Tensor& h1, const Tensor& out_slot,
+                             bool stop);
+
+// out = residual + dropout(x @ W^T + b) (nn.Linear) or residual + dropout(x @ W + b) (Conv1D), as one
+// autograd node whose backward is residual_linear_backward.
+Tensor residual_linear(const Tensor& x, const LastLinear& lin, const Tensor& residual, int64_t seed);
+
+struct ResidualLinearGrads {
+  Tensor x, weight, bias;  // undefined where not asked for; the residual's gradient is `grad` itself
+};
+// The backward of residual_linear, also called directly by the segment replay (so that both give
+// bit-identical gradients).
+ResidualLinearGrads residual_linear_backward(const Tensor& grad, const Tensor& x, const LastLinear& lin, int64_t seed,
+                                             bool need_x, bool need_weight, bool need_bias);
+
+// `t` must be [rows, cols] (messages name the family's layer).
+void check_matrix(const LayerSpec& s, const char* name, const Tensor& t, int64_t rows, int64_t cols);
+// Weight slot i must be present.
+void check_present(const LayerSpec& s, const std::vector<Tensor>& w, int64_t i, const char* what);
+
+}  // namespace layers
+}  // namespace ckpt_ext

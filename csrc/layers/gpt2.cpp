@@ -1,0 +1,57 @@
+// The GPT-2 block (pre-LN, causal, Conv1D weights [in, out], resid/attn dropout), mirroring Hugging
+// Face's GPT2Block operation by operation:
+//
+//   qkv = LN1(x) W + b; ctx = causal attention
+//   (ln2, h1) = (LN2(h1), h1 = x + dropout(ctx Wp + bp))    bias_dropout_add_layer_norm
+//   out = h1 + dropout(gelu_tanh(ln2 Wfc + bfc) Wp2 + bp2)   bias_gelu, residual_linear (the last linear)
+#include <ATen/ATen.h>
+
+#include "../ops/ops.h"
+#include "family.h"
+
+namespace ckpt_ext {
+namespace layers {
+namespace {
+
+// Weight slots and their names (exported to Python, which maps Hugging Face's parameters to them).
+enum : int64_t { kLn1W, kLn1B, kAttnW, kAttnB, kAttnProjW, kAttnProjB, kLn2W, kLn2B, kFcW, kFcB, kMlpProjW, kMlpProjB,
+                 kCount };
+constexpr const char* kSlotNames[] = {
+    "ln1_weight", "ln1_bias", "attn_weight", "attn_bias", "attn_proj_weight", "attn_proj_bias", "ln2_weight",
+    "ln2_bias", "fc_weight", "fc_bias", "mlp_proj_weight", "mlp_proj_bias"};
+static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kCount, "one name per weight slot");
+
+void check(const LayerSpec& s, const std::vector<Tensor>& w) {
+  const int64_t H = s.hidden;
+  for (int64_t i = 0; i < kCount; ++i) check_present(s, w, i, "every GPT-2 weight and bias");
+  check_matrix(s, "attn.c_attn.weight", w[kAttnW], H, 3 * H);
+  check_matrix(s, "attn.c_proj.weight", w[kAttnProjW], H, H);
+  check_matrix(s, "mlp.c_proj.weight", w[kMlpProjW], w[kFcW].size(1), H);
+}
+
+LastLinear last_linear(const LayerSpec& s, const std::vector<Tensor>& w, const LayerRng& rng) {
+  return LastLinear{w[kMlpProjW], w[kMlpProjB], /*conv1d=*/true, effective(s.hidden_p, rng), kMlpOut, kMlpProjW,
+                    kMlpProjB};
+}
+
+LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, const std::vector<Tensor>& w,
+                    const LayerRng& rng, const Tensor& out_slot, bool stop) {
+  const Tensor ln1 = at::layer_norm(x, {s.hidden}, opt(w[kLn1W]), opt(w[kLn1B]), s.eps);
+  const auto [q, k, v] = split_qkv(conv1d(ln1, w[kAttnW], w[kAttnB]), s.num_heads, s.num_heads, s.head_dim);
+  const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
+                                           rng.seed, kAttnProbs));
+  auto [ln2, h1, mean, rstd] =
+      ops::bias_dropout_add_layer_norm(like(conv1d_nobias(ctx, w[kAttnProjW]), x), opt(w[kAttnProjB]), x, w[kLn2W],
+                                       opt(w[kLn2B]), effective(s.hidden_p, rng), s.eps, rng.seed, kAttnOut);
+  const Tensor fc = conv1d_nobias(ln2, w[kFcW]);
+  const Tensor act = ops::bias_gelu(fc, opt_like(w[kFcB], fc), s.gelu_tanh ? "tanh" : "none");
+  return last_linear_tail(s, w, rng, last_linear(s, w, rng), act, h1, out_slot, stop);
+}
+
+}  // namespace
+
+const LayerFamily kGpt2Family{{Family::kGPT2, "gpt2", {kSlotNames, kSlotNames + kCount}}, &check, &forward,
+                              &last_linear};
+
+}  // namespace layers
+}  // namespace ckpt_ext

@@ -1,0 +1,186 @@
+// The layer's spec and dispatch by family, the checks every layer call shares, and the segment's replay
+// interface (layer.h). Each family lives in its own file (bert.cpp, gpt2.cpp, llama.cpp).
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <sstream>
+
+#include "family.h"
+#include "rng.h"
+
+namespace ckpt_ext {
+namespace layers {
+
+namespace {
+
+const LayerFamily& family(Family f) {
+  switch (f) {
+    case Family::kBert:
+      return kBertFamily;
+    case Family::kGPT2:
+      return kGpt2Family;
+    case Family::kLlama:
+      return kLlamaFamily;
+  }
+  TORCH_CHECK(false, "ckpt_ext: unknown layer family ", static_cast<int64_t>(f));
+}
+
+// The hidden states, and the mask and rotary tables against them.
+void check_inputs(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in) {
+  TORCH_CHECK(hidden.dim() == 3 && hidden.size(2) == spec.hidden, "ckpt_ext fused ", family_name(spec.family),
+              " layer: hidden_states must be [batch, seq, ", spec.hidden, "], got ", hidden.sizes());
+  TORCH_CHECK(hidden.is_cpu() || hidden.is_cuda(), "ckpt_ext fused ", family_name(spec.family),
+              " layer: hidden_states must be a CPU or CUDA tensor, got device ", hidden.device());
+  if (in.mask.defined()) {
+    TORCH_CHECK(in.mask.device() == hidden.device(), "ckpt_ext fused ", family_name(spec.family),
+                " layer: attention_mask is on ", in.mask.device(), " but the hidden states are on ", hidden.device(),
+                "; move the mask to the hidden states' device");
+    TORCH_CHECK(in.mask.dim() == 4, "ckpt_ext fused ", family_name(spec.family),
+                " layer: attention_mask must be the 4-D mask Hugging Face's models pass to their layers ([batch or "
+                "1, 1 or heads, seq, seq], bool with True = attend, or additive float), got shape ",
+                in.mask.sizes());
+    TORCH_CHECK(in.mask.scalar_type() == at::kBool || in.mask.scalar_type() == hidden.scalar_type(),
+                "ckpt_ext fused ", family_name(spec.family), " layer: attention_mask must be bool or have the dtype "
+                "of the hidden states (", hidden.scalar_type(), "), got ", in.mask.scalar_type());
+    const int64_t b = hidden.size(0), seq = hidden.size(1);
+    TORCH_CHECK((in.mask.size(0) == 1 || in.mask.size(0) == b) &&
+                    (in.mask.size(1) == 1 || in.mask.size(1) == spec.num_heads) &&
+                    (in.mask.size(2) == 1 || in.mask.size(2) == seq) && in.mask.size(3) == seq,
+                "ckpt_ext fused ", family_name(spec.family), " layer: attention_mask of shape ", in.mask.sizes(),
+                " does not fit hidden states of shape ", hidden.sizes(), " with ", spec.num_heads,
+                " heads; it must broadcast to [batch=", b, ", heads=", spec.num_heads, ", seq=", seq, ", seq=", seq,
+                "] (dims of size 1 broadcast, the last must be ", seq, ")");
+  }
+  for (const Tensor* t : {&in.cos, &in.sin}) {
+    if (!t->defined()) continue;
+    TORCH_CHECK(t->device() == hidden.device() && t->scalar_type() == hidden.scalar_type(), "ckpt_ext fused ",
+                family_name(spec.family), " layer: position_embeddings (cos, sin) are ", t->scalar_type(), " on ",
+                t->device(), " but the hidden states are ", hidden.scalar_type(), " on ", hidden.device(),
+                "; pass the tables the model computed for these hidden states");
+  }
+}
+
+}  // namespace
+
+const FamilyInfo& family_info(Family f) { return family(f).info; }
+
+const std::vector<Family>& all_families() {
+  static const std::vector<Family> all{Family::kBert, Family::kGPT2, Family::kLlama};
+  return all;
+}
+
+const char* family_name(Family f) { return family(f).info.name; }
+
+void LayerSpec::validate() const {
+  const auto f = static_cast<int64_t>(family);
+  TORCH_CHECK(f >= 0 && f <= 2, "ckpt_ext LayerSpec: unknown family ", f);
+  TORCH_CHECK(hidden > 0 && num_heads > 0 && num_kv_heads > 0 && head_dim > 0,
+              "ckpt_ext LayerSpec: hidden, num_heads, num_kv_heads and head_dim must be positive, got ", repr());
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "ckpt_ext LayerSpec: num_heads (", num_heads,
+              ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK(family == Family::kLlama || num_kv_heads == num_heads,
+              "ckpt_ext LayerSpec: grouped-query attention (num_kv_heads != num_heads) is a Llama feature");
+  TORCH_CHECK(family == Family::kLlama || num_heads * head_dim == hidden, "ckpt_ext LayerSpec: num_heads * head_dim (",
+              num_heads * head_dim, ") must equal hidden (", hidden, ") for ", family_name(family));
+  TORCH_CHECK(family != Family::kLlama || head_dim % 2 == 0, "ckpt_ext LayerSpec: rotary needs an even head_dim, got ",
+              head_dim);
+  TORCH_CHECK(attn_p >= 0 && attn_p < 1 && hidden_p >= 0 && hidden_p < 1,
+              "ckpt_ext LayerSpec: dropout probabilities must be in [0, 1), got attn_p=", attn_p,
+              ", hidden_p=", hidden_p);
+  TORCH_CHECK(family != Family::kLlama || hidden_p == 0, "ckpt_ext LayerSpec: Llama layers have no hidden dropout");
+  TORCH_CHECK(eps >= 0, "ckpt_ext LayerSpec: eps must be >= 0, got ", eps);
+}
+
+std::string LayerSpec::repr() const {
+  std::ostringstream os;
+  os << "LayerSpec(family=" << family_name(family) << ", hidden=" << hidden << ", num_heads=" << num_heads
+     << ", num_kv_heads=" << num_kv_heads << ", head_dim=" << head_dim << ", scaling=" << scaling
+     << ", attn_p=" << attn_p << ", hidden_p=" << hidden_p << ", eps=" << eps << ", gelu_tanh=" << gelu_tanh << ")";
+  return os.str();
+}
+
+void check_matrix(const LayerSpec& s, const char* name, const Tensor& t, int64_t rows, int64_t cols) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, "ckpt_ext fused ", family_name(s.family),
+              " layer: ", name, " must have shape [", rows, ", ", cols, "], got ", t.sizes());
+}
+
+void check_present(const LayerSpec& s, const std::vector<Tensor>& w, int64_t i, const char* what) {
+  TORCH_CHECK(w[i].defined(), "ckpt_ext fused ", family_name(s.family), " layer: ", what, " is required");
+}
+
+void check_weights(const LayerSpec& s, const std::vector<Tensor>& w, const Tensor& hidden) {
+  const LayerFamily& fam = family(s.family);
+  const size_t n = fam.info.slots.size();
+  TORCH_CHECK(w.size() == n, "ckpt_ext fused ", fam.info.name, " layer: expected ", n, " weights, got ", w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (!w[i].defined()) continue;
+    TORCH_CHECK(w[i].device() == hidden.device() && w[i].scalar_type() == hidden.scalar_type(), "ckpt_ext fused ",
+                fam.info.name, " layer: weight ", i, " is ", w[i].scalar_type(), " on ", w[i].device(),
+                " but the hidden states are ", hidden.scalar_type(), " on ", hidden.device(), " (weight slot ",
+                fam.info.slots[i], "); the fused layers keep the residual stream in the parameters' dtype (cast the whole model with "
+                "model.to(dtype), or keep float32 weights and use torch.autocast)");
+  }
+  fam.check_weights(s, w);
+}
+
+bool uses_dropout(const LayerSpec& spec, bool training) {
+  return training && (spec.attn_p > 0 || spec.hidden_p > 0);
+}
+
+LayerOutput layer_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
+                          const std::vector<Tensor>& weights, const LayerRng& rng, const Tensor& out_slot) {
+  check_inputs(spec, hidden, in);
+  TORCH_CHECK(!out_slot.defined() || !c10::GradMode::is_enabled(),
+              "ckpt_ext: a layer writes into a preallocated output only under no_grad");
+  return family(spec.family).forward(spec, hidden, in, weights, rng, out_slot, /*stop=*/false);
+}
+
+Tensor fused_layer_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
+                           const std::vector<Tensor>& weights, bool training) {
+  check_weights(spec, weights, hidden);
+  LayerRng rng{training, uses_dropout(spec, training) ? draw_dropout_seed(hidden.device()) : 0};
+  return layer_forward(spec, hidden, in, weights, rng).out;
+}
+
+// ---- the segment's replay --------------------------------------------------------------------------------------
+
+LayerOutput replay_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
+                           const std::vector<Tensor>& weights, const LayerRng& rng) {
+  check_inputs(spec, hidden, in);
+  const LayerFamily& fam = family(spec.family);
+  return fam.forward(spec, hidden, in, weights, rng, Tensor(), /*stop=*/fam.last_linear != nullptr);
+}
+
+ReplayBackward replay_backward(const LayerSpec& spec, const std::vector<Tensor>& weights, const LayerRng& rng,
+                               const LayerOutput& replayed, const Tensor& grad_out,
+                               const std::vector<bool>& need_slot) {
+  ReplayBackward r;
+  if (replayed.out.defined()) {  // ran whole: autograd takes it from the output
+    if (replayed.out.requires_grad()) {
+      r.outputs.push_back(replayed.out);
+      r.grads.push_back(grad_out);
+    }
+    return r;
+  }
+  // Stopped before the last linear: its gradients from the incoming gradient, the rest through autograd
+  // from its input (gradient g.x) and the residual (gradient grad_out itself).
+  const LastLinear lin = family(spec.family).last_linear(spec, weights, rng);
+  const bool need_w = need_slot[static_cast<size_t>(lin.weight_slot)];
+  const bool need_b = lin.bias.defined() && need_slot[static_cast<size_t>(lin.bias_slot)];
+  const Tensor& x = replayed.last_input;
+  auto g = residual_linear_backward(grad_out, x, lin, rng.seed, x.requires_grad(), need_w, need_b);
+  if (need_w) r.slot_grads.emplace_back(lin.weight_slot, g.weight);
+  if (need_b) r.slot_grads.emplace_back(lin.bias_slot, g.bias);
+  if (g.x.defined()) {
+    r.outputs.push_back(x);
+    r.grads.push_back(g.x);
+  }
+  if (replayed.residual.requires_grad()) {
+    r.outputs.push_back(replayed.residual);
+    r.grads.push_back(grad_out);
+  }
+  return r;
+}
+
+}  // namespace layers
+}  // namespace ckpt_ext

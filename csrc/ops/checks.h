@@ -1,0 +1,115 @@
+// Argument checks and output allocation shared by the op groups (elementwise.cpp, norms.cpp); every
+// message names the op and the argument. Kernels (kernels/kernels.h) assume what these checks establish.
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/string_view.h>
+
+#include <string>
+#include <vector>
+
+#include "../common/checks.h"
+#include "../common/optional.h"
+#include "../kernels/kernels.h"
+
+// The kernel of `device`'s backend (CPU, or CUDA in CUDA builds).
+#ifdef CKPT_EXT_WITH_CUDA
+#define CKPT_EXT_LAUNCH(device, kernel, ...) \
+  ((device).is_cuda() ? kernels::cuda::kernel(__VA_ARGS__) : kernels::cpu::kernel(__VA_ARGS__))
+#else
+#define CKPT_EXT_LAUNCH(device, kernel, ...) kernels::cpu::kernel(__VA_ARGS__)
+#endif
+
+namespace ckpt_ext {
+namespace ops {
+namespace detail {
+
+using at::Tensor;
+using kernels::DropoutArgs;
+
+inline void check_floating(const char* op, const char* name, const Tensor& t) {
+  const auto dt = t.scalar_type();
+  const bool lowp_or_float = dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16;
+  if (t.is_cuda()) {
+    TORCH_CHECK(lowp_or_float, "ckpt_ext::", op, ": CUDA kernels support float32, float16 and bfloat16; ", name,
+                " has dtype ", dt);
+  } else {
+    TORCH_CHECK(t.is_cpu(), "ckpt_ext::", op, ": ", name, " must be a CPU or CUDA tensor, got device ", t.device());
+    TORCH_CHECK(lowp_or_float || dt == at::kDouble, "ckpt_ext::", op,
+                ": CPU kernels support float32, float64, float16 and bfloat16; ", name, " has dtype ", dt);
+  }
+}
+
+// `t` must match `ref` in device and dtype (weights included: cast them with .to(x.dtype)).
+inline void check_like(const char* op, const char* name, const Tensor& t, const char* ref_name, const Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), "ckpt_ext::", op, ": ", name, " must be on the device of ", ref_name, " (",
+              ref.device(), "), got ", t.device());
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "ckpt_ext::", op, ": ", name, " must have the dtype of ",
+              ref_name, " (", ref.scalar_type(), "), got ", t.scalar_type(), "; cast it with .to(", ref_name,
+              ".dtype)");
+}
+
+inline void check_same_shape(const char* op, const char* name, const Tensor& t, const char* ref_name,
+                             const Tensor& ref) {
+  check_like(op, name, t, ref_name, ref);
+  TORCH_CHECK(t.sizes() == ref.sizes(), "ckpt_ext::", op, ": ", name, " must have the shape of ", ref_name, " ",
+              ref.sizes(), ", got ", t.sizes());
+}
+
+// A per-feature vector (bias, weight) of length `hidden`, like `ref`.
+inline void check_vector(const char* op, const char* name, const Tensor& t, int64_t hidden, const char* ref_name,
+                         const Tensor& ref) {
+  check_like(op, name, t, ref_name, ref);
+  ckpt_ext::check_vector(t, hidden, name, ref_name, "ckpt_ext::", op);
+}
+
+inline void check_at_least_1d(const char* op, const char* name, const Tensor& t) {
+  TORCH_CHECK(t.dim() >= 1, "ckpt_ext::", op, ": ", name, " must have at least one dimension (features last)");
+}
+
+inline void check_p(const char* op, double p) {
+  TORCH_CHECK(p >= 0.0 && p <= 1.0, "ckpt_ext::", op, ": dropout probability p must be in [0, 1], got ", p);
+}
+
+inline bool parse_approximate(const char* op, c10::string_view approximate) {
+  TORCH_CHECK(approximate == "none" || approximate == "tanh", "ckpt_ext::", op,
+              ": approximate must be 'none' or 'tanh', got '", std::string(approximate), "'");
+  return approximate == "tanh";
+}
+
+// Contiguous copy of an optional tensor, or an undefined tensor when it is absent.
+inline Tensor contiguous_or_undefined(const OptTensor& t) { return present(t) ? t->contiguous() : Tensor(); }
+
+// Per-row statistics (mean, rstd): shape = input shape without the last dim, dtype float32 (float64 for
+// float64 inputs).
+inline Tensor empty_row_stats(const Tensor& x) {
+  const auto sizes = x.sizes();
+  return at::empty(std::vector<int64_t>(sizes.begin(), sizes.end() - 1),
+                   x.options().dtype(at::toOpMathType(x.scalar_type())));
+}
+
+inline void check_row_stats(const char* op, const char* name, const Tensor& t, const Tensor& pre) {
+  const auto sizes = pre.sizes();
+  const std::vector<int64_t> want(sizes.begin(), sizes.end() - 1);
+  const auto dt = at::toOpMathType(pre.scalar_type());
+  TORCH_CHECK(t.device() == pre.device() && t.scalar_type() == dt && t.sizes() == c10::IntArrayRef(want),
+              "ckpt_ext::", op, ": ", name, " must be the ", dt, " tensor of shape ", c10::IntArrayRef(want),
+              " returned by the forward op, got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+}
+
+inline void check_hidden(const char* op, const char* name, const Tensor& t) {
+  check_at_least_1d(op, name, t);
+  TORCH_CHECK(t.size(-1) > 0, "ckpt_ext::", op, ": the last (normalised) dimension of ", name, " must be non-empty");
+}
+
+// A caller-provided output (the *_into entry points) must be where the kernel would write its own.
+inline void check_out(const char* op, const Tensor& out, const Tensor& x) {
+  check_same_shape(op, "out", out, "x", x);
+  TORCH_CHECK(out.is_contiguous(), "ckpt_ext::", op, ": out must be contiguous");
+}
+
+}  // namespace detail
+}  // namespace ops
+}  // namespace ckpt_ext

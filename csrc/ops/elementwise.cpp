@@ -1,0 +1,199 @@
+// The elementwise ops: bias_gelu, bias_dropout_add, dropout, dropout_mask, swiglu, rotary (and their
+// backward ops): argument checks, output allocation, CPU/CUDA registration. Schemas: schemas.cpp;
+// autograd: autograd.cpp; kernels: kernels/{cpu,cuda}/elementwise.
+//
+// Inputs that are not contiguous are made contiguous here (a copy only when needed); rotary only needs a
+// contiguous last dimension, so the usual transposed [B, S, H, D] -> [B, H, S, D] views of q and k are
+// read in place. Outputs are contiguous, except rotary's, which are laid out like their input.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "checks.h"
+#include "ops.h"
+
+namespace ckpt_ext {
+namespace {
+
+using namespace ops::detail;
+
+Tensor bias_gelu(const Tensor& x, const OptTensor& bias, c10::string_view approximate) {
+  const char* op = "bias_gelu";
+  check_floating(op, "x", x);
+  check_at_least_1d(op, "x", x);
+  const bool tanh = parse_approximate(op, approximate);
+  if (present(bias)) check_vector(op, "bias", *bias, x.size(-1), "x", x);
+  const Tensor xc = x.contiguous(), bc = contiguous_or_undefined(bias);
+  Tensor out = at::empty_like(xc);
+  if (xc.numel() > 0) CKPT_EXT_LAUNCH(x.device(), bias_gelu_forward, xc, bc, tanh, out);
+  return out;
+}
+
+Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias, c10::string_view approximate) {
+  const char* op = "bias_gelu_backward";
+  check_floating(op, "x", x);
+  check_at_least_1d(op, "x", x);
+  check_same_shape(op, "grad", grad, "x", x);
+  const bool tanh = parse_approximate(op, approximate);
+  if (present(bias)) check_vector(op, "bias", *bias, x.size(-1), "x", x);
+  const Tensor gc = grad.contiguous(), xc = x.contiguous(), bc = contiguous_or_undefined(bias);
+  Tensor grad_x = at::empty_like(xc);
+  if (xc.numel() > 0) CKPT_EXT_LAUNCH(x.device(), bias_gelu_backward, gc, xc, bc, tanh, grad_x);
+  return grad_x;
+}
+
+// `out`: where to write the result; undefined = allocate it.
+Tensor bias_dropout_add_impl(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
+                             int64_t offset, Tensor out) {
+  const char* op = "bias_dropout_add";
+  check_floating(op, "x", x);
+  check_at_least_1d(op, "x", x);
+  check_same_shape(op, "residual", residual, "x", x);
+  check_p(op, p);
+  if (present(bias)) check_vector(op, "bias", *bias, x.size(-1), "x", x);
+  if (out.defined()) check_out(op, out, x);
+  const Tensor xc = x.contiguous(), rc = residual.contiguous(), bc = contiguous_or_undefined(bias);
+  if (!out.defined()) out = at::empty_like(xc);
+  if (xc.numel() > 0)
+    CKPT_EXT_LAUNCH(x.device(), bias_dropout_add_forward, xc, bc, rc, DropoutArgs{p, seed, offset}, out);
+  return out;
+}
+
+Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
+                        int64_t offset) {
+  return bias_dropout_add_impl(x, bias, residual, p, seed, offset, Tensor());
+}
+
+// x * mask / (1 - p): the forward of a dropout without bias or residual, and the backward of every
+// dropout of (seed, offset) (the mask is the same, and the map is linear).
+Tensor dropout(const Tensor& x, double p, int64_t seed, int64_t offset) {
+  const char* op = "dropout";
+  check_floating(op, "x", x);
+  check_p(op, p);
+  const Tensor xc = x.contiguous();
+  Tensor out = at::empty_like(xc);
+  if (xc.numel() > 0) CKPT_EXT_LAUNCH(x.device(), dropout, xc, DropoutArgs{p, seed, offset}, out);
+  return out;
+}
+
+// No tensor argument to dispatch on: registered as CompositeExplicitAutograd and launched by `device`.
+Tensor dropout_mask(int64_t numel, double p, int64_t seed, int64_t offset, c10::Device device) {
+  const char* op = "dropout_mask";
+  TORCH_CHECK(numel >= 0, "ckpt_ext::", op, ": numel must be >= 0, got ", numel);
+  check_p(op, p);
+  Tensor mask = at::empty({numel}, at::TensorOptions().dtype(at::kBool).device(device));
+  if (numel == 0) return mask;
+  const DropoutArgs dropout{p, seed, offset};
+  if (device.is_cpu()) {
+    kernels::cpu::dropout_mask(dropout, mask);
+  } else {
+#ifdef CKPT_EXT_WITH_CUDA
+    TORCH_CHECK(device.is_cuda(), "ckpt_ext::", op, ": device must be cpu or cuda, got ", device);
+    kernels::cuda::dropout_mask(dropout, mask);
+#else
+    TORCH_CHECK(false, "ckpt_ext::", op, ": ckpt_ext was built without CUDA; device must be cpu, got ", device);
+#endif
+  }
+  return mask;
+}
+
+Tensor swiglu(const Tensor& gate, const Tensor& up) {
+  const char* op = "swiglu";
+  check_floating(op, "gate", gate);
+  check_same_shape(op, "up", up, "gate", gate);
+  const Tensor gc = gate.contiguous(), uc = up.contiguous();
+  Tensor out = at::empty_like(gc);
+  if (gc.numel() > 0) CKPT_EXT_LAUNCH(gate.device(), swiglu_forward, gc, uc, out);
+  return out;
+}
+
+std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up) {
+  const char* op = "swiglu_backward";
+  check_floating(op, "gate", gate);
+  check_same_shape(op, "up", up, "gate", gate);
+  check_same_shape(op, "grad", grad, "gate", gate);
+  const Tensor dc = grad.contiguous(), gc = gate.contiguous(), uc = up.contiguous();
+  Tensor grad_gate = at::empty_like(gc), grad_up = at::empty_like(gc);
+  if (gc.numel() > 0) CKPT_EXT_LAUNCH(gate.device(), swiglu_backward, dc, gc, uc, grad_gate, grad_up);
+  return {grad_gate, grad_up};
+}
+
+// forward: x * cos + rotate_half(x) * sin; backward: the transpose, applied to grad.
+Tensor rotary_impl(const char* op, const char* name, const Tensor& x, const Tensor& cos, const Tensor& sin,
+                   bool backward) {
+  check_floating(op, name, x);
+  TORCH_CHECK(x.dim() == 4, "ckpt_ext::", op, ": ", name, " must be [batch, heads, seq, head_dim], got shape ",
+              x.sizes());
+  const int64_t B = x.size(0), S = x.size(2), D = x.size(3);
+  TORCH_CHECK(D % 2 == 0, "ckpt_ext::", op, ": head_dim must be even, got ", D);
+  const Tensor* tables[2] = {&cos, &sin};
+  const char* names[2] = {"cos", "sin"};
+  Tensor tc[2];
+  for (int k = 0; k < 2; ++k) {
+    const Tensor& t = *tables[k];
+    check_like(op, names[k], t, name, x);
+    // [S, D] is accepted as [1, S, D].
+    tc[k] = (t.dim() == 2 ? t.unsqueeze(0) : t).contiguous();
+    TORCH_CHECK(tc[k].dim() == 3 && (tc[k].size(0) == 1 || tc[k].size(0) == B) && tc[k].size(1) == S &&
+                    tc[k].size(2) == D,
+                "ckpt_ext::", op, ": ", names[k], " must be [1 or batch=", B, ", seq=", S, ", head_dim=", D,
+                "] (or [seq, head_dim]), got shape ", t.sizes());
+  }
+  // Any strides for batch/heads/seq; the last dim must be contiguous (else one copy is made here).
+  const Tensor xc = x.stride(3) == 1 ? x : x.contiguous();
+  // empty_like keeps x's layout when x is dense (a transposed view stays transposed); ops.py's fake does the same.
+  Tensor out = x.stride(3) == 1 ? at::empty_like(x) : at::empty_like(xc);
+  if (x.numel() > 0) CKPT_EXT_LAUNCH(x.device(), rotary, xc, tc[0], tc[1], backward, out);
+  return out;
+}
+
+Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  return rotary_impl("rotary", "x", x, cos, sin, /*backward=*/false);
+}
+
+Tensor rotary_backward(const Tensor& grad, const Tensor& cos, const Tensor& sin) {
+  return rotary_impl("rotary_backward", "grad", grad, cos, sin, /*backward=*/true);
+}
+
+}  // namespace
+}  // namespace ckpt_ext
+
+namespace ckpt_ext {
+namespace ops {
+
+void bias_dropout_add_into(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
+                           int64_t offset, const Tensor& out) {
+  TORCH_CHECK(out.defined(), "ckpt_ext::bias_dropout_add_into: out must be a tensor");
+  ckpt_ext::bias_dropout_add_impl(x, bias, residual, p, seed, offset, out);
+}
+
+}  // namespace ops
+}  // namespace ckpt_ext
+
+// The same checked functions serve both backends; CKPT_EXT_LAUNCH picks the kernel by device.
+#define CKPT_EXT_IMPL(m)                                       \
+  m.impl("bias_gelu", &ckpt_ext::bias_gelu);                   \
+  m.impl("bias_gelu_backward", &ckpt_ext::bias_gelu_backward); \
+  m.impl("bias_dropout_add", &ckpt_ext::bias_dropout_add);     \
+  m.impl("dropout", &ckpt_ext::dropout);                       \
+  m.impl("swiglu", &ckpt_ext::swiglu);                         \
+  m.impl("swiglu_backward", &ckpt_ext::swiglu_backward);       \
+  m.impl("rotary", &ckpt_ext::rotary);                         \
+  m.impl("rotary_backward", &ckpt_ext::rotary_backward)
+
+TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) { CKPT_EXT_IMPL(m); }
+
+// Only in CUDA builds (setup.py defines CKPT_EXT_WITH_CUDA and compiles kernels/cuda/*.cu).
+#ifdef CKPT_EXT_WITH_CUDA
+TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) { CKPT_EXT_IMPL(m); }
+#endif
+#undef CKPT_EXT_IMPL
+
+// No tensor argument to dispatch on: launched by its `device` argument.
+TORCH_LIBRARY_IMPL(ckpt_ext, CompositeExplicitAutograd, m) { m.impl("dropout_mask", &ckpt_ext::dropout_mask); }

@@ -1,0 +1,190 @@
+// The row-wise norm ops: bias_dropout_add_layer_norm, add_layer_norm, add_rms_norm (and their backward
+// ops): argument checks, output allocation, CPU/CUDA registration. Schemas: schemas.cpp; autograd:
+// autograd.cpp; kernels: kernels/{cpu,cuda}/norms. Row statistics (mean, rstd) are float32 (float64
+// for float64 inputs).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "checks.h"
+#include "ops.h"
+
+namespace ckpt_ext {
+namespace {
+
+using namespace ops::detail;
+
+// `out`: where to write the normalised output; undefined = allocate it.
+std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_impl(const Tensor& x, const OptTensor& bias,
+                                                                            const Tensor& residual,
+                                                                            const Tensor& weight,
+                                                                            const OptTensor& ln_bias, double p,
+                                                                            double eps, int64_t seed, int64_t offset,
+                                                                            Tensor out) {
+  const char* op = "bias_dropout_add_layer_norm";
+  check_floating(op, "x", x);
+  check_hidden(op, "x", x);
+  check_same_shape(op, "residual", residual, "x", x);
+  const int64_t hidden = x.size(-1);
+  check_vector(op, "weight", weight, hidden, "x", x);
+  if (present(bias)) check_vector(op, "bias", *bias, hidden, "x", x);
+  if (present(ln_bias)) check_vector(op, "ln_bias", *ln_bias, hidden, "x", x);
+  check_p(op, p);
+  TORCH_CHECK(eps >= 0, "ckpt_ext::", op, ": eps must be >= 0, got ", eps);
+  if (out.defined()) check_out(op, out, x);
+  const Tensor xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
+  if (!out.defined()) out = at::empty_like(xc);
+  Tensor pre_norm = at::empty_like(xc), mean = empty_row_stats(xc), rstd = empty_row_stats(xc);
+  if (xc.numel() > 0)
+    CKPT_EXT_LAUNCH(x.device(), layer_norm_forward, xc, contiguous_or_undefined(bias), rc,
+                    DropoutArgs{p, seed, offset}, wc, contiguous_or_undefined(ln_bias), eps, out, pre_norm, mean, rstd);
+  return {out, pre_norm, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias,
+                                                                       const Tensor& residual, const Tensor& weight,
+                                                                       const OptTensor& ln_bias, double p, double eps,
+                                                                       int64_t seed, int64_t offset) {
+  return bias_dropout_add_layer_norm_impl(x, bias, residual, weight, ln_bias, p, eps, seed, offset, Tensor());
+}
+
+// Shared by the two LayerNorm backward ops. grad_x is defined only for the dropout variant.
+void layer_norm_backward_checked(const char* op, const char* pre_name, const Tensor& grad_out,
+                                 const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
+                                 const Tensor& mean, const Tensor& rstd, const DropoutArgs& dropout, Tensor& grad_pre,
+                                 Tensor* grad_x, Tensor& grad_weight, Tensor& grad_ln_bias) {
+  check_floating(op, pre_name, pre_norm);
+  check_hidden(op, pre_name, pre_norm);
+  check_same_shape(op, "grad_out", grad_out, pre_name, pre_norm);
+  if (present(grad_pre_norm)) check_same_shape(op, "grad_pre_norm", *grad_pre_norm, pre_name, pre_norm);
+  check_vector(op, "weight", weight, pre_norm.size(-1), pre_name, pre_norm);
+  check_row_stats(op, "mean", mean, pre_norm);
+  check_row_stats(op, "rstd", rstd, pre_norm);
+  const Tensor pc = pre_norm.contiguous();
+  grad_pre = at::empty_like(pc);
+  if (grad_x) *grad_x = at::empty_like(pc);
+  grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
+  grad_ln_bias = at::empty_like(weight, at::MemoryFormat::Contiguous);
+  if (pc.numel() == 0) {  // no rows: the sums over rows are zero
+    grad_weight.zero_();
+    grad_ln_bias.zero_();
+    return;
+  }
+  CKPT_EXT_LAUNCH(pc.device(), layer_norm_backward, grad_out.contiguous(), contiguous_or_undefined(grad_pre_norm), pc,
+                  weight.contiguous(), mean.contiguous(), rstd.contiguous(), dropout, grad_pre,
+                  grad_x ? *grad_x : Tensor(), grad_weight, grad_ln_bias);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
+    const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
+    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset) {
+  const char* op = "bias_dropout_add_layer_norm_backward";
+  check_p(op, p);
+  Tensor grad_residual, grad_x, grad_weight, grad_ln_bias;
+  layer_norm_backward_checked(op, "pre_norm", grad_out, grad_pre_norm, pre_norm, weight, mean, rstd,
+                              DropoutArgs{p, seed, offset}, grad_residual, &grad_x, grad_weight, grad_ln_bias);
+  return {grad_x, grad_residual, grad_weight, grad_ln_bias};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
+                                                          const Tensor& weight, const OptTensor& bias, double eps) {
+  const char* op = "add_layer_norm";
+  check_floating(op, "x", x);
+  check_hidden(op, "x", x);
+  if (present(residual)) check_same_shape(op, "residual", *residual, "x", x);
+  const int64_t hidden = x.size(-1);
+  check_vector(op, "weight", weight, hidden, "x", x);
+  if (present(bias)) check_vector(op, "bias", *bias, hidden, "x", x);
+  TORCH_CHECK(eps >= 0, "ckpt_ext::", op, ": eps must be >= 0, got ", eps);
+  const Tensor xc = x.contiguous();
+  Tensor out = at::empty_like(xc), sum = at::empty_like(xc), mean = empty_row_stats(xc), rstd = empty_row_stats(xc);
+  if (xc.numel() > 0)
+    CKPT_EXT_LAUNCH(x.device(), layer_norm_forward, xc, Tensor(), contiguous_or_undefined(residual), DropoutArgs{},
+                    weight.contiguous(), contiguous_or_undefined(bias), eps, out, sum, mean, rstd);
+  return {out, sum, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum,
+                                                           const Tensor& sum, const Tensor& weight,
+                                                           const Tensor& mean, const Tensor& rstd) {
+  Tensor grad_input, grad_weight, grad_bias;
+  layer_norm_backward_checked("add_layer_norm_backward", "sum", grad_out, grad_sum, sum, weight, mean, rstd,
+                              DropoutArgs{}, grad_input, nullptr, grad_weight, grad_bias);
+  return {grad_input, grad_weight, grad_bias};
+}
+
+std::tuple<Tensor, Tensor, Tensor> add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
+                                                double eps) {
+  const char* op = "add_rms_norm";
+  check_floating(op, "x", x);
+  check_hidden(op, "x", x);
+  if (present(residual)) check_same_shape(op, "residual", *residual, "x", x);
+  check_vector(op, "weight", weight, x.size(-1), "x", x);
+  TORCH_CHECK(eps >= 0, "ckpt_ext::", op, ": eps must be >= 0, got ", eps);
+  const Tensor xc = x.contiguous();
+  Tensor out = at::empty_like(xc), sum = at::empty_like(xc), rstd = empty_row_stats(xc);
+  if (xc.numel() > 0)
+    CKPT_EXT_LAUNCH(x.device(), rms_norm_forward, xc, contiguous_or_undefined(residual), weight.contiguous(), eps, out,
+                    sum, rstd);
+  return {out, sum, rstd};
+}
+
+std::tuple<Tensor, Tensor> add_rms_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum, const Tensor& sum,
+                                                 const Tensor& weight, const Tensor& rstd) {
+  const char* op = "add_rms_norm_backward";
+  check_floating(op, "sum", sum);
+  check_hidden(op, "sum", sum);
+  check_same_shape(op, "grad_out", grad_out, "sum", sum);
+  if (present(grad_sum)) check_same_shape(op, "grad_sum", *grad_sum, "sum", sum);
+  check_vector(op, "weight", weight, sum.size(-1), "sum", sum);
+  check_row_stats(op, "rstd", rstd, sum);
+  const Tensor sc = sum.contiguous();
+  Tensor grad_input = at::empty_like(sc), grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
+  if (sc.numel() > 0)
+    CKPT_EXT_LAUNCH(sc.device(), rms_norm_backward, grad_out.contiguous(), contiguous_or_undefined(grad_sum), sc,
+                    weight.contiguous(), rstd.contiguous(), grad_input, grad_weight);
+  else
+    grad_weight.zero_();
+  return {grad_input, grad_weight};
+}
+
+}  // namespace
+}  // namespace ckpt_ext
+
+namespace ckpt_ext {
+namespace ops {
+
+std::tuple<Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_into(const Tensor& x, const OptTensor& bias,
+                                                                    const Tensor& residual, const Tensor& weight,
+                                                                    const OptTensor& ln_bias, double p, double eps,
+                                                                    int64_t seed, int64_t offset, const Tensor& out) {
+  TORCH_CHECK(out.defined(), "ckpt_ext::bias_dropout_add_layer_norm_into: out must be a tensor");
+  auto r = ckpt_ext::bias_dropout_add_layer_norm_impl(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out);
+  return {std::get<1>(r), std::get<2>(r), std::get<3>(r)};
+}
+
+}  // namespace ops
+}  // namespace ckpt_ext
+
+// The same checked functions serve both backends; CKPT_EXT_LAUNCH picks the kernel by device.
+#define CKPT_EXT_IMPL(m)                                                                           \
+  m.impl("bias_dropout_add_layer_norm", &ckpt_ext::bias_dropout_add_layer_norm);                   \
+  m.impl("bias_dropout_add_layer_norm_backward", &ckpt_ext::bias_dropout_add_layer_norm_backward); \
+  m.impl("add_layer_norm", &ckpt_ext::add_layer_norm);                                             \
+  m.impl("add_layer_norm_backward", &ckpt_ext::add_layer_norm_backward);                           \
+  m.impl("add_rms_norm", &ckpt_ext::add_rms_norm);                                                 \
+  m.impl("add_rms_norm_backward", &ckpt_ext::add_rms_norm_backward)
+
+TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) { CKPT_EXT_IMPL(m); }
+
+// Only in CUDA builds (setup.py defines CKPT_EXT_WITH_CUDA and compiles kernels/cuda/*.cu).
+#ifdef CKPT_EXT_WITH_CUDA
+TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) { CKPT_EXT_IMPL(m); }
+#endif
+#undef CKPT_EXT_IMPL
