@@ -83,17 +83,35 @@ def test_steady_state_training_does_not_grow_the_pool():
     assert stats()["in_use_bytes"] == start["in_use_bytes"]
 
 
-BOUNDARY = (64, 19)  # float32: 4864 bytes, a multiple of the alignment
-BOUNDARY_BYTES = 64 * 19 * 4
+# What the pool holds: the outputs of fused segments (ckpt_ext.checkpoint keeps no pool bytes since
+# issue 13). A stack of tiny fused BERT layers, each run as its own segment, gives one boundary each.
+BOUNDARY = (4, 16, 16)  # float32: 4096 bytes, a multiple of the alignment
+BOUNDARY_BYTES = 4 * 16 * 16 * 4
 
 
-def _sampled_backward(stack, x):
-    """Forward through checkpointed blocks keeping only the last output; returns the pool's stats
-    after forward and as sampled by a hook on each boundary's gradient during backward."""
+def _fused_layers(n, seed):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(hidden_size=16, num_hidden_layers=n, num_attention_heads=2, intermediate_size=24,
+                                  vocab_size=11, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    model = transformers.BertModel(cfg, add_pooling_layer=False).train()
+    ckpt_ext.fuse(model)
+    return list(model.encoder.layer)
+
+
+def _segment(layer, h):
+    from ckpt_ext.fused import run_segment
+    return run_segment([layer], (h,), {})
+
+
+def _sampled_backward(layers, x):
+    """Forward through fused segments keeping only the last output; returns the pool's stats after
+    forward and as sampled by a hook on each boundary's gradient during backward."""
     samples = []
     h = x
-    for block in stack:
-        h = ckpt_ext.checkpoint(block, h)
+    for layer in layers:
+        h = _segment(layer, h)
+        assert ckpt_ext.is_pooled(h)
         h.register_hook(lambda g: samples.append(ckpt_ext.pool_stats("cpu")))
     after_forward = ckpt_ext.pool_stats("cpu")
     loss = loss_of(h)
@@ -106,9 +124,9 @@ def test_reserved_bytes_fall_during_backward(chunk_bytes):
     _empty_pool_at_start()
     chunk = 4 * BOUNDARY_BYTES  # four boundaries a chunk: twelve layers fill three
     chunk_bytes(chunk)
-    stack = make_stack(12, p=0.1, seed=7)
+    layers = _fused_layers(12, seed=7)
     x, = leaf_inputs(BOUNDARY, seed=7)
-    after_forward, samples = _sampled_backward(stack, x)
+    after_forward, samples = _sampled_backward(layers, x)
     assert (after_forward["reserved_bytes"], after_forward["live_slots"]) == (3 * chunk, 12)
     reserved = [s["reserved_bytes"] for s in samples]
     assert len(reserved) == 12 and reserved == sorted(reserved, reverse=True)
@@ -124,16 +142,16 @@ def test_training_loop_reaches_a_steady_state(chunk_bytes):
     # within a step stays the same for 50 steps after the warm-up.
     _empty_pool_at_start()
     chunk_bytes(4 * BOUNDARY_BYTES)
-    stack = make_stack(12, p=0.1, seed=8)
-    params = dict(stack.named_parameters())
+    layers = _fused_layers(12, seed=8)
+    params = {f"{i}.{n}": p for i, layer in enumerate(layers) for n, p in layer.named_parameters()}
     x, = leaf_inputs(BOUNDARY, seed=8)
     for step in range(3):
-        run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=step)
+        run_step(chain(layers, _segment), [x], params=params, seed=step)
     before = ckpt_ext.pool_stats("cpu")
     seen = set()
     for step in range(50):
         ckpt_ext.reset_peak_stats("cpu")
-        run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=step)
+        run_step(chain(layers, _segment), [x], params=params, seed=step)
         s = ckpt_ext.pool_stats("cpu")
         seen.add((s["reserved_bytes"], s["chunks"], s["peak_reserved_bytes"], s["in_use_bytes"]))
     assert seen == {(4 * BOUNDARY_BYTES, 1, 3 * 4 * BOUNDARY_BYTES, 0)}
