@@ -17,7 +17,7 @@ from ckpt_ext import _layout, fused
 from ckpt_ext.hf import layers as hf_layers
 
 pytest.importorskip("transformers")
-from test_fused import layers_of, make_model  # noqa: E402
+from helpers.hf_models import layers_of, make_model  # noqa: E402
 
 _C = fused._C
 

@@ -15,7 +15,7 @@ ALIGN = 256
 CPU = torch.device("cpu")
 pool_store = ckpt_ext._C.pool_store
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from helpers.devices import requires_cuda  # noqa: E402
 
 
 def aligned(nbytes: int) -> int:
