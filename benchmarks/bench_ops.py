@@ -22,9 +22,7 @@ P, EPS, SEED = 0.1, 1e-5, 1234
 
 
 def _rms_norm(x, w, eps):
-    if hasattr(F, "rms_norm"):
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    return w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def _rotate_half(x):

@@ -13,7 +13,6 @@ here (the run reports it and goes on).
 import contextlib
 import copy
 import functools
-import inspect
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -172,12 +171,6 @@ class TorchSelective(Variant):
     def __init__(self):
         self.recording: List[object] = []
 
-    def unavailable(self):
-        from torch.utils import checkpoint
-        if not hasattr(checkpoint, "create_selective_checkpoint_contexts"):
-            return f"torch {torch.__version__} has no create_selective_checkpoint_contexts"
-        return None
-
     def _context_fn(self):
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
         ops = [getattr(torch.ops.aten, n).default for n in SELECTIVE_SAVE]
@@ -258,11 +251,6 @@ class EngineBudget(Variant):
     def __init__(self, budget: Optional[int] = None):
         self.budget, self.batch, self.used = budget, None, None
 
-    def unavailable(self):
-        if "budget" not in inspect.signature(ckpt_ext.enable_checkpointing).parameters:
-            return "ckpt_ext.enable_checkpointing has no budget argument in this build"
-        return None
-
     def prepare(self, model, batch, workload, none_bytes):
         if batch != self.batch:
             self.used = self.budget if self.budget is not None else max(1, none_bytes(batch) // 2)
@@ -279,11 +267,6 @@ COMPILE_MEMORY_BUDGET = 0.5
 class CompileBudget(Variant):
     name = "compile-budget"
     summary = f"torch.compile, activation_memory_budget = {COMPILE_MEMORY_BUDGET}"
-
-    def unavailable(self):
-        if not hasattr(torch._functorch.config, "activation_memory_budget"):
-            return f"torch {torch.__version__} has no activation_memory_budget"
-        return None
 
     def setup(self, fresh):
         return torch.compile(fresh())

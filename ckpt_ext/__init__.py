@@ -12,7 +12,8 @@ _C = _load()
 
 from .checkpoint import checkpoint, checkpoint_sequential, is_recomputing  # noqa: E402
 from .stack import disable_checkpointing, enable_checkpointing, explain  # noqa: E402
-from .pool import empty_pool, is_pooled, pool_stats, record_stream, reset_peak_stats, set_pool_chunk_bytes  # noqa: E402
+from .pool import (empty_pool, is_pooled, pool_chunk_bytes, pool_min_chunk_bytes, pool_stats,  # noqa: E402
+                   record_stream, reset_peak_stats, set_pool_chunk_bytes)
 from . import ops  # noqa: E402  (torch.ops.ckpt_ext: fake kernels, documented wrappers)
 from .fused import FusedTransformerLayer, fuse  # noqa: E402
 from .hf import take_over_hf_checkpointing  # noqa: E402
@@ -32,6 +33,8 @@ __all__ = [
     "reset_peak_stats",
     "empty_pool",
     "set_pool_chunk_bytes",
+    "pool_chunk_bytes",
+    "pool_min_chunk_bytes",
     "is_pooled",
     "record_stream",
 ]

@@ -56,6 +56,16 @@ def empty_pool(device: DeviceLike = None) -> int:
     return int(_C.empty_pool(_device(device)))
 
 
+def pool_chunk_bytes(device: DeviceLike = None) -> int:
+    """Size of the chunks the device's arena grows by now (see :func:`set_pool_chunk_bytes`)."""
+    return int(_C.pool_chunk_bytes(_device(device)))
+
+
+def pool_min_chunk_bytes() -> int:
+    """The smallest chunk size :func:`set_pool_chunk_bytes` accepts (the pool's alignment, set in C++)."""
+    return int(_C.pool_min_chunk_bytes)
+
+
 def set_pool_chunk_bytes(nbytes: int, device: DeviceLike = None) -> None:
     """Size of the chunks the device's arena grows by (default 64 MiB on GPUs, 4 MiB on CPU; the
     environment variable CKPT_EXT_POOL_CHUNK_MB sets the default). Affects later growth only. A slot

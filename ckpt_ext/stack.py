@@ -5,8 +5,6 @@ any model whose repeated blocks sit in an ``nn.ModuleList`` or ``nn.Sequential``
 ``forward`` is wrapped on the instance (hooks stay outside the checkpoint, as in Hugging Face), so
 parameters, state_dict keys and optimizers are untouched.
 """
-import inspect
-import logging
 import types
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -15,19 +13,18 @@ import torch
 from torch import nn
 
 from ._compiler import eager_under_compile
-from .checkpoint import _ATOMS, _add_module, _check_fsdp_units, _checkpoint, _Found, _fsdp_units_in
+from ._discovery import _ATOMS, _add_module, _check_fsdp_units, _Found, _fsdp_units_in
+from .checkpoint import _checkpoint
 from .fused import run_segment
-from .hf.trainer import hf_checkpointing_on, install_take_over, remove_take_over
+from .hf.cache import drop_cache
+from .hf.trainer import (double_checkpointing_error, install_take_over, layer_hf_checkpointed, refuse_hf_checkpointing_on,
+                         remove_take_over)
 from .planner import fmt_bytes, parse_bytes
 from .stack_plan import StackPlanner
 
 __all__ = ["enable_checkpointing", "disable_checkpointing", "explain"]
 
-logger = logging.getLogger("ckpt_ext")
 _ATTR = "_ckpt_ext_group"
-# Arguments through which Hugging Face layers receive a KV cache. A cache written in forward would be
-# written again by the replay, so (as Hugging Face does under checkpointing) it is dropped in training.
-_CACHE_ARGS = ("past_key_values", "layer_past", "past_key_value")
 
 
 def _hidden_of(out: Any):
@@ -154,46 +151,6 @@ class _Group:
         return out
 
 
-def _drop_cache(layer: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
-    # A fused layer takes (*args, **kwargs) and falls back to the Hugging Face layer's forward: the cache
-    # positions are that layer's (GPT-2 passes its cache positionally).
-    sig = _signature(type(getattr(layer, "_hf_layer", layer)))
-    changed = []
-    args = list(args)
-    for name in _CACHE_ARGS + ("use_cache",):
-        if name in kwargs:
-            holder, key = kwargs, name
-        elif sig.get(name, len(args)) < len(args):
-            holder, key = args, sig[name]
-        else:
-            continue
-        off = False if name == "use_cache" else None
-        if (bool(holder[key]) if off is False else holder[key] is not None):
-            holder[key] = off
-            changed.append(name)
-    if changed and not _CACHE_WARNED:  # said once: default configs (use_cache=True) reach it every run
-        _CACHE_WARNED.add(type(layer))
-        logger.warning("ckpt_ext: a KV cache cannot be used with checkpointing in training (the replay would "
-                       "write it twice); %s of %s set to None/False.", ", ".join(changed), type(layer).__name__)
-    return tuple(args), kwargs
-
-
-_SIGNATURES: Dict[type, Dict[str, int]] = {}
-_CACHE_WARNED: set = set()  # non-empty once warned (once per process, like Hugging Face's warning_once)
-
-
-def _signature(cls: type) -> Dict[str, int]:
-    """Positional index (after self) of each parameter of cls.forward."""
-    sig = _SIGNATURES.get(cls)
-    if sig is None:
-        fwd = inspect.unwrap(cls.forward)
-        params = list(inspect.signature(fwd).parameters.values())[1:]
-        sig = {p.name: i for i, p in enumerate(params)
-               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)}
-        _SIGNATURES[cls] = sig
-    return sig
-
-
 def _attach_planned(planner: StackPlanner, segments: List[Tuple[int, int, bool]]):
     """Installs a planner's groups: a checkpointed segment is one group, a kept layer a group of its own."""
     groups = []
@@ -249,28 +206,28 @@ def _layer_forward(self: nn.Module, *args, **kwargs):
 @eager_under_compile
 def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     group: _Group = getattr(self, _ATTR)
-    if getattr(self, "gradient_checkpointing", False) is True:
-        _refuse_hf_checkpointing(self, group)
+    if layer_hf_checkpointed(self):
+        raise double_checkpointing_error(self, group.index + group.layers.index(self))
     planner = group.planner
     if planner is not None:
         if self is planner.layers[0]:
             planner.begin_step(args)  # a new step: install the plan, or plan again for a larger input
             group = getattr(self, _ATTR)
         if planner.plan is None:
-            planner.probe(self, *_drop_cache(self, args, kwargs))
+            planner.probe(self, *drop_cache(self, args, kwargs))
     if group.siblings and group.layers[0] is self:
         _check_order(group, args)
     if group.kept:
         return type(self).forward(self, *args, **kwargs)
     if group.layers[0] is self:
-        args, kwargs = _drop_cache(self, args, kwargs)
+        args, kwargs = drop_cache(self, args, kwargs)
         out = group.checkpointed(args, kwargs)
         if len(group.layers) > 1:
             group.pending = _Pending(out, 1, args, kwargs)
         return out
     # A later layer of the group: the group already ran it.
     if group.pending is None:  # called on its own (e.g. by the user): run it, checkpointed alone
-        args, kwargs = _drop_cache(self, args, kwargs)
+        args, kwargs = drop_cache(self, args, kwargs)
         out = run_segment([self], args, kwargs)
         if out is not NotImplemented:
             return out
@@ -280,7 +237,7 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     out, g_args, g_kwargs = pending if pending is not None else (None, (), {})
     done = group.pending.done
     expected = group.layers[done]
-    args, kwargs = _drop_cache(self, args, kwargs)
+    args, kwargs = drop_cache(self, args, kwargs)
     if pending is None or expected is not self or not args or args[0] is not _hidden_of(out):
         group.pending = None
         raise RuntimeError(
@@ -298,16 +255,6 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     else:
         group.pending = None
     return out
-
-
-def _refuse_hf_checkpointing(layer: nn.Module, group: _Group):
-    """Hugging Face's flag was set on a layer ckpt_ext checkpoints by a path the take-over does not see
-    (its switch on another module than the one given to enable_checkpointing, or the flag set by hand)."""
-    raise RuntimeError(
-        f"ckpt_ext checkpoints layer {group.index + group.layers.index(layer)} ({type(layer).__name__}), but Hugging "
-        "Face's gradient checkpointing was also enabled on it, so it would be checkpointed twice. Call "
-        "ckpt_ext.take_over_hf_checkpointing(model) on the model whose activation_checkpointing_enable() (or "
-        "Trainer's gradient_checkpointing=True) turns it on, or turn one of the two off.")
 
 
 def _param_count(m: nn.Module) -> int:
@@ -357,12 +304,7 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
         raise TypeError(f"enable_checkpointing expects an nn.Module, got {type(model).__name__}")
     options = {"every": every, "budget": budget, "layers": layers}
     every, budget_bytes = _check_options(every, budget)
-    if hf_checkpointing_on(model):
-        raise ValueError("this model has Hugging Face gradient checkpointing enabled; call "
-                         "model.activation_checkpointing_disable() (gradient_checkpointing_disable() before "
-                         "transformers 5.x renamed it) before ckpt_ext.enable_checkpointing(model), or the "
-                         "layers would be checkpointed twice -- or ckpt_ext.take_over_hf_checkpointing(model), "
-                         "which hands Hugging Face's checkpointing over to ckpt_ext")
+    refuse_hf_checkpointing_on(model)
     if layers is not None:
         if isinstance(layers, (nn.ModuleList, nn.Sequential)):
             stacks = [("layers", layers)]

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -14,8 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path.insert(0, BENCH)  # the benchmarks are scripts with sibling modules, not a package
+import helpers.benchmarks  # noqa: E402,F401  (puts benchmarks/ on sys.path)
 import bench_ops  # noqa: E402
 import common  # noqa: E402
 import suite  # noqa: E402

@@ -28,10 +28,9 @@ import ckpt_ext
 import ckpt_ext._compiler
 from ckpt_ext import ops
 from reference import assert_grads_close, leaf_inputs, make_block, make_stack, run_step
-from test_fused import inputs_for, layers_of, make_model  # tiny Hugging Face models (transformers)
+from helpers.hf_models import inputs_for, layers_of, make_model  # noqa: E402  (tiny Hugging Face models)
 
-HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+from helpers.devices import requires_cuda  # noqa: E402
 
 # The functions through which the engine is entered (ckpt_ext/_compiler.py: eager_under_compile): the only
 # graph breaks ckpt_ext may cause in a model without fused layers.

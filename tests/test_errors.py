@@ -6,7 +6,6 @@ replay is marked as running, the global RNG did not move, and a model keeps the 
 had before the failed call (see the autouse fixture and `_setup_of`). Cases that are not errors (a
 non-contiguous input, a no-op) check that they give the right answer instead.
 """
-import copy
 import gc
 import math
 
@@ -20,10 +19,9 @@ from ckpt_ext import ops
 from reference import leaf_inputs, make_block, make_stack
 
 transformers = pytest.importorskip("transformers")
-from test_fused import B, H, S, inputs_for, layers_of, make_model  # noqa: E402
+from helpers.hf_models import B, H, S, inputs_for, layers_of, make_model  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+from helpers.devices import HAS_CUDA, requires_cuda  # noqa: E402
 _ATTR = "_ckpt_ext_group"
 
 
@@ -418,9 +416,9 @@ POOL_FUNCTIONS = [ckpt_ext.pool_stats, ckpt_ext.reset_peak_stats, ckpt_ext.empty
     (torch.device("meta"), ValueError, "CPU and CUDA devices only"),
 ])
 def test_pool_functions_bad_devices(fn, device, exc, match):
-    chunk = ckpt_ext._C.pool_chunk_bytes(torch.device("cpu"))
+    chunk = ckpt_ext.pool_chunk_bytes("cpu")
     _raises(exc, match, fn, device)
-    assert ckpt_ext._C.pool_chunk_bytes(torch.device("cpu")) == chunk
+    assert ckpt_ext.pool_chunk_bytes("cpu") == chunk
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message on a machine without CUDA")

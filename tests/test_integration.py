@@ -143,8 +143,8 @@ def test_kv_cache_is_dropped_with_a_warning(caplog):
     ids, mask = _inputs()
     ref = _step(model, ids, mask)
     ckpt_ext.enable_checkpointing(model)
-    from ckpt_ext import stack
-    stack._CACHE_WARNED.clear()
+    from ckpt_ext.hf import cache as hf_cache
+    hf_cache._CACHE_WARNED.clear()
     with caplog.at_level(logging.WARNING, logger="ckpt_ext"):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1234)
@@ -355,8 +355,8 @@ def test_explain_returns_its_text_once_and_in_one_unit(capsys):
 
 
 def test_kv_cache_line_is_said_once_for_gpt2_and_llama(caplog, monkeypatch):
-    from ckpt_ext import stack
-    monkeypatch.setattr(stack, "_CACHE_WARNED", set())  # as in a fresh process; other tests' state kept
+    from ckpt_ext.hf import cache as hf_cache
+    monkeypatch.setattr(hf_cache, "_CACHE_WARNED", set())  # as in a fresh process; other tests' state kept
     with caplog.at_level(logging.WARNING, logger="ckpt_ext"):
         for make in (_gpt2, _llama, _gpt2):  # default configs: use_cache=True
             model = ckpt_ext.enable_checkpointing(make().train())

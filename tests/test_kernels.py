@@ -1,7 +1,7 @@
 """Tests of the fused-layer kernels (torch.ops.ckpt_ext, wrapped by ckpt_ext.ops).
 
 Every op is compared, forward and backward (through its registered autograd, which calls the
-``*_backward`` op), with a plain-PyTorch reference below, on odd shapes and in float32, bfloat16 and
+``*_backward`` op), with a plain-PyTorch reference (helpers/kernel_refs.py), on odd shapes and in float32, bfloat16 and
 float16:
 
 * float32: against a float64 reference, to about 1e-5 relative to the output's magnitude;
@@ -23,9 +23,11 @@ import torch.nn.functional as F
 import ckpt_ext
 from ckpt_ext import ops
 
-HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])]
+from helpers.devices import DEVICES, requires_cuda
+from helpers.kernel_refs import (assert_matches_reference, philox4x32_10, randn_on, ref_add_layer_norm,
+                                 ref_bias_dropout_add, ref_bias_dropout_add_layer_norm, ref_bias_gelu, ref_dropout,
+                                 ref_rms_norm, ref_rotary, ref_row_stats, ref_swiglu, reference_dropout_mask)
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rows..., hidden): odd sizes on purpose, hidden from 1 to 1000, one 3-D input, and the model widths the
 # CUDA kernels specialise for (BERT-large 1024, Llama/GPT 4096 and 8192) with few rows, cheap on CPU.
@@ -44,185 +46,6 @@ def test_ops_come_from_this_checkout():
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     assert os.path.dirname(os.path.dirname(os.path.abspath(ckpt_ext.__file__))) == here
-
-
-# ---- plain-PyTorch references ---------------------------------------------------------------------------------
-
-
-def _acc(t):
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def ref_bias_gelu(x, bias, approximate):
-    return F.gelu(x if bias is None else x + bias, approximate=approximate)
-
-
-def ref_dropout(h, mask, p):
-    return h * mask.to(h.dtype) * (1.0 / (1.0 - p)) if p < 1 else h * 0
-
-
-def ref_bias_dropout_add(x, bias, residual, mask, p):
-    return residual + ref_dropout(x if bias is None else x + bias, mask, p)
-
-
-def ref_row_stats(s, eps):
-    h = s.to(_acc(s))
-    return h.mean(-1), torch.rsqrt(h.var(-1, unbiased=False) + eps)
-
-
-def ref_add_layer_norm(x, residual, weight, bias, eps):
-    s = x if residual is None else x + residual
-    out = F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
-    return (out, s, *ref_row_stats(s.detach(), eps))
-
-
-def ref_bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, mask, p, eps):
-    s = ref_bias_dropout_add(x, bias, residual, mask, p)
-    out = F.layer_norm(s, (s.shape[-1],), weight, ln_bias, eps)
-    return (out, s, *ref_row_stats(s.detach(), eps))
-
-
-def ref_rms_norm(x, residual, weight, eps):
-    """Hugging Face LlamaRMSNorm after a residual add."""
-    s = x if residual is None else x + residual
-    h = s.to(_acc(s))
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (h * rstd).to(s.dtype), s, rstd.squeeze(-1).detach()
-
-
-def ref_swiglu(gate, up):
-    return F.silu(gate) * up
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def ref_rotary(x, cos, sin):
-    """Hugging Face apply_rotary_pos_emb with unsqueeze_dim=1."""
-    if cos.dim() == 2:
-        cos, sin = cos[None], sin[None]
-    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
-
-
-# ---- independent Philox4x32-10 (int64 torch arithmetic), the specification of the dropout mask -----------------
-
-_M0, _M1, _W0, _W1, _MASK32 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
-
-
-def _mulhilo(a, b):
-    """(lo32, hi32) of a * b for a python int a < 2^32 and an int64 tensor b of values < 2^32, without overflow."""
-    t1 = a * (b & 0xFFFF)
-    t2 = a * (b >> 16)
-    lo_part = t1 + ((t2 & 0xFFFF) << 16)
-    return lo_part & _MASK32, ((t2 >> 16) + (lo_part >> 32)) & _MASK32
-
-
-def philox4x32_10(counter, key):
-    c0, c1, c2, c3 = counter
-    k0, k1 = key
-    for r in range(10):
-        lo0, hi0 = _mulhilo(_M0, c0)
-        lo1, hi1 = _mulhilo(_M1, c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
-    return c0, c1, c2, c3
-
-
-def reference_dropout_mask(numel, p, seed, offset):
-    seed, offset = seed % 2**64, offset % 2**64
-    group = torch.arange((numel + 3) // 4, dtype=torch.int64)
-    lo, hi = torch.full_like(group, offset & _MASK32), torch.full_like(group, offset >> 32)
-    counter = (group & _MASK32, group >> 32, lo, hi)
-    words = torch.stack(philox4x32_10(counter, (seed & _MASK32, seed >> 32)), dim=1).reshape(-1)[:numel]
-    u = (words >> 8).to(torch.float32) * 2.0**-24
-    return u >= torch.tensor(p, dtype=torch.float32)
-
-
-# ---- comparison harness ------------------------------------------------------------------------------------
-
-
-def _as_tuple(out):
-    return out if isinstance(out, tuple) else (out,)
-
-
-def _forward_backward(fn, inputs, grad_outputs):
-    """fn(*inputs) and the gradients of sum(out_k * grad_outputs[k]) wrt the inputs that require grad."""
-    outs = _as_tuple(fn(*inputs))
-    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None]
-    grads = ()
-    if leaves:
-        grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
-    return [o.detach() for o in outs], list(grads)
-
-
-def _clone_inputs(inputs, dtype=None):
-    out = []
-    for t in inputs:
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            c = t.detach().to(dtype) if dtype is not None else t.detach().clone()
-            out.append(c.requires_grad_(t.requires_grad))
-        else:
-            out.append(t)
-    return out
-
-
-def _max_err(a, b):
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-
-
-def assert_matches_reference(kernel_fn, ref_fn, inputs, grad_outputs, what):
-    """Runs kernel_fn and ref_fn on copies of `inputs` (leaves keep their requires_grad) and compares the
-    outputs and the input gradients with the dtype's scheme (see the module docstring)."""
-    dtype = next(t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point())
-    got, got_grads = _forward_backward(kernel_fn, _clone_inputs(inputs), grad_outputs)
-    ref64, ref64_grads = _forward_backward(
-        ref_fn, _clone_inputs(inputs, torch.float64), [None if g is None else g.double() for g in grad_outputs]
-    )
-    assert len(got) == len(ref64) and len(got_grads) == len(ref64_grads)
-    if dtype == torch.float32:
-        for name, a, r in _named(what, got, ref64, got_grads, ref64_grads):
-            assert a.shape == r.shape, f"{name}: shape {tuple(a.shape)} != {tuple(r.shape)}"
-            assert_close_fp32(name, a, r)
-        return
-    lowp, lowp_grads = _forward_backward(ref_fn, _clone_inputs(inputs), grad_outputs)
-    named_lowp = [r for _, _, r in _named(what, got, lowp, got_grads, lowp_grads)]
-    for (name, a, r), pt in zip(_named(what, got, ref64, got_grads, ref64_grads), named_lowp):
-        assert a.shape == r.shape, f"{name}: shape {tuple(a.shape)} != {tuple(r.shape)}"
-        assert a.dtype == pt.dtype, f"{name}: dtype {a.dtype} != PyTorch's {pt.dtype}"
-        factor = 3.0 if name.startswith("grad") else 2.0
-        atol = 1e-5 * (1.0 + (r.abs().max().item() if r.numel() else 0.0))
-        err, pt_err = _max_err(a, r), _max_err(pt, r)
-        assert err <= factor * pt_err + atol, (
-            f"{name} ({dtype}): kernel max error {err:.3g} > {factor:g} x PyTorch's {pt_err:.3g} + {atol:.1e}"
-        )
-
-
-def assert_close_fp32(name, got, ref, rtol=1e-5):
-    """|got - ref| <= rtol * |ref| + atol elementwise, atol = rtol * (1 + max |ref|) (torch.isclose is slow here)."""
-    assert got.dtype == torch.float32, f"{name}: dtype {got.dtype}"
-    if not got.numel():
-        return
-    err = (got.double() - ref).abs()
-    atol = rtol * (1.0 + ref.abs().max().item())
-    excess = (err - (rtol * ref.abs() + atol)).max().item()
-    assert excess <= 0, f"{name}: max error {err.max().item():.3g} exceeds rtol={rtol:g}, atol={atol:.2g}"
-
-
-def _named(what, outs, ref_outs, grads, ref_grads):
-    out_names, grad_names = what
-    assert len(out_names) == len(outs) and len(grad_names) == len(grads)
-    for n, a, r in zip(out_names, outs, ref_outs):
-        yield n, a, r
-    for n, a, r in zip(grad_names, grads, ref_grads):
-        yield "grad " + n, a, r
-
-
-def _randn(*shape, dtype, device, requires_grad=True, scale=1.0):
-    t = (torch.randn(*shape, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
-    return t.requires_grad_(requires_grad)
 
 
 # ---- dropout -----------------------------------------------------------------------------------------------
@@ -323,9 +146,9 @@ def test_dropout_p_zero_and_one(device):
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_bias_gelu(device, dtype, shape, approximate, with_bias):
-    x = _randn(*shape, dtype=dtype, device=device, scale=2.0)
-    bias = _randn(shape[-1], dtype=dtype, device=device) if with_bias else None
-    g = _randn(*shape, dtype=dtype, device=device, requires_grad=False)
+    x = randn_on(*shape, dtype=dtype, device=device, scale=2.0)
+    bias = randn_on(shape[-1], dtype=dtype, device=device) if with_bias else None
+    g = randn_on(*shape, dtype=dtype, device=device, requires_grad=False)
     assert_matches_reference(
         lambda x, b: ops.bias_gelu(x, b, approximate),
         lambda x, b: ref_bias_gelu(x, b, approximate),
@@ -341,11 +164,11 @@ def test_bias_gelu(device, dtype, shape, approximate, with_bias):
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
 def test_bias_dropout_add(device, dtype, shape, p):
     seed, offset = 2024, 3
-    x = _randn(*shape, dtype=dtype, device=device)
-    bias = _randn(shape[-1], dtype=dtype, device=device)
-    residual = _randn(*shape, dtype=dtype, device=device)
+    x = randn_on(*shape, dtype=dtype, device=device)
+    bias = randn_on(shape[-1], dtype=dtype, device=device)
+    residual = randn_on(*shape, dtype=dtype, device=device)
     mask = ops.dropout_mask(math.prod(shape), p, seed, offset, device).reshape(shape)
-    g = _randn(*shape, dtype=dtype, device=device, requires_grad=False)
+    g = randn_on(*shape, dtype=dtype, device=device, requires_grad=False)
     assert_matches_reference(
         lambda x, b, r: ops.bias_dropout_add(x, b, r, p, seed, offset),
         lambda x, b, r: ref_bias_dropout_add(x, b, r, mask, p),
@@ -359,9 +182,9 @@ def test_bias_dropout_add(device, dtype, shape, p):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ROW_SHAPES + [(4, 3, 1000)], ids=ROW_SHAPE_IDS + ["4x3x1000"])
 def test_swiglu(device, dtype, shape):
-    gate = _randn(*shape, dtype=dtype, device=device, scale=2.0)
-    up = _randn(*shape, dtype=dtype, device=device)
-    g = _randn(*shape, dtype=dtype, device=device, requires_grad=False)
+    gate = randn_on(*shape, dtype=dtype, device=device, scale=2.0)
+    up = randn_on(*shape, dtype=dtype, device=device)
+    g = randn_on(*shape, dtype=dtype, device=device, requires_grad=False)
     assert_matches_reference(ops.swiglu, ref_swiglu, [gate, up], [g], (["out"], ["gate", "up"]))
 
 
@@ -381,16 +204,16 @@ ROTARY_CASES = [
 def test_rotary(device, dtype, case):
     (B, H, S, D), cos_batch, transposed = case
     if transposed:  # q = q_proj(h).view(B, S, H, D).transpose(1, 2), as in Llama attention
-        x = _randn(B, S, H, D, dtype=dtype, device=device, requires_grad=False).transpose(1, 2).requires_grad_()
+        x = randn_on(B, S, H, D, dtype=dtype, device=device, requires_grad=False).transpose(1, 2).requires_grad_()
     else:
-        x = _randn(B, H, S, D, dtype=dtype, device=device)
+        x = randn_on(B, H, S, D, dtype=dtype, device=device)
     pos = torch.arange(S, dtype=torch.float32)[:, None] * (1e-2 ** (torch.arange(D // 2) / (D // 2)))[None]
     emb = torch.cat((pos, pos), dim=-1)
     cos, sin = emb.cos(), emb.sin()
     if cos_batch is not None:
         cos, sin = cos.expand(cos_batch, S, D) + 0, sin.expand(cos_batch, S, D) + 0
     cos, sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
-    g = _randn(B, H, S, D, dtype=dtype, device=device, requires_grad=False)
+    g = randn_on(B, H, S, D, dtype=dtype, device=device, requires_grad=False)
     assert_matches_reference(ops.rotary, ref_rotary, [x, cos, sin], [g], (["out"], ["x"]))
     out = ops.rotary(x.detach(), cos, sin)
     assert out.stride() == torch.empty_like(x).stride()  # laid out like x
@@ -401,10 +224,10 @@ def test_rotary(device, dtype, case):
 def test_rotary_general_tables_and_their_gradients(device, dtype):
     """Random cos/sin whose halves differ: catches a backward written as forward(-sin), which is exact
     only for Hugging Face tables (cos[j] == cos[j + D/2])."""
-    x = _randn(2, 3, 5, 8, dtype=dtype, device=device)
-    cos = _randn(1, 5, 8, dtype=dtype, device=device)
-    sin = _randn(1, 5, 8, dtype=dtype, device=device)
-    g = _randn(2, 3, 5, 8, dtype=dtype, device=device, requires_grad=False)
+    x = randn_on(2, 3, 5, 8, dtype=dtype, device=device)
+    cos = randn_on(1, 5, 8, dtype=dtype, device=device)
+    sin = randn_on(1, 5, 8, dtype=dtype, device=device)
+    g = randn_on(2, 3, 5, 8, dtype=dtype, device=device, requires_grad=False)
     assert_matches_reference(ops.rotary, ref_rotary, [x, cos, sin], [g], (["out"], ["x", "cos", "sin"]))
 
 
@@ -432,13 +255,13 @@ def assert_row_stats_match(x, mean, rstd, eps):
 def test_bias_dropout_add_layer_norm(device, dtype, shape, p, with_biases):
     seed, offset, eps = 11, 2**35 + 1, 1e-5
     hidden = shape[-1]
-    x = _randn(*shape, dtype=dtype, device=device)
-    bias = _randn(hidden, dtype=dtype, device=device) if with_biases else None
-    residual = _randn(*shape, dtype=dtype, device=device, scale=2.0)
-    weight = _randn(hidden, dtype=dtype, device=device)
-    ln_bias = _randn(hidden, dtype=dtype, device=device) if with_biases else None
+    x = randn_on(*shape, dtype=dtype, device=device)
+    bias = randn_on(hidden, dtype=dtype, device=device) if with_biases else None
+    residual = randn_on(*shape, dtype=dtype, device=device, scale=2.0)
+    weight = randn_on(hidden, dtype=dtype, device=device)
+    ln_bias = randn_on(hidden, dtype=dtype, device=device) if with_biases else None
     mask = ops.dropout_mask(math.prod(shape), p, seed, offset, device).reshape(shape)
-    grads = [_randn(*shape, dtype=dtype, device=device, requires_grad=False) for _ in range(2)]
+    grads = [randn_on(*shape, dtype=dtype, device=device, requires_grad=False) for _ in range(2)]
     grad_names = ["x", "bias", "residual", "weight", "ln_bias"] if with_biases else ["x", "residual", "weight"]
     assert_matches_reference(
         lambda x, b, r, w, lb: ops.bias_dropout_add_layer_norm(x, b, r, w, lb, p, eps, seed, offset)[:2],
@@ -457,11 +280,11 @@ def test_bias_dropout_add_layer_norm(device, dtype, shape, p, with_biases):
 @pytest.mark.parametrize("with_residual,with_bias", [(True, True), (False, False)])
 def test_add_layer_norm(device, dtype, shape, with_residual, with_bias):
     hidden, eps = shape[-1], 1e-5
-    x = _randn(*shape, dtype=dtype, device=device, scale=3.0)
-    residual = _randn(*shape, dtype=dtype, device=device) if with_residual else None
-    weight = _randn(hidden, dtype=dtype, device=device)
-    bias = _randn(hidden, dtype=dtype, device=device) if with_bias else None
-    grads = [_randn(*shape, dtype=dtype, device=device, requires_grad=False) for _ in range(2)]
+    x = randn_on(*shape, dtype=dtype, device=device, scale=3.0)
+    residual = randn_on(*shape, dtype=dtype, device=device) if with_residual else None
+    weight = randn_on(hidden, dtype=dtype, device=device)
+    bias = randn_on(hidden, dtype=dtype, device=device) if with_bias else None
+    grads = [randn_on(*shape, dtype=dtype, device=device, requires_grad=False) for _ in range(2)]
     grad_names = ["x"] + (["residual"] if with_residual else []) + ["weight"] + (["bias"] if with_bias else [])
     assert_matches_reference(
         lambda x, r, w, b: ops.add_layer_norm(x, r, w, b, eps)[:2],
@@ -480,10 +303,10 @@ def test_add_layer_norm(device, dtype, shape, with_residual, with_bias):
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rms_norm(device, dtype, shape, with_residual):
     hidden, eps = shape[-1], 1e-6
-    x = _randn(*shape, dtype=dtype, device=device, scale=3.0)
-    residual = _randn(*shape, dtype=dtype, device=device) if with_residual else None
-    weight = _randn(hidden, dtype=dtype, device=device)
-    grads = [_randn(*shape, dtype=dtype, device=device, requires_grad=False) for _ in range(2)]
+    x = randn_on(*shape, dtype=dtype, device=device, scale=3.0)
+    residual = randn_on(*shape, dtype=dtype, device=device) if with_residual else None
+    weight = randn_on(hidden, dtype=dtype, device=device)
+    grads = [randn_on(*shape, dtype=dtype, device=device, requires_grad=False) for _ in range(2)]
     grad_names = ["x"] + (["residual"] if with_residual else []) + ["weight"]
     assert_matches_reference(
         lambda x, r, w: ops.add_rms_norm(x, r, w, eps)[:2],

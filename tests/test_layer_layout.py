@@ -1,6 +1,6 @@
 """The fused layers' layout has one home (C++) and the checkpointed segment keeps parameter hooks single.
 
-* Family ids and weight slots come from ``_C.layer_families()``; ckpt_ext/fused.py maps Hugging Face's
+* Family ids and weight slots come from ``_C.layer_families()``; ckpt_ext/hf/layers.py maps Hugging Face's
   parameters to those slots. The map must name every slot, in C++'s order, and cover every parameter of the
   Hugging Face layer: a missing, extra or swapped slot fails here (and at import).
 * A tensor hook on a parameter (``p.register_hook(lambda g: 2 * g)``) fires once per backward with
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import ckpt_ext
-from ckpt_ext import fused
+from ckpt_ext import _layout, fused
+from ckpt_ext.hf import layers as hf_layers
 
 pytest.importorskip("transformers")
-from test_fused import layers_of, make_model  # noqa: E402
+from helpers.hf_models import layers_of, make_model  # noqa: E402
 
 _C = fused._C
 
@@ -24,11 +25,11 @@ _C = fused._C
 def test_family_ids_and_names_come_from_cpp():
     families = dict(_C.layer_families())
     assert sorted(families) == ["bert", "gpt2", "llama"]
-    assert (fused.BERT, fused.GPT2, fused.LLAMA) == tuple(families[n][0] for n in ("bert", "gpt2", "llama"))
+    assert (_layout.BERT, _layout.GPT2, _layout.LLAMA) == tuple(families[n][0] for n in ("bert", "gpt2", "llama"))
     assert len({fid for fid, _ in families.values()}) == 3
     for name, (fid, slots) in families.items():
-        assert fused._FAMILY_NAMES[fid] == name
-        assert list(fused._HF_PARAMETERS[name]) == list(slots)
+        assert _layout.FAMILY_NAMES[fid] == name
+        assert list(hf_layers.HF_PARAMETERS[name]) == list(slots)
         assert len(set(slots)) == len(slots)
 
 
@@ -36,7 +37,7 @@ def test_family_ids_and_names_come_from_cpp():
 def test_slot_map_covers_every_parameter_of_the_hf_layer(family, kw):
     layer = layers_of(make_model(family, layers=1, **kw))[0]
     fid = dict(_C.layer_families())[family][0]
-    paths = fused._WEIGHTS[fid]
+    paths = hf_layers.WEIGHT_PATHS[fid]
     assert sorted(paths) == sorted(name for name, _ in layer.named_parameters())
 
 
@@ -53,21 +54,21 @@ def _swapped(mapping, family, a, b):
                                         ("llama", "gate_weight", "up_weight"), ("llama", "ln1_weight", "q_weight")])
 def test_a_swapped_slot_fails(family, a, b):
     families = dict(_C.layer_families())
-    assert fused._slot_paths(families, fused._HF_PARAMETERS)  # the shipped map passes
+    assert hf_layers.slot_paths(families, hf_layers.HF_PARAMETERS)  # the shipped map passes
     with pytest.raises(RuntimeError, match="must agree in names and order"):
-        fused._slot_paths(families, _swapped(fused._HF_PARAMETERS, family, a, b))
+        hf_layers.slot_paths(families, _swapped(hf_layers.HF_PARAMETERS, family, a, b))
 
 
 def test_a_missing_or_extra_slot_fails():
     families = dict(_C.layer_families())
-    missing = copy.deepcopy(fused._HF_PARAMETERS)
+    missing = copy.deepcopy(hf_layers.HF_PARAMETERS)
     del missing["gpt2"]["ln2_bias"]
     with pytest.raises(RuntimeError, match="gpt2"):
-        fused._slot_paths(families, missing)
-    extra = copy.deepcopy(fused._HF_PARAMETERS)
+        hf_layers.slot_paths(families, missing)
+    extra = copy.deepcopy(hf_layers.HF_PARAMETERS)
     extra["bert"]["pooler_weight"] = "pooler.dense.weight"
     with pytest.raises(RuntimeError, match="bert"):
-        fused._slot_paths(families, extra)
+        hf_layers.slot_paths(families, extra)
 
 
 def test_uses_dropout_is_cpps_rule():

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 
 from ckpt_ext import ops
 
-HAS_CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+from helpers.devices import requires_cuda  # noqa: E402
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rows, hidden): the model sizes (1024/4096/8192), odd hidden (element-by-element path), hidden just past a
 # launch bucket (1025, 4097), past the register-resident limit of 8192 (multi-pass kernels), rows 1..4097.

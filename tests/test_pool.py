@@ -15,7 +15,7 @@ ALIGN = 256
 CPU = torch.device("cpu")
 pool_store = ckpt_ext._C.pool_store
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from helpers.devices import requires_cuda  # noqa: E402
 
 
 def aligned(nbytes: int) -> int:
@@ -35,7 +35,7 @@ def stats(device="cpu"):
 @pytest.fixture
 def chunk_bytes():
     """Sets the CPU pool's chunk size for the test, restores it and drops empty chunks afterwards."""
-    old = ckpt_ext._C.pool_chunk_bytes(CPU)
+    old = ckpt_ext.pool_chunk_bytes(CPU)
     yield lambda n: ckpt_ext.set_pool_chunk_bytes(n, "cpu")
     ckpt_ext.set_pool_chunk_bytes(old, "cpu")
     gc.collect()
@@ -347,24 +347,24 @@ def test_empty_tensors_are_not_pooled():
 # --------------------------------------------------------------------------------------------------
 # Argument checks
 # --------------------------------------------------------------------------------------------------
-MIN_CHUNK = ckpt_ext._C.pool_min_chunk_bytes  # defined once, in the C++ pool
+MIN_CHUNK = ckpt_ext.pool_min_chunk_bytes()  # defined once, in the C++ pool
 
 
 @pytest.mark.parametrize("nbytes,error", [(0, ValueError), (-1, ValueError), (MIN_CHUNK - 1, ValueError),
                                           (1 << 62, ValueError),
                                           (2.0, TypeError), (True, TypeError), ("4096", TypeError), (None, TypeError)])
 def test_set_pool_chunk_bytes_invalid(nbytes, error):
-    before = ckpt_ext._C.pool_chunk_bytes(CPU)
+    before = ckpt_ext.pool_chunk_bytes(CPU)
     with pytest.raises(error, match="nbytes"):
         ckpt_ext.set_pool_chunk_bytes(nbytes, "cpu")
-    assert ckpt_ext._C.pool_chunk_bytes(CPU) == before
+    assert ckpt_ext.pool_chunk_bytes(CPU) == before
 
 
 def test_set_pool_chunk_bytes_aligns(chunk_bytes):
     chunk_bytes(1000)
-    assert ckpt_ext._C.pool_chunk_bytes(CPU) == 1024
+    assert ckpt_ext.pool_chunk_bytes(CPU) == 1024
     chunk_bytes(MIN_CHUNK)
-    assert ckpt_ext._C.pool_chunk_bytes(CPU) == MIN_CHUNK == ALIGN
+    assert ckpt_ext.pool_chunk_bytes(CPU) == MIN_CHUNK == ALIGN
 
 
 @pytest.mark.parametrize("device", ["not_a_device", "cpu:x", 3.5])
@@ -443,7 +443,7 @@ def _check_live(start, live):
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(_OPS, max_size=40), chunk_kib=st.sampled_from([4, 16, 64]))
 def test_random_store_write_free_sequences(ops, chunk_kib):
-    old_chunk = ckpt_ext._C.pool_chunk_bytes(CPU)
+    old_chunk = ckpt_ext.pool_chunk_bytes(CPU)
     ckpt_ext.set_pool_chunk_bytes(chunk_kib * 1024, "cpu")  # small chunks: several chunks, holes
     try:
         gen = torch.Generator().manual_seed(len(ops))

@@ -63,11 +63,11 @@ from ckpt_ext import FusedTransformerLayer, fuse, ops
 from reference import StepResult, _projection, assert_grads_close, leaf_inputs, make_block, make_stack
 
 transformers = pytest.importorskip("transformers")
-from test_fused import close, grads_close, layers_of, make_model  # noqa: E402
-from test_kernels import (_as_tuple, _clone_inputs, _forward_backward, _max_err, _named,  # noqa: E402
-                          assert_close_fp32, ref_add_layer_norm, ref_bias_dropout_add,
-                          ref_bias_dropout_add_layer_norm, ref_bias_gelu, ref_dropout, ref_rms_norm, ref_rotary,
-                          ref_swiglu)
+from helpers.hf_models import close, grads_close, layers_of, make_model  # noqa: E402
+from helpers.kernel_refs import (as_tuple, assert_close_fp32, clone_inputs, forward_backward, max_err,  # noqa: E402
+                                 named_errors, ref_add_layer_norm, ref_bias_dropout_add,
+                                 ref_bias_dropout_add_layer_norm, ref_bias_gelu, ref_dropout, ref_rms_norm, ref_rotary,
+                                 ref_swiglu)
 
 _SCALE = int(os.environ.get("CKPT_EXT_PROPERTY_SCALE", "1"))
 
@@ -635,14 +635,14 @@ def _assert_op_matches(kernel, ref, dtype, tensors, layouts, out_names):
     # Backward through the outputs that depend on an input requiring grad.
     gen = torch.Generator().manual_seed(99)
     grads = [torch.randn(o.shape, generator=gen).to(dtype) if o.requires_grad else None
-             for o in _as_tuple(call(ref)(*_clone_inputs(inputs)))]
+             for o in as_tuple(call(ref)(*clone_inputs(inputs)))]
     what = (out_names, [n for n in names if tensors[n] is not None and tensors[n].requires_grad])
-    got, got_grads = _forward_backward(call(kernel), inputs, grads)
-    exact, exact_grads = _forward_backward(call(ref), _clone_inputs(inputs, torch.float64),
+    got, got_grads = forward_backward(call(kernel), inputs, grads)
+    exact, exact_grads = forward_backward(call(ref), clone_inputs(inputs, torch.float64),
                                            [None if g is None else g.double() for g in grads])
-    same, same_grads = _forward_backward(call(ref), _clone_inputs(inputs), grads)  # PyTorch in this dtype
-    for (name, a, r), (_, _, pt) in zip(_named(what, got, exact, got_grads, exact_grads),
-                                        _named(what, got, same, got_grads, same_grads)):
+    same, same_grads = forward_backward(call(ref), clone_inputs(inputs), grads)  # PyTorch in this dtype
+    for (name, a, r), (_, _, pt) in zip(named_errors(what, got, exact, got_grads, exact_grads),
+                                        named_errors(what, got, same, got_grads, same_grads)):
         assert a.shape == r.shape and a.dtype == pt.dtype, f"{name}: {a.dtype}{tuple(a.shape)} vs {tuple(r.shape)}"
         if dtype == torch.float64:
             if a.numel():
@@ -656,17 +656,17 @@ def _assert_op_matches(kernel, ref, dtype, tensors, layouts, out_names):
                 pass
         factor = 3.0 if name.startswith("grad") else 2.0
         atol = 1e-5 * (1.0 + (r.abs().max().item() if r.numel() else 0.0))
-        err, pt_err = _max_err(a, r), _max_err(pt, r)
+        err, pt_err = max_err(a, r), max_err(pt, r)
         if math.isnan(pt_err):  # PyTorch itself fails here (float16 LayerNorm with eps 1e-12): no bound
             pt_err = math.inf
         assert err <= factor * pt_err + atol, (
             f"{name} ({dtype}): kernel max error {err:.3g} > {factor:g} x PyTorch's {pt_err:.3g} + {atol:.1e}")
     detached = [None if t is None else t.detach() for t in inputs]
-    real = _as_tuple(call(kernel)(*detached))
+    real = as_tuple(call(kernel)(*detached))
     mode = FakeTensorMode()
     fakes = [None if t is None else mode.from_tensor(t) for t in detached]
     with mode:
-        fake = _as_tuple(call(kernel)(*fakes))
+        fake = as_tuple(call(kernel)(*fakes))
     for name, r, f in zip(out_names, real, fake):
         assert (r.shape, r.dtype) == (f.shape, f.dtype), f"{name}: real vs fake kernel"
         assert check_significant_strides(r, f, only_cuda=False)[0], (
@@ -783,8 +783,8 @@ def test_norms_of_rows_with_a_large_mean(hidden):
                          lambda x, w, b: ref_rms_norm(x, None, w, 1e-6)[0])]:
         exact = ref(x.double(), w.double(), b.double())
         for row in range(2):
-            err = _max_err(kernel(x, w, b)[row], exact[row])
-            pytorch_err = _max_err(ref(x, w, b)[row], exact[row])
+            err = max_err(kernel(x, w, b)[row], exact[row])
+            pytorch_err = max_err(ref(x, w, b)[row], exact[row])
             assert err <= 2 * pytorch_err + 1e-6 * exact[row].abs().max().item(), (row, err, pytorch_err)
 
 

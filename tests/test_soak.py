@@ -15,13 +15,10 @@ activations) grew it by 137 MiB. The bound, 8 MiB, fails any leak above about 10
 80 steps) and leaves a tenfold margin over the noise; smaller leaks of pool slots are caught exactly by the
 in_use check. The two *_catches_* tests show both checks failing on planted leaks.
 """
-import os
-import sys
-
 import pytest
 
 pytest.importorskip("transformers")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import helpers.benchmarks  # noqa: E402,F401  (puts benchmarks/ on sys.path)
 import soak  # noqa: E402
 
 SHAPES = [(1, 9), (2, 24), (4, 16), (3, 33)]

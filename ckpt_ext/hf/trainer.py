@@ -14,7 +14,8 @@ from typing import Optional, Union
 
 from torch import nn
 
-__all__ = ["take_over_hf_checkpointing", "hf_checkpointing_on", "install_take_over", "remove_take_over"]
+__all__ = ["take_over_hf_checkpointing", "hf_checkpointing_on", "install_take_over", "remove_take_over",
+           "refuse_hf_checkpointing_on", "layer_hf_checkpointed", "double_checkpointing_error"]
 
 logger = logging.getLogger("ckpt_ext")
 # ckpt_ext.stack imports this module, so this one imports stack inside the functions that call it.
@@ -37,14 +38,40 @@ def hf_checkpointing_on(model: nn.Module) -> bool:
     """Whether Hugging Face's checkpointing is enabled on a module of ``model``. Reads the per-module
     flags that ``is_activation_checkpointing`` reads, without its deprecated alias
     ``is_gradient_checkpointing`` (which warns FutureWarning in transformers 5.x)."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    return any(layer_hf_checkpointed(m) for m in model.modules())
+
+
+def refuse_hf_checkpointing_on(model: nn.Module):
+    """Raises when Hugging Face's checkpointing is on in ``model``: ckpt_ext's on top would checkpoint the
+    layers twice."""
+    if hf_checkpointing_on(model):
+        raise ValueError("this model has Hugging Face gradient checkpointing enabled; call "
+                         "model.activation_checkpointing_disable() (gradient_checkpointing_disable() before "
+                         "transformers 5.x renamed it) before ckpt_ext.enable_checkpointing(model), or the "
+                         "layers would be checkpointed twice -- or ckpt_ext.take_over_hf_checkpointing(model), "
+                         "which hands Hugging Face's checkpointing over to ckpt_ext")
+
+
+def layer_hf_checkpointed(layer: nn.Module) -> bool:
+    """Whether Hugging Face's ``GradientCheckpointingLayer`` flag is set on ``layer``."""
+    return getattr(layer, "gradient_checkpointing", False) is True
+
+
+def double_checkpointing_error(layer: nn.Module, index: int) -> RuntimeError:
+    """Hugging Face's flag was set on a layer ckpt_ext checkpoints by a path the take-over does not see
+    (its switch on another module than the one given to enable_checkpointing, or the flag set by hand)."""
+    return RuntimeError(
+        f"ckpt_ext checkpoints layer {index} ({type(layer).__name__}), but Hugging "
+        "Face's gradient checkpointing was also enabled on it, so it would be checkpointed twice. Call "
+        "ckpt_ext.take_over_hf_checkpointing(model) on the model whose activation_checkpointing_enable() (or "
+        "Trainer's gradient_checkpointing=True) turns it on, or turn one of the two off.")
 
 
 def _hf_checkpointing_off(model: nn.Module):
     """Clears Hugging Face's per-module flags as its disable does, without its FutureWarning (the hook its
     enable put on the input embeddings, making their output require grad, stays: harmless)."""
     for m in model.modules():
-        if getattr(m, "gradient_checkpointing", False) is True:
+        if layer_hf_checkpointed(m):
             m.gradient_checkpointing = False
 
 

@@ -1,0 +1,250 @@
+"""Hugging Face's transformer layers as the fused layers read them: which transformers classes are fused
+into which C++ family, where each C++ weight slot lives in them (parameter paths), their forward's
+positional arguments, how their modules and configs translate into a ``_C.LayerSpec`` (or why they
+cannot), and transformers' output-capturing hooks. transformers is imported lazily, when a model is
+fused."""
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+from .._extension import load
+from .._layout import BERT, FAMILIES, GPT2, LLAMA
+
+_C = load()
+
+# Where each C++ weight slot lives in the Hugging Face layer (parameter paths), written in C++'s slot
+# order; slot_paths checks names and order against C++'s list.
+HF_PARAMETERS: Dict[str, Dict[str, str]] = {
+    "bert": {
+        "q_weight": "attention.self.query.weight", "q_bias": "attention.self.query.bias",
+        "k_weight": "attention.self.key.weight", "k_bias": "attention.self.key.bias",
+        "v_weight": "attention.self.value.weight", "v_bias": "attention.self.value.bias",
+        "attn_out_weight": "attention.output.dense.weight", "attn_out_bias": "attention.output.dense.bias",
+        "ln1_weight": "attention.output.LayerNorm.weight", "ln1_bias": "attention.output.LayerNorm.bias",
+        "inter_weight": "intermediate.dense.weight", "inter_bias": "intermediate.dense.bias",
+        "out_weight": "output.dense.weight", "out_bias": "output.dense.bias",
+        "ln2_weight": "output.LayerNorm.weight", "ln2_bias": "output.LayerNorm.bias",
+    },
+    "gpt2": {
+        "ln1_weight": "ln_1.weight", "ln1_bias": "ln_1.bias",
+        "attn_weight": "attn.c_attn.weight", "attn_bias": "attn.c_attn.bias",
+        "attn_proj_weight": "attn.c_proj.weight", "attn_proj_bias": "attn.c_proj.bias",
+        "ln2_weight": "ln_2.weight", "ln2_bias": "ln_2.bias",
+        "fc_weight": "mlp.c_fc.weight", "fc_bias": "mlp.c_fc.bias",
+        "mlp_proj_weight": "mlp.c_proj.weight", "mlp_proj_bias": "mlp.c_proj.bias",
+    },
+    "llama": {
+        "ln1_weight": "input_layernorm.weight",
+        "q_weight": "self_attn.q_proj.weight", "q_bias": "self_attn.q_proj.bias",
+        "k_weight": "self_attn.k_proj.weight", "k_bias": "self_attn.k_proj.bias",
+        "v_weight": "self_attn.v_proj.weight", "v_bias": "self_attn.v_proj.bias",
+        "o_weight": "self_attn.o_proj.weight", "o_bias": "self_attn.o_proj.bias",
+        "ln2_weight": "post_attention_layernorm.weight",
+        "gate_weight": "mlp.gate_proj.weight", "gate_bias": "mlp.gate_proj.bias",
+        "up_weight": "mlp.up_proj.weight", "up_bias": "mlp.up_proj.bias",
+        "down_weight": "mlp.down_proj.weight", "down_bias": "mlp.down_proj.bias",
+    },
+}
+
+
+def slot_paths(families: Dict[str, Tuple[int, List[str]]],
+                hf_parameters: Dict[str, Dict[str, str]]) -> Dict[int, List[str]]:
+    """{family id: Hugging Face parameter path of each C++ weight slot, in slot order}. Raises when the
+    Python mapping does not name exactly C++'s slots in C++'s order (a missing, extra or swapped slot)."""
+    paths = {}
+    for name, (family_id, slots) in families.items():
+        mapped = list(hf_parameters.get(name, {}))
+        if mapped != list(slots):
+            raise RuntimeError(f"ckpt_ext: the Hugging Face parameter map of the fused {name} layer names the slots "
+                               f"{mapped}, but C++ (csrc/layers/{name}.cpp) defines {list(slots)}; they must agree "
+                               "in names and order")
+        paths[family_id] = [hf_parameters[name][slot] for slot in slots]
+    return paths
+
+
+WEIGHT_PATHS = slot_paths(FAMILIES, HF_PARAMETERS)
+
+# Positional parameters of the Hugging Face layers' forward (transformers 5.x), after self.
+POSITIONAL_ARGS = {
+    BERT: ("hidden_states", "attention_mask", "encoder_hidden_states", "encoder_attention_mask", "past_key_values"),
+    GPT2: ("hidden_states", "past_key_values", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
+           "use_cache"),
+    LLAMA: ("hidden_states", "attention_mask", "position_ids", "past_key_values", "use_cache", "position_embeddings"),
+}
+
+_GELU_EXACT = {"GELUActivation"}
+_GELU_TANH = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"}
+_SILU = {"SiLU", "SiLUActivation"}
+_ATTN_IMPLEMENTATIONS = (None, "eager", "sdpa")
+
+
+def layer_classes() -> Dict[type, int]:
+    classes = {}
+    try:
+        from transformers.models.bert.modeling_bert import BertLayer
+        classes[BertLayer] = BERT
+    except ImportError:
+        pass
+    try:
+        from transformers.models.roberta.modeling_roberta import RobertaLayer
+        classes[RobertaLayer] = BERT
+    except ImportError:
+        pass
+    try:
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+        classes[GPT2Block] = GPT2
+    except ImportError:
+        pass
+    try:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+        classes[LlamaDecoderLayer] = LLAMA
+    except ImportError:
+        pass
+    return classes
+
+
+class Unsupported(Exception):
+    """A layer whose configuration the fused layer cannot reproduce (the message says why)."""
+
+
+def _attn_impl(config) -> Optional[str]:
+    return getattr(config, "_attn_implementation", None)
+
+
+def _check_common(layer: nn.Module, config):
+    impl = _attn_impl(config)
+    if impl not in _ATTN_IMPLEMENTATIONS:
+        raise Unsupported(f"attention implementation {impl!r} passes masks the fused layer does not read "
+                           "(supported: 'eager', 'sdpa')")
+    if config is not None and getattr(config, "output_attentions", False):
+        raise Unsupported("config.output_attentions=True: the fused layer computes no attention weights")
+    if any(p.is_meta for p in layer.parameters()):
+        raise Unsupported("its parameters are on the meta device")
+    if layer._parameters or layer._buffers:
+        raise Unsupported("it has parameters or buffers of its own the fused layer would not use")
+
+
+def _same(values: Sequence[float], what: str) -> float:
+    if len(set(values)) != 1:
+        raise Unsupported(f"its {what} differ ({', '.join(map(str, values))}); the fused layer uses one value")
+    return float(values[0])
+
+
+def _gelu_tanh(act: nn.Module, where: str) -> bool:
+    name = type(act).__name__
+    if name in _GELU_EXACT:
+        return False
+    if name in _GELU_TANH:
+        return True
+    raise Unsupported(f"activation {name} in {where} (supported: exact and tanh GELU)")
+
+
+def _layer_norm_eps(ln: nn.Module, where: str) -> float:
+    if not isinstance(ln, nn.LayerNorm) or not ln.elementwise_affine or ln.weight is None:
+        raise Unsupported(f"{where} is not an affine nn.LayerNorm")
+    if tuple(ln.normalized_shape) != (ln.weight.shape[0],):
+        raise Unsupported(f"{where} normalises more than the last dimension")
+    return ln.eps
+
+
+def _bert_spec(layer) -> "_C.LayerSpec":
+    config = getattr(layer.attention.self, "config", None)
+    _check_common(layer, config)
+    if getattr(layer, "is_decoder", False) or getattr(layer, "add_cross_attention", False):
+        raise Unsupported("is_decoder/cross-attention (causal self-attention with a KV cache, cross-attention) "
+                           "is not implemented by the fused BERT layer")
+    if getattr(layer.attention, "is_cross_attention", False):
+        raise Unsupported("its attention is cross-attention")
+    sa = layer.attention.self
+    for name in ("query", "key", "value"):
+        lin = getattr(sa, name)
+        if not isinstance(lin, nn.Linear) or lin.bias is None:
+            raise Unsupported(f"attention.self.{name} is not an nn.Linear with bias")
+    hidden = sa.query.in_features
+    heads, head_dim = sa.num_attention_heads, sa.attention_head_size
+    if heads * head_dim != hidden or sa.query.out_features != hidden:
+        raise Unsupported(f"all_head_size {heads * head_dim} differs from hidden size {hidden}")
+    eps = _same([_layer_norm_eps(layer.attention.output.LayerNorm, "attention.output.LayerNorm"),
+                 _layer_norm_eps(layer.output.LayerNorm, "output.LayerNorm")], "LayerNorm epsilons")
+    hidden_p = _same([layer.attention.output.dropout.p, layer.output.dropout.p], "hidden dropout probabilities")
+    gelu_tanh = _gelu_tanh(layer.intermediate.intermediate_act_fn, "intermediate")
+    return _C.LayerSpec(family=BERT, hidden=hidden, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
+                        scaling=float(sa.scaling), attn_p=float(sa.dropout.p), hidden_p=hidden_p, eps=eps,
+                        gelu_tanh=gelu_tanh)
+
+
+def _gpt2_spec(layer) -> "_C.LayerSpec":
+    attn = layer.attn
+    config = getattr(attn, "config", None)
+    _check_common(layer, config)
+    if hasattr(layer, "crossattention") or getattr(attn, "is_cross_attention", False):
+        raise Unsupported("cross-attention (add_cross_attention=True) is not implemented by the fused GPT-2 layer")
+    if getattr(attn, "reorder_and_upcast_attn", False) and _attn_impl(config) == "eager":
+        raise Unsupported("reorder_and_upcast_attn=True (float32 attention scores) is not implemented")
+    hidden, heads, head_dim = attn.embed_dim, attn.num_heads, attn.head_dim
+    eps = _same([_layer_norm_eps(layer.ln_1, "ln_1"), _layer_norm_eps(layer.ln_2, "ln_2")], "LayerNorm epsilons")
+    resid_p = _same([attn.resid_dropout.p, layer.mlp.dropout.p], "residual dropout probabilities")
+    gelu_tanh = _gelu_tanh(layer.mlp.act, "mlp")
+    return _C.LayerSpec(family=GPT2, hidden=hidden, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
+                        scaling=float(attn.scaling), attn_p=float(attn.attn_dropout.p), hidden_p=resid_p, eps=eps,
+                        gelu_tanh=gelu_tanh)
+
+
+def _llama_spec(layer) -> "_C.LayerSpec":
+    attn, mlp = layer.self_attn, layer.mlp
+    config = getattr(attn, "config", None)
+    _check_common(layer, config)
+    if type(mlp.act_fn).__name__ not in _SILU:
+        raise Unsupported(f"activation {type(mlp.act_fn).__name__} (the fused Llama MLP is SwiGLU: silu)")
+    biases = [getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
+    if len(set(biases)) != 1:
+        raise Unsupported("q/k/v projections with and without bias mixed")
+    head_dim = attn.head_dim
+    heads = attn.q_proj.out_features // head_dim
+    kv_heads = attn.k_proj.out_features // head_dim
+    if heads * head_dim != attn.q_proj.out_features or kv_heads * head_dim != attn.k_proj.out_features:
+        raise Unsupported("projection sizes are not multiples of head_dim")
+    eps = _same([layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon],
+                "RMSNorm epsilons")
+    return _C.LayerSpec(family=LLAMA, hidden=attn.q_proj.in_features, num_heads=heads, num_kv_heads=kv_heads,
+                        head_dim=head_dim, scaling=float(attn.scaling), attn_p=float(attn.attention_dropout),
+                        hidden_p=0.0, eps=float(eps), gelu_tanh=False)
+
+
+_SPEC_BUILDERS: Dict[int, Callable[[nn.Module], Any]] = {BERT: _bert_spec, GPT2: _gpt2_spec, LLAMA: _llama_spec}
+
+
+def layer_spec(layer: nn.Module, family: int) -> "_C.LayerSpec":
+    """The C++ spec of a Hugging Face layer of ``family``; raises :class:`Unsupported` saying why not."""
+    return _SPEC_BUILDERS[family](layer)
+
+
+_collector = []  # transformers' output-capturing context variable, looked up once
+
+
+def collecting_attentions() -> bool:
+    """True while a Hugging Face model collects attention weights through its output-capturing hooks."""
+    if not _collector:
+        try:
+            from transformers.utils.output_capturing import _active_collector
+        except ImportError:
+            _active_collector = None
+        _collector.append(_active_collector)
+    if _collector[0] is None:
+        return False
+    collected = _collector[0].get()
+    return bool(collected) and any("attentions" in k for k in collected)
+
+
+def install_output_capturing(model: nn.Module):
+    """Hugging Face installs its output-capturing hooks (output_hidden_states) lazily, matching layers by
+    class; installed before the swap, they are copied onto the fused layers."""
+    try:
+        from transformers.modeling_utils import PreTrainedModel
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:
+        return
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            maybe_install_capturing_hooks(m)
+            return  # the outermost model installs for its submodels

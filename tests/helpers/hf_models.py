@@ -1,0 +1,123 @@
+"""Tiny Hugging Face models (random weights, odd sizes on purpose) for the fused-layer tests, their
+inputs, and the float32 comparisons with the Hugging Face module.
+
+Tolerances (float32): |fused - hf| <= 1e-5 * |hf| + 1e-6 * scale, scale = the largest magnitude of the
+quantity compared (per tensor; per model for gradients, because some gradients -- BERT's key bias -- are
+zero in exact arithmetic and pure rounding noise in both implementations).
+"""
+import copy
+
+import pytest
+import torch
+
+from ckpt_ext import fuse
+
+pytest.importorskip("transformers")
+from transformers import BertConfig, BertModel, GPT2Config, GPT2Model, LlamaConfig, LlamaModel  # noqa: E402
+from transformers import RobertaConfig, RobertaModel  # noqa: E402
+
+B, S, H, VOCAB = 2, 37, 72, 61
+RTOL, ATOL = 1e-5, 1e-6
+
+
+
+def _quiet(cfg):
+    # Small vocabularies trip transformers' token-id sanity messages; they do not matter here.
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(cfg, name, None) is not None and getattr(cfg, name) >= VOCAB:
+            setattr(cfg, name, None)
+    return cfg
+
+
+def make_model(family, dropout=0.0, layers=2, attn="sdpa", **overrides):
+    """A small model with random weights; odd sizes on purpose."""
+    if family in ("bert", "roberta"):
+        kw = dict(hidden_size=H, num_attention_heads=3, intermediate_size=100, num_hidden_layers=layers,
+                  vocab_size=VOCAB, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                  attn_implementation=attn)
+        kw.update(overrides)
+        if family == "bert":
+            return BertModel(_quiet(BertConfig(**kw)), add_pooling_layer=False)
+        kw.setdefault("max_position_embeddings", 80)
+        return RobertaModel(_quiet(RobertaConfig(**kw)), add_pooling_layer=False)
+    if family == "gpt2":
+        kw = dict(n_embd=H, n_head=3, n_layer=layers, vocab_size=VOCAB, resid_pdrop=dropout, attn_pdrop=dropout,
+                  embd_pdrop=0.0, attn_implementation=attn)
+        kw.update(overrides)
+        return GPT2Model(_quiet(GPT2Config(**kw)))
+    if family in ("llama", "llama-gqa"):
+        kv = 1 if family == "llama-gqa" else 3
+        kw = dict(hidden_size=H, num_attention_heads=3, num_key_value_heads=kv, intermediate_size=100,
+                  num_hidden_layers=layers, vocab_size=VOCAB, attention_dropout=dropout, attn_implementation=attn)
+        kw.update(overrides)
+        return LlamaModel(_quiet(LlamaConfig(**kw)))
+    raise ValueError(family)
+
+
+FAMILIES = ["bert", "roberta", "gpt2", "llama", "llama-gqa"]
+
+
+def layers_of(model):
+    for attr in ("encoder.layer", "h", "layers"):
+        try:
+            return model.get_submodule(attr)
+        except AttributeError:
+            pass
+    raise AttributeError(type(model).__name__)
+
+
+def inputs_for(family, padding, device="cpu", batch=B, seq=S):
+    ids = torch.randint(3, VOCAB, (batch, seq), device=device)
+    kw = {"input_ids": ids}
+    if padding:
+        mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+        mask[-1, seq - 7:] = 0  # right padding in the last sequence
+        if batch > 1 and family != "bert":
+            mask[0, :3] = 0  # left padding in the first (decoders)
+        kw["attention_mask"] = mask
+    if family.startswith(("gpt2", "llama")):
+        kw["use_cache"] = False
+    return kw
+
+
+def embeds_call(model, family, kw):
+    """Runs the model from inputs_embeds that require grad, so the stack's input gradient is observable."""
+    emb = model.get_input_embeddings()(kw["input_ids"]).detach().requires_grad_()
+    rest = {k: v for k, v in kw.items() if k != "input_ids"}
+    return emb, model(inputs_embeds=emb, **rest).last_hidden_state
+
+
+def close(actual, expected, scale=None, rtol=RTOL, atol=ATOL):
+    scale = expected.abs().max().item() if scale is None else scale
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * max(scale, 1e-30))
+
+
+def grads_close(ref_model, fused_model, rtol=RTOL, atol=ATOL):
+    ref = dict(ref_model.named_parameters())
+    got = dict(fused_model.named_parameters())
+    assert ref.keys() == got.keys()
+    scale = max(p.grad.abs().max().item() for p in ref.values() if p.grad is not None)
+    for name, p in ref.items():
+        assert (p.grad is None) == (got[name].grad is None), name
+        if p.grad is not None:
+            try:
+                close(got[name].grad, p.grad, scale=max(scale * 1e-2, p.grad.abs().max().item()), rtol=rtol,
+                      atol=atol)
+            except AssertionError as e:
+                raise AssertionError(f"gradient of {name}: {e}") from None
+
+
+def assert_training_parity(model, fused, family, kw):
+    """Outputs, the stack's input gradient and every parameter's gradient of `fused` match `model`."""
+    e_ref, out_ref = embeds_call(model, family, kw)
+    e_fus, out_fus = embeds_call(fused, family, kw)
+    close(out_fus, out_ref)
+    g = torch.randn_like(out_ref)
+    out_ref.backward(g)
+    out_fus.backward(g)
+    close(e_fus.grad, e_ref.grad)
+    grads_close(model, fused)
+
+
+def fused_copy(model):
+    return fuse(copy.deepcopy(model))
