@@ -23,7 +23,7 @@ residual stream in the parameters' dtype, gradients in the parameters' dtype.
 """
 import sys
 import warnings
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -32,9 +32,9 @@ from ._compiler import check_not_capturing, eager_under_compile
 from ._extension import load
 from ._layout import BERT, FAMILY_NAMES, LLAMA
 from ._user_frame import user_stacklevel
-from .hf.layers import (POSITIONAL_ARGS, WEIGHT_PATHS, Unsupported, collecting_attentions, install_output_capturing,
-                        layer_classes, layer_spec)
-from .hf.peft import refuse_adapters
+from .hf.layers import (LORA_PROJECTIONS, POSITIONAL_ARGS, WEIGHT_PATHS, Unsupported, collecting_attentions,
+                        install_output_capturing, layer_classes, layer_spec)
+from .hf.peft import base_of, check_layer_adapters, is_adapter_layer, lora_terms, peft_relink
 
 _C = load()
 
@@ -96,26 +96,38 @@ class FusedTransformerLayer(nn.Module):
         self.family = family
         self.spec = spec
         self.layer_class = type(layer).__name__
-        self._weight_slots = [self._slot(path) for path in WEIGHT_PATHS[family]]
-        # Every (parent, name, child) link on the way to the weight-holding modules: if one of them is
-        # replaced after fuse() (an adapter, a quantised linear), the fused forward would silently use
-        # the old weights, so such calls run Hugging Face's forward instead.
-        links = {}
-        for path in WEIGHT_PATHS[family]:
-            parent = self
-            for name in path.split(".")[:-1]:
-                child = parent._modules[name]
-                links[(id(parent), name)] = (parent, name, child)
-                parent = child
-        self._links = list(links.values())
+        check_layer_adapters(self, LORA_PROJECTIONS[family], f"FusedTransformerLayer({self.layer_class})")
+        self._lora_specs: Dict[tuple, Any] = {}
+        self._resolve()
         self._positional = POSITIONAL_ARGS[family]
         # Hugging Face's own forward for the calls the fused path cannot serve. Not registered as a
         # submodule: it shares this module's children, and its parameters are already ours.
         object.__setattr__(self, "_hf_layer", layer)
 
+    def _resolve(self):
+        """Finds the weight-holding modules (through peft LoRA layers, to their base layers) and the
+        projections that may carry adapters."""
+        self._weight_slots = [self._slot(path) for path in WEIGHT_PATHS[self.family]]
+        self._projections = [self.get_submodule(path) for path in LORA_PROJECTIONS[self.family]]
+        self._has_lora = any(is_adapter_layer(m) for m in self._projections)
+        # Every (parent, name, child) link on the way to the weight-holding modules: if one of them is
+        # replaced after fuse() (an adapter, a quantised linear), the fused forward would silently use
+        # the old weights, so such calls are re-resolved (peft LoRA) or run Hugging Face's forward.
+        links = {}
+        for path in WEIGHT_PATHS[self.family]:
+            parent = self
+            for name in path.split(".")[:-1]:
+                child = parent._modules[name]
+                links[(id(parent), name)] = (parent, name, child)
+                parent = child
+                if is_adapter_layer(child):
+                    parent = child._modules["base_layer"]
+                    links[(id(child), "base_layer")] = (child, "base_layer", parent)
+        self._links = list(links.values())
+
     def _slot(self, path: str) -> Tuple[nn.Module, str]:
         module_path, _, name = path.rpartition(".")
-        module = self.get_submodule(module_path)
+        module = base_of(self.get_submodule(module_path))
         if name not in module._parameters:
             raise ValueError(f"FusedTransformerLayer: {self.layer_class} has no parameter slot {path!r}")
         return module, name
@@ -133,6 +145,24 @@ class FusedTransformerLayer(nn.Module):
                         "(fully_shard(layer) or fully_shard(model)), not its submodules, and call it through its "
                         "module call so FSDP gathers its parameters first. Tensor-parallel layers cannot be fused.")
         return weights
+
+    def _call_args(self) -> Tuple[Any, List[Optional[torch.Tensor]]]:
+        """(spec, weights) of this call: the parameters, then each projection's LoRA A and B (None where
+        no adapter term is added), read from the peft layers per call as peft's forward would."""
+        weights = self.fused_weights()
+        if not self._has_lora:
+            return self.spec, weights
+        terms = [lora_terms(m, f"fused {self.layer_class}, {path}")
+                 for path, m in zip(LORA_PROJECTIONS[self.family], self._projections)]
+        if all(t is None for t in terms):
+            return self.spec, weights
+        for t in terms:
+            weights += [None, None] if t is None else [t[0], t[1]]
+        key = tuple((t[2], t[3]) if t is not None else (0.0, 0.0) for t in terms)
+        spec = self._lora_specs.get(key)
+        if spec is None:
+            spec = self._lora_specs[key] = self.spec.with_lora([k[0] for k in key], [k[1] for k in key])
+        return spec, weights
 
     def extra_repr(self) -> str:
         return f"{self.layer_class} -> C++ {FAMILY_NAMES[self.family]}: {self.spec!r}"
@@ -171,8 +201,17 @@ class FusedTransformerLayer(nn.Module):
             fallback = "cross-attention inputs were passed"
         if kwargs.get("output_attentions") or collecting_attentions():
             fallback = "attention weights were requested"
-        if any(parent._modules.get(name) is not child for parent, name, child in self._links):
-            refuse_adapters(self, f"fused {self.layer_class}: adapters added after ckpt_ext.fuse()", RuntimeError)
+        changed = [(parent._modules.get(name), child) for parent, name, child in self._links
+                   if parent._modules.get(name) is not child]
+        if changed and all(peft_relink(old, new) for new, old in changed):
+            # peft wrapped (or unwrapped) a projection after fuse(): same Parameters, adapter read per call.
+            check_layer_adapters(self, LORA_PROJECTIONS[self.family],
+                                 f"fused {self.layer_class}: adapters added after ckpt_ext.fuse()", RuntimeError)
+            self._resolve()
+            changed = []
+        if changed:
+            check_layer_adapters(self, LORA_PROJECTIONS[self.family],
+                                 f"fused {self.layer_class}: adapters added after ckpt_ext.fuse()", RuntimeError)
             _warn_once(("replaced", id(self)),
                        f"ckpt_ext: a submodule of a fused {self.layer_class} was replaced after fuse() (an adapter or "
                        "quantised layer?); that layer now runs Hugging Face's forward. Apply such changes before "
@@ -201,16 +240,16 @@ class FusedTransformerLayer(nn.Module):
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and \
                 not any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
             _check_segment_not_capturing()
-            return _C.segment_apply([self.spec], call.hidden, call.mask, call.cos, call.sin, [self.fused_weights()],
-                                    True)
-        if _C.uses_dropout(self.spec, self.training):
+            spec, weights = self._call_args()
+            return _C.segment_apply([spec], call.hidden, call.mask, call.cos, call.sin, [weights], True)
+        spec, weights = self._call_args()
+        if _C.uses_dropout(spec, self.training):
             check_not_capturing(
                 f"a fused {self.layer_class} with dropout in training",
                 "its dropout seed is drawn from the generator on the host, so every replay of the graph would "
                 "reuse one mask. Capture it with dropout off (model.eval(), or dropout probabilities 0), or "
                 "run it outside the captured region.")
-        return _C.fused_layer_forward(self.spec, call.hidden, call.mask, call.cos, call.sin, self.fused_weights(),
-                                      self.training)
+        return _C.fused_layer_forward(spec, call.hidden, call.mask, call.cos, call.sin, weights, self.training)
 
 
 def _check_segment_not_capturing():
@@ -240,8 +279,8 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict):
     if any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
         return NotImplemented
     _check_segment_not_capturing()
-    return _C.segment_apply([layer.spec for layer in layers], call.hidden, call.mask, call.cos, call.sin,
-                            [layer.fused_weights() for layer in layers], first.training)
+    specs, weights = zip(*(layer._call_args() for layer in layers))
+    return _C.segment_apply(list(specs), call.hidden, call.mask, call.cos, call.sin, list(weights), first.training)
 
 
 def _copy_hooks(src: nn.Module, dst: nn.Module):
@@ -264,8 +303,10 @@ def fuse(model: nn.Module) -> nn.Module:
     need no support of their own: the fused layer applies the (cos, sin) tables the model computes.
 
     Apply module replacements (a quantised linear) before ``fuse``: a layer whose submodules are replaced
-    afterwards runs Hugging Face's forward (with a warning). peft adapters are not supported yet: a layer
-    holding one raises ``ValueError`` here, and one added after ``fuse`` raises ``RuntimeError`` at the call.
+    afterwards runs Hugging Face's forward (with a warning). peft LoRA adapters on the attention and MLP
+    projections are computed by the fused layer (read per call: added after ``fuse``, merged, disabled or
+    switched adapters are followed); other adapters (DoRA, lora_bias, several active adapters, other
+    modules, other tuner types) raise ``ValueError`` here, or ``RuntimeError`` at the call when added later.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse expects an nn.Module, got {type(model).__name__}")
@@ -274,7 +315,7 @@ def fuse(model: nn.Module) -> nn.Module:
         raise ValueError("fuse expects a model containing layers; for a single layer use FusedTransformerLayer(layer)")
     targets = [(name, m) for name, m in model.named_modules() if type(m) in classes]
     for name, m in targets:
-        refuse_adapters(m, f"ckpt_ext.fuse: layer {name}")
+        check_layer_adapters(m, LORA_PROJECTIONS[classes[type(m)]], f"ckpt_ext.fuse: layer {name}")
     if not targets:
         already = any(isinstance(m, FusedTransformerLayer) for m in model.modules())
         raise ValueError(

@@ -45,7 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   namespace L = ckpt_ext::layers;
   auto make_spec = [](int64_t family, int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                      double scaling, double attn_p, double hidden_p, double eps, bool gelu_tanh) {
+                      double scaling, double attn_p, double hidden_p, double eps, bool gelu_tanh,
+                      const std::vector<double>& lora_scaling, const std::vector<double>& lora_p) {
     L::LayerSpec s;
     s.family = static_cast<L::Family>(family);
     s.hidden = hidden;
@@ -57,28 +58,47 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     s.hidden_p = hidden_p;
     s.eps = eps;
     s.gelu_tanh = gelu_tanh;
+    s.lora_scaling = lora_scaling;
+    s.lora_p = lora_p;
     s.validate();
     return s;
   };
   py::class_<L::LayerSpec>(m, "LayerSpec")
       .def(py::init(make_spec), py::arg("family"), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("scaling"), py::arg("attn_p"), py::arg("hidden_p"), py::arg("eps"),
-           py::arg("gelu_tanh"))
+           py::arg("gelu_tanh"), py::arg("lora_scaling") = std::vector<double>{},
+           py::arg("lora_p") = std::vector<double>{})
       .def_property_readonly("family", [](const L::LayerSpec& s) { return static_cast<int64_t>(s.family); })
       .def_readonly("attn_p", &L::LayerSpec::attn_p)
       .def_readonly("hidden_p", &L::LayerSpec::hidden_p)
+      .def_readonly("lora_scaling", &L::LayerSpec::lora_scaling)
+      .def_readonly("lora_p", &L::LayerSpec::lora_p)
+      // A copy with the LoRA adapters' scalings and input dropouts (one per adapter projection, or none).
+      .def(
+          "with_lora",
+          [](const L::LayerSpec& s, const std::vector<double>& lora_scaling, const std::vector<double>& lora_p) {
+            L::LayerSpec r = s;
+            r.lora_scaling = lora_scaling;
+            r.lora_p = lora_p;
+            r.validate();
+            return r;
+          },
+          py::arg("lora_scaling"), py::arg("lora_p"))
       .def("__repr__", &L::LayerSpec::repr)
       // Pickling (copy.deepcopy of fused models, torch.save of whole modules).
       .def(py::pickle(
           [](const L::LayerSpec& s) {
             return py::make_tuple(static_cast<int64_t>(s.family), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim,
-                                  s.scaling, s.attn_p, s.hidden_p, s.eps, s.gelu_tanh);
+                                  s.scaling, s.attn_p, s.hidden_p, s.eps, s.gelu_tanh, s.lora_scaling, s.lora_p);
           },
           [make_spec](const py::tuple& t) {
-            TORCH_CHECK(t.size() == 10, "ckpt_ext LayerSpec: bad pickled state");
+            TORCH_CHECK(t.size() == 10 || t.size() == 12, "ckpt_ext LayerSpec: bad pickled state");
+            const bool lora = t.size() == 12;  // states pickled before LoRA have 10 fields
             return make_spec(t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
                              t[4].cast<int64_t>(), t[5].cast<double>(), t[6].cast<double>(), t[7].cast<double>(),
-                             t[8].cast<double>(), t[9].cast<bool>());
+                             t[8].cast<double>(), t[9].cast<bool>(),
+                             lora ? t[10].cast<std::vector<double>>() : std::vector<double>{},
+                             lora ? t[11].cast<std::vector<double>>() : std::vector<double>{});
           }));
   // The layer layout's one home: {name: (family id, [weight slot names in call order])}; ckpt_ext/fused.py
   // maps Hugging Face's parameters to these slots.
@@ -88,6 +108,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       const auto& info = L::family_info(f);
       d[info.name] = py::make_tuple(static_cast<int64_t>(info.id), info.slots);
     }
+    return d;
+  });
+  // {name: [the weight slots whose projections may carry a LoRA adapter]}: adapter j's A and B are passed
+  // after the family's weight slots, at positions len(slots) + 2j and len(slots) + 2j + 1.
+  m.def("layer_adapters", [] {
+    py::dict d;
+    for (L::Family f : L::all_families()) d[L::family_info(f).name] = L::family_info(f).lora;
     return d;
   });
   m.def("uses_dropout", &L::uses_dropout, py::arg("spec"), py::arg("training"));

@@ -403,14 +403,16 @@ def test_peft_lora_with_enable_checkpointing_matches_peft_without():
     _assert_same(ref, _step(model, ids, mask))
 
 
-def test_fuse_refuses_peft_adapters_before_and_after(monkeypatch):
+def test_fuse_refuses_unsupported_peft_adapters_before_and_after(monkeypatch):
+    """LoRA itself fuses (tests/test_lora_fused.py); DoRA is refused at fuse and at the call."""
     from ckpt_ext import fused
     monkeypatch.setattr(fused, "_warned", set())  # the KV-cache warning on the way: other tests' state kept
-    with pytest.raises(ValueError, match="peft adapter.*merge_and_unload"):
-        ckpt_ext.fuse(_lora_gpt2())
     peft = pytest.importorskip("peft")
+    dora = peft.LoraConfig(r=4, fan_in_fan_out=True, target_modules=["c_attn"], use_dora=True)
+    with pytest.raises(ValueError, match="DoRA.*merge_and_unload"):
+        ckpt_ext.fuse(peft.get_peft_model(_gpt2(), dora))
     model = ckpt_ext.fuse(_gpt2()).train()
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, fan_in_fan_out=True, target_modules=["c_attn"]))
+    model = peft.get_peft_model(model, dora)
     ids, mask = _inputs()
     with pytest.raises(RuntimeError, match="adapters added after ckpt_ext.fuse"):
         model(input_ids=ids, attention_mask=mask)

@@ -9,6 +9,7 @@ from torch import nn
 
 from .._extension import load
 from .._layout import BERT, FAMILIES, GPT2, LLAMA
+from .peft import base_of
 
 _C = load()
 
@@ -63,6 +64,11 @@ def slot_paths(families: Dict[str, Tuple[int, List[str]]],
 
 
 WEIGHT_PATHS = slot_paths(FAMILIES, HF_PARAMETERS)
+# LoRA: the module path (in the Hugging Face layer) of each projection that may carry an adapter, in C++'s
+# adapter order (_C.layer_adapters(): adapter j's A, B follow the weight slots).
+LORA_PROJECTIONS: Dict[int, List[str]] = {
+    fid: [WEIGHT_PATHS[fid][slots.index(w)].rpartition(".")[0] for w in dict(_C.layer_adapters())[name]]
+    for name, (fid, slots) in FAMILIES.items()}
 
 # Positional parameters of the Hugging Face layers' forward (transformers 5.x), after self.
 POSITIONAL_ARGS = {
@@ -157,7 +163,7 @@ def _bert_spec(layer) -> "_C.LayerSpec":
         raise Unsupported("its attention is cross-attention")
     sa = layer.attention.self
     for name in ("query", "key", "value"):
-        lin = getattr(sa, name)
+        lin = base_of(getattr(sa, name))  # through a peft LoRA layer
         if not isinstance(lin, nn.Linear) or lin.bias is None:
             raise Unsupported(f"attention.self.{name} is not an nn.Linear with bias")
     hidden = sa.query.in_features

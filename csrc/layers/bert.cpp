@@ -20,6 +20,10 @@ constexpr const char* kSlotNames[] = {
     "q_weight", "q_bias", "k_weight", "k_bias", "v_weight", "v_bias", "attn_out_weight", "attn_out_bias",
     "ln1_weight", "ln1_bias", "inter_weight", "inter_bias", "out_weight", "out_bias", "ln2_weight", "ln2_bias"};
 static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kCount, "one name per weight slot");
+// The projections that may carry a LoRA adapter (adapter j's A, B follow the slots above).
+enum : int64_t { kLoraQ, kLoraK, kLoraV, kLoraAttnOut, kLoraInter, kLoraOut };
+const std::vector<std::string> kLora{"q_weight", "k_weight", "v_weight", "attn_out_weight", "inter_weight",
+                                     "out_weight"};
 
 void check(const LayerSpec& s, const std::vector<Tensor>& w) {
   const int64_t H = s.hidden;
@@ -39,15 +43,21 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const double hidden_p = effective(s.hidden_p, rng);
   const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
-  const auto [q, k, v] = split_qkv(at::linear(x, wqkv, opt(bqkv)), s.num_heads, s.num_heads, s.head_dim);
+  const int64_t H = s.hidden;
+  const Tensor qkv = plus_lora_parts(at::linear(x, wqkv, opt(bqkv)),
+                                     {lora_delta(s, w, kLoraQ, x, rng), lora_delta(s, w, kLoraK, x, rng),
+                                      lora_delta(s, w, kLoraV, x, rng)},
+                                     {H, H, H});
+  const auto [q, k, v] = split_qkv(qkv, s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/false, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs));
-  const Tensor h1 = std::get<0>(ops::bias_dropout_add_layer_norm(like(at::linear(ctx, w[kAttnOutW]), x),
+  const Tensor h1 = std::get<0>(ops::bias_dropout_add_layer_norm(
+      like(plus_lora(at::linear(ctx, w[kAttnOutW]), lora_delta(s, w, kLoraAttnOut, ctx, rng)), x),
                                                                  opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]),
                                                                  hidden_p, s.eps, rng.seed, kAttnOut));
-  const Tensor i = at::linear(h1, w[kInterW]);
+  const Tensor i = plus_lora(at::linear(h1, w[kInterW]), lora_delta(s, w, kLoraInter, h1, rng));
   const Tensor inter = ops::bias_gelu(i, opt_like(w[kInterB], i), s.gelu_tanh ? "tanh" : "none");
-  const Tensor o = like(at::linear(inter, w[kOutW]), h1);
+  const Tensor o = like(plus_lora(at::linear(inter, w[kOutW]), lora_delta(s, w, kLoraOut, inter, rng)), h1);
   LayerOutput r;
   if (out_slot.defined()) {
     ops::bias_dropout_add_layer_norm_into(o, opt(w[kOutB]), h1, w[kLn2W], opt(w[kLn2B]), hidden_p, s.eps, rng.seed,
@@ -62,7 +72,7 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
 
 }  // namespace
 
-const LayerFamily kBertFamily{{Family::kBert, "bert", {kSlotNames, kSlotNames + kCount}}, &check, &forward,
+const LayerFamily kBertFamily{{Family::kBert, "bert", {kSlotNames, kSlotNames + kCount}, kLora}, &check, &forward,
                               nullptr};
 
 }  // namespace layers

@@ -77,11 +77,24 @@ Tensor merge_heads(const Tensor& ctx);
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
                  double p, int64_t seed, int64_t offset);
 
+// LoRA: the adapter term scaling_j * (dropout(x) A_j^T) B_j^T of projection j (FamilyInfo::lora), or
+// undefined when the projection has no adapter in this call.
+Tensor lora_delta(const LayerSpec& s, const std::vector<Tensor>& w, int64_t j, const Tensor& x, const LayerRng& rng);
+// y + delta, in y's dtype (y itself when delta is undefined).
+Tensor plus_lora(const Tensor& y, const Tensor& delta);
+// y + [d_0, d_1, ...] concatenated along the last dim (a fused q/k/v projection; `widths`: each part's
+// width, an undefined d_i adds nothing to its part). y itself when no d_i is defined.
+Tensor plus_lora_parts(const Tensor& y, std::initializer_list<Tensor> deltas, std::initializer_list<int64_t> widths);
+// Shapes of the adapter slots against their base weights.
+void check_lora(const LayerSpec& s, const std::vector<Tensor>& w);
+
 // The end of a GPT-2/Llama layer: out = h1 + dropout(act @ W + b) through the family's last linear,
-// written into out_slot when given; with `stop`, only what the segment replay needs to skip it.
+// written into out_slot when given; with `stop`, only what the segment replay needs to skip it. `lora`:
+// the linear's adapter term (lora_delta of act) or undefined; with one, the layer runs whole (`stop` is
+// ignored: the replay's direct gradients of the last linear know no adapter) and autograd differentiates it.
 LayerOutput last_linear_tail(const LayerSpec& s, const std::vector<Tensor>& w, const LayerRng& rng,
                              const LastLinear& lin, const Tensor& act, const Tensor& h1, const Tensor& out_slot,
-                             bool stop);
+                             bool stop, const Tensor& lora = Tensor());
 
 // out = residual + dropout(x @ W^T + b) (nn.Linear) or residual + dropout(x @ W + b) (Conv1D), as one
 // autograd node whose backward is residual_linear_backward.

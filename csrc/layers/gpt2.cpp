@@ -20,6 +20,9 @@ constexpr const char* kSlotNames[] = {
     "ln1_weight", "ln1_bias", "attn_weight", "attn_bias", "attn_proj_weight", "attn_proj_bias", "ln2_weight",
     "ln2_bias", "fc_weight", "fc_bias", "mlp_proj_weight", "mlp_proj_bias"};
 static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kCount, "one name per weight slot");
+// The projections that may carry a LoRA adapter (adapter j's A, B follow the slots above).
+enum : int64_t { kLoraAttn, kLoraAttnProj, kLoraFc, kLoraMlpProj };
+const std::vector<std::string> kLora{"attn_weight", "attn_proj_weight", "fc_weight", "mlp_proj_weight"};
 
 void check(const LayerSpec& s, const std::vector<Tensor>& w) {
   const int64_t H = s.hidden;
@@ -37,20 +40,24 @@ LastLinear last_linear(const LayerSpec& s, const std::vector<Tensor>& w, const L
 LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, const std::vector<Tensor>& w,
                     const LayerRng& rng, const Tensor& out_slot, bool stop) {
   const Tensor ln1 = at::layer_norm(x, {s.hidden}, opt(w[kLn1W]), opt(w[kLn1B]), s.eps);
-  const auto [q, k, v] = split_qkv(conv1d(ln1, w[kAttnW], w[kAttnB]), s.num_heads, s.num_heads, s.head_dim);
+  const Tensor qkv = plus_lora(conv1d(ln1, w[kAttnW], w[kAttnB]), lora_delta(s, w, kLoraAttn, ln1, rng));
+  const auto [q, k, v] = split_qkv(qkv, s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs));
   auto [ln2, h1, mean, rstd] =
-      ops::bias_dropout_add_layer_norm(like(conv1d_nobias(ctx, w[kAttnProjW]), x), opt(w[kAttnProjB]), x, w[kLn2W],
+      ops::bias_dropout_add_layer_norm(like(plus_lora(conv1d_nobias(ctx, w[kAttnProjW]),
+                                                 lora_delta(s, w, kLoraAttnProj, ctx, rng)),
+                                       x), opt(w[kAttnProjB]), x, w[kLn2W],
                                        opt(w[kLn2B]), effective(s.hidden_p, rng), s.eps, rng.seed, kAttnOut);
-  const Tensor fc = conv1d_nobias(ln2, w[kFcW]);
+  const Tensor fc = plus_lora(conv1d_nobias(ln2, w[kFcW]), lora_delta(s, w, kLoraFc, ln2, rng));
   const Tensor act = ops::bias_gelu(fc, opt_like(w[kFcB], fc), s.gelu_tanh ? "tanh" : "none");
-  return last_linear_tail(s, w, rng, last_linear(s, w, rng), act, h1, out_slot, stop);
+  return last_linear_tail(s, w, rng, last_linear(s, w, rng), act, h1, out_slot, stop,
+                          lora_delta(s, w, kLoraMlpProj, act, rng));
 }
 
 }  // namespace
 
-const LayerFamily kGpt2Family{{Family::kGPT2, "gpt2", {kSlotNames, kSlotNames + kCount}}, &check, &forward,
+const LayerFamily kGpt2Family{{Family::kGPT2, "gpt2", {kSlotNames, kSlotNames + kCount}, kLora}, &check, &forward,
                               &last_linear};
 
 }  // namespace layers

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "family.h"
@@ -89,13 +90,27 @@ void LayerSpec::validate() const {
               ", hidden_p=", hidden_p);
   TORCH_CHECK(family != Family::kLlama || hidden_p == 0, "ckpt_ext LayerSpec: Llama layers have no hidden dropout");
   TORCH_CHECK(eps >= 0, "ckpt_ext LayerSpec: eps must be >= 0, got ", eps);
+  const size_t n_lora = family_info(family).lora.size();
+  TORCH_CHECK(lora_scaling.size() == lora_p.size() && (lora_p.empty() || lora_p.size() == n_lora),
+              "ckpt_ext LayerSpec: lora_scaling and lora_p need one value per adapter projection (", n_lora,
+              " for ", family_name(family), ") or none, got ", lora_scaling.size(), " and ", lora_p.size());
+  for (double p : lora_p)
+    TORCH_CHECK(p >= 0 && p < 1, "ckpt_ext LayerSpec: LoRA dropout probabilities must be in [0, 1), got ", p);
 }
 
 std::string LayerSpec::repr() const {
   std::ostringstream os;
   os << "LayerSpec(family=" << family_name(family) << ", hidden=" << hidden << ", num_heads=" << num_heads
      << ", num_kv_heads=" << num_kv_heads << ", head_dim=" << head_dim << ", scaling=" << scaling
-     << ", attn_p=" << attn_p << ", hidden_p=" << hidden_p << ", eps=" << eps << ", gelu_tanh=" << gelu_tanh << ")";
+     << ", attn_p=" << attn_p << ", hidden_p=" << hidden_p << ", eps=" << eps << ", gelu_tanh=" << gelu_tanh;
+  if (!lora_p.empty()) {
+    os << ", lora_scaling=[";
+    for (size_t j = 0; j < lora_scaling.size(); ++j) os << (j ? ", " : "") << lora_scaling[j];
+    os << "], lora_p=[";
+    for (size_t j = 0; j < lora_p.size(); ++j) os << (j ? ", " : "") << lora_p[j];
+    os << "]";
+  }
+  os << ")";
   return os.str();
 }
 
@@ -110,21 +125,25 @@ void check_present(const LayerSpec& s, const std::vector<Tensor>& w, int64_t i, 
 
 void check_weights(const LayerSpec& s, const std::vector<Tensor>& w, const Tensor& hidden) {
   const LayerFamily& fam = family(s.family);
-  const size_t n = fam.info.slots.size();
-  TORCH_CHECK(w.size() == n, "ckpt_ext fused ", fam.info.name, " layer: expected ", n, " weights, got ", w.size());
+  // Without adapters the adapter slots may be left out altogether.
+  const size_t n = fam.info.slots.size(), n_all = fam.info.num_weights();
+  TORCH_CHECK(w.size() == n || w.size() == n_all, "ckpt_ext fused ", fam.info.name, " layer: expected ", n,
+              " weights (or ", n_all, " with the LoRA adapter slots), got ", w.size());
   for (size_t i = 0; i < w.size(); ++i) {
     if (!w[i].defined()) continue;
     TORCH_CHECK(w[i].device() == hidden.device() && w[i].scalar_type() == hidden.scalar_type(), "ckpt_ext fused ",
                 fam.info.name, " layer: weight ", i, " is ", w[i].scalar_type(), " on ", w[i].device(),
                 " but the hidden states are ", hidden.scalar_type(), " on ", hidden.device(), " (weight slot ",
-                fam.info.slots[i], "); the fused layers keep the residual stream in the parameters' dtype (cast the whole model with "
+                fam.info.slot_name(i), "); the fused layers keep the residual stream in the parameters' dtype (cast the whole model with "
                 "model.to(dtype), or keep float32 weights and use torch.autocast)");
   }
   fam.check_weights(s, w);
+  if (w.size() == n_all) check_lora(s, w);
 }
 
 bool uses_dropout(const LayerSpec& spec, bool training) {
-  return training && (spec.attn_p > 0 || spec.hidden_p > 0);
+  return training && (spec.attn_p > 0 || spec.hidden_p > 0 ||
+                      std::any_of(spec.lora_p.begin(), spec.lora_p.end(), [](double p) { return p > 0; }));
 }
 
 LayerOutput layer_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,

@@ -54,6 +54,10 @@ struct LayerSpec {
   double hidden_p = 0.0;     // BERT hidden_dropout_prob, GPT-2 resid_pdrop; 0 for Llama
   double eps = 1e-5;         // LayerNorm / RMSNorm epsilon
   bool gelu_tanh = false;    // BERT/GPT-2: tanh-approximated GELU instead of the exact one
+  // LoRA adapters (peft), one entry per projection of FamilyInfo::lora, or empty when the call has none:
+  // each adapter's scaling (lora_alpha / r, or / sqrt(r) for rsLoRA) and the dropout on its input.
+  std::vector<double> lora_scaling;
+  std::vector<double> lora_p;
 
   // Checks that the fields describe a layer; throws with a clear message otherwise.
   void validate() const;
@@ -62,10 +66,17 @@ struct LayerSpec {
 
 // Weight slots: each family's list of names (family_info(f).slots, exported to Python as
 // _C.layer_families()) is the order in which the weights are passed. Optional biases may be undefined.
+// After them come two optional slots per projection that may carry a LoRA adapter (`lora`, the names of
+// those projections' weight slots, exported as _C.layer_adapters()): A [r, in] then B [out, r], both
+// undefined when the projection has no active adapter. y = x W^T + b + scaling * (dropout(x) A^T) B^T.
 struct FamilyInfo {
   Family id;
   const char* name;
   std::vector<std::string> slots;
+  std::vector<std::string> lora;
+
+  size_t num_weights() const { return slots.size() + 2 * lora.size(); }
+  std::string slot_name(size_t i) const;  // "q_weight", or "q_weight.lora_A" for an adapter slot
 };
 const FamilyInfo& family_info(Family f);
 const std::vector<Family>& all_families();
@@ -81,7 +92,8 @@ struct LayerInputs {
 };
 
 // Dropout offsets of the sites of one layer call (all under the call's seed).
-enum DropoutSite : int64_t { kAttnProbs = 0, kAttnOut = 1, kMlpOut = 2 };
+// LoRA adapter j's input dropout is site kLoraInput + j (each adapter its own mask, as peft's modules).
+enum DropoutSite : int64_t { kAttnProbs = 0, kAttnOut = 1, kMlpOut = 2, kLoraInput = 16 };
 
 struct LayerRng {
   bool training = false;  // dropout active (module.training)

@@ -21,6 +21,10 @@ constexpr const char* kSlotNames[] = {
     "ln1_weight", "q_weight", "q_bias", "k_weight", "k_bias", "v_weight", "v_bias", "o_weight", "o_bias",
     "ln2_weight", "gate_weight", "gate_bias", "up_weight", "up_bias", "down_weight", "down_bias"};
 static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kCount, "one name per weight slot");
+// The projections that may carry a LoRA adapter (adapter j's A, B follow the slots above).
+enum : int64_t { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraDown };
+const std::vector<std::string> kLora{"q_weight", "k_weight", "v_weight", "o_weight", "gate_weight", "up_weight",
+                                     "down_weight"};
 
 void check(const LayerSpec& s, const std::vector<Tensor>& w) {
   const int64_t H = s.hidden;
@@ -46,21 +50,31 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const Tensor n1 = std::get<0>(ops::add_rms_norm(x, std::nullopt, w[kLn1W], s.eps));
   const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
-  const auto [q_raw, k_raw, v] = split_qkv(at::linear(n1, wqkv, opt(bqkv)), s.num_heads, s.num_kv_heads, s.head_dim);
+  const int64_t qw = s.num_heads * s.head_dim, kvw = s.num_kv_heads * s.head_dim;
+  const Tensor qkv = plus_lora_parts(at::linear(n1, wqkv, opt(bqkv)),
+                                     {lora_delta(s, w, kLoraQ, n1, rng), lora_delta(s, w, kLoraK, n1, rng),
+                                      lora_delta(s, w, kLoraV, n1, rng)},
+                                     {qw, kvw, kvw});
+  const auto [q_raw, k_raw, v] = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim);
   const Tensor cos = like(in.cos, q_raw), sin = like(in.sin, q_raw);
   const Tensor q = ops::rotary(q_raw, cos, sin);
   const Tensor k = ops::rotary(k_raw, cos, sin);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs));
-  auto [n2, h1, rstd] = ops::add_rms_norm(like(at::linear(ctx, w[kOW], opt(w[kOB])), x), x, w[kLn2W], s.eps);
+  auto [n2, h1, rstd] = ops::add_rms_norm(
+      like(plus_lora(at::linear(ctx, w[kOW], opt(w[kOB])), lora_delta(s, w, kLoraO, ctx, rng)), x), x, w[kLn2W],
+      s.eps);
   // Two GEMMs rather than one over [gate; up]: swiglu reads contiguous halves without a copy.
-  const Tensor act = ops::swiglu(at::linear(n2, w[kGateW], opt(w[kGateB])), at::linear(n2, w[kUpW], opt(w[kUpB])));
-  return last_linear_tail(s, w, rng, last_linear(s, w, rng), act, h1, out_slot, stop);
+  const Tensor act =
+      ops::swiglu(plus_lora(at::linear(n2, w[kGateW], opt(w[kGateB])), lora_delta(s, w, kLoraGate, n2, rng)),
+                  plus_lora(at::linear(n2, w[kUpW], opt(w[kUpB])), lora_delta(s, w, kLoraUp, n2, rng)));
+  return last_linear_tail(s, w, rng, last_linear(s, w, rng), act, h1, out_slot, stop,
+                          lora_delta(s, w, kLoraDown, act, rng));
 }
 
 }  // namespace
 
-const LayerFamily kLlamaFamily{{Family::kLlama, "llama", {kSlotNames, kSlotNames + kCount}}, &check, &forward,
+const LayerFamily kLlamaFamily{{Family::kLlama, "llama", {kSlotNames, kSlotNames + kCount}, kLora}, &check, &forward,
                                &last_linear};
 
 }  // namespace layers

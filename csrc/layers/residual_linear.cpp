@@ -98,21 +98,29 @@ ResidualLinearGrads residual_linear_backward(const Tensor& grad, const Tensor& x
 
 LayerOutput last_linear_tail(const LayerSpec& s, const std::vector<Tensor>& w, const LayerRng& rng,
                              const LastLinear& lin, const Tensor& act, const Tensor& h1, const Tensor& out_slot,
-                             bool stop) {
+                             bool stop, const Tensor& lora) {
   LayerOutput r;
-  if (stop) {
+  if (stop && !lora.defined()) {
     r.last_input = act;
     r.residual = h1;
     return r;
   }
+  if (!out_slot.defined() && !lora.defined()) {
+    r.out = residual_linear(act, lin, h1, rng.seed);
+    return r;
+  }
+  // Under no_grad into out_slot, or with an adapter: the GEMM (and adapter term) then the fused
+  // bias-dropout-residual op, differentiated by autograd when grad mode is on.
+  const Tensor wt = like(lin.weight, act);
+  const Tensor y = like(plus_lora(lin.conv1d ? conv1d_nobias(act, wt)
+                                             : act.reshape({-1, act.size(-1)}).mm(wt.t()).view(h1.sizes()),
+                                  lora),
+                        h1);
   if (out_slot.defined()) {
-    const Tensor w = like(lin.weight, act);
-    const Tensor y =
-        like(lin.conv1d ? conv1d_nobias(act, w) : act.reshape({-1, act.size(-1)}).mm(w.t()).view(h1.sizes()), h1);
     ops::bias_dropout_add_into(y, opt(lin.bias), h1, lin.p, rng.seed, lin.offset, out_slot);
     r.out = out_slot;
   } else {
-    r.out = residual_linear(act, lin, h1, rng.seed);
+    r.out = ops::bias_dropout_add(y, opt(lin.bias), h1, lin.p, rng.seed, lin.offset);
   }
   return r;
 }
