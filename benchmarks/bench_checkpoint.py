@@ -13,7 +13,9 @@ benchmarks/suite.py.
 """
 import argparse
 import functools
+import statistics
 import sys
+import time
 
 import torch
 from torch import nn
@@ -46,19 +48,25 @@ def bench_per_call(device, n_blocks, width, rounds):
     blocks = nn.ModuleList(Tiny(width) for _ in range(n_blocks)).to(device)
     x = torch.randn(4, width, device=device, requires_grad=True)
 
-    def step(ckpt):
+    cpu_times = {k: [] for k in VARIANTS}  # process CPU time per step: robust to other load on the machine
+
+    def step(name, ckpt):
         def run():
+            t0 = time.process_time()
             h = x
             for b in blocks:
                 h = b(h) if ckpt is None else ckpt(b, h)
             h.sum().backward()
+            cpu_times[name].append(time.process_time() - t0)
         return run
 
-    stats, _ = interleaved({k: step(v) for k, v in VARIANTS.items()}, device, rounds, warmup=5)
+    stats, _ = interleaved({k: step(k, v) for k, v in VARIANTS.items()}, device, rounds, warmup=5)
     base = stats["none"]["median"]
+    cpu = {k: statistics.median(v[5:]) for k, v in cpu_times.items()}  # warmup rounds left out
     rows = []
     for k, s in stats.items():
         rows.append({"variant": k, "step_s": s, "per_call_us": (s["median"] - base) / n_blocks * 1e6 if k != "none" else 0.0,
+                     "per_call_cpu_us": (cpu[k] - cpu["none"]) / n_blocks * 1e6 if k != "none" else 0.0,
                      "flags": noise_flags(s, stats["none"], recomputes=k != "none")})
     return rows
 
@@ -107,12 +115,16 @@ def to_markdown(info, per_call, per_call_cfg, bert, bert_cfg):
              env_line(info), "",
              f"## Per-call cost: {per_call_cfg['blocks']} tiny blocks (Linear {per_call_cfg['width']} + tanh, batch 4), "
              "every block checkpointed", "",
-             "| variant | step ms, median (p20-p80) | per-call overhead µs | vs torch non-reentrant | flags |",
-             "|---|---|---|---|---|"]
-    ref = next(r for r in per_call if "non-reentrant" in r["variant"])["per_call_us"]
+             "| variant | step ms, median (p20-p80) | per-call overhead µs | vs torch non-reentrant "
+             "| per-call CPU time µs | vs torch (CPU time) | flags |",
+             "|---|---|---|---|---|---|---|"]
+    torch_row = next(r for r in per_call if "non-reentrant" in r["variant"])
+    ref, ref_cpu = torch_row["per_call_us"], torch_row["per_call_cpu_us"]
     for r in per_call:
         ratio = f"{r['per_call_us'] / ref:.2f}x" if r["variant"] != "none" and ref > 0 else "-"
-        lines.append(f"| {r['variant']} | {ms(r['step_s'])} | {r['per_call_us']:.1f} | {ratio} | {'; '.join(r['flags'])} |")
+        ratio_cpu = f"{r['per_call_cpu_us'] / ref_cpu:.2f}x" if r["variant"] != "none" and ref_cpu > 0 else "-"
+        lines.append(f"| {r['variant']} | {ms(r['step_s'])} | {r['per_call_us']:.1f} | {ratio} "
+                     f"| {r['per_call_cpu_us']:.1f} | {ratio_cpu} | {'; '.join(r['flags'])} |")
     lines += ["", f"## BERT encoder: {bert_cfg['layers']} layers, hidden {bert_cfg['hidden']}, {bert_cfg['heads']} heads, "
               f"seq {bert_cfg['seq']}, batch {bert_cfg['batch']}, {bert_cfg['dtype']}", ""]
     cuda = info["device"].startswith("cuda")
@@ -131,7 +143,9 @@ def to_markdown(info, per_call, per_call_cfg, bert, bert_cfg):
             row += f"{mib(r['held_bytes'])} ({mib(r['saved_bytes'])} + {mib(r['pool_bytes'])}) |"
         row += f" {'; '.join(r['flags'])} |"
         lines.append(row)
-    lines += ["", "per-call overhead = (step time of the variant − step time without checkpointing) / blocks.",
+    lines += ["", "per-call overhead = (step time of the variant − step time without checkpointing) / blocks; the CPU "
+              "time columns use the process's CPU time instead of wall time (not inflated by other processes; on "
+              "CUDA it misses time the host waits for the device).",
               "held fwd→bwd: bytes kept alive between forward and backward (parameters excluded).",
               "flags: `noisy` when the p20-p80 range exceeds 25% of the median; `implausible` when a checkpointed "
               "variant is faster than no checkpointing."]

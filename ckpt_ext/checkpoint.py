@@ -26,6 +26,7 @@ from ._discovery import (_ATOMS, _add_module, _check_fsdp_units, _collect, _disc
 from ._extension import load
 
 _C = load()
+_run = _C.checkpoint_run
 _Tensor = torch.Tensor
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -131,23 +132,26 @@ class _Replay:
         self.batchnorms = batchnorms  # known by the caller (enable_checkpointing), or None: found at replay
 
     def __call__(self):
-        args = [a.unpack() if isinstance(a, _SavedTensor) else a for a in self.saved]
+        # Early stop (_StopRecomputation) and errors pass straight to the C++ frame, which adds note()'s
+        # note to an error: no Python exception handling on the replay path.
+        args = [a.unpack() if type(a) is _SavedTensor else a for a in self.saved]
         bns = self.batchnorms if self.batchnorms is not None else _batchnorms_of(self.fn, args)
-        try:
-            if bns:
-                with _BatchNormGuard(bns):
-                    self._run(args)
-            else:
+        if bns:
+            with _BatchNormGuard(bns):
                 self._run(args)
-        except _C._StopRecomputation:
-            raise
-        except BaseException as e:  # KeyboardInterrupt too: the note is what tells where it landed
-            # The traceback shows the function's own frames under loss.backward(); say why they ran there.
-            if hasattr(e, "add_note"):  # Python 3.11+
-                e.add_note(f"(raised while ckpt_ext replayed the checkpointed function `{_function_name(self.fn)}` "
-                           "during backward: a checkpointed function runs again in backward, with "
-                           "ckpt_ext.is_recomputing() True)")
-            raise
+        elif self.context is None:
+            self.fn(*args, **self.kwargs)
+        else:
+            with self.context:
+                self.fn(*args, **self.kwargs)
+
+    def note(self, e: BaseException):
+        """Called by the frame with an error the replay raised (KeyboardInterrupt too: the note tells
+        where it landed). The traceback shows the function's own frames under loss.backward(); say why."""
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note(f"(raised while ckpt_ext replayed the checkpointed function `{_function_name(self.fn)}` "
+                       "during backward: a checkpointed function runs again in backward, with "
+                       "ckpt_ext.is_recomputing() True)")
 
     def _run(self, args):
         if self.context is None:
@@ -265,24 +269,21 @@ def _checkpoint_with_grad(function, args: tuple, kwargs: dict, found: Optional[_
     tensors = [a for a in args if isinstance(a, _Tensor)]
     saved = args if _make_saved is None else \
         [_make_saved(a, is_output=False) if isinstance(a, _Tensor) else a for a in args]
-    frame = _C.CheckpointFrame(_Replay(function, saved, kwargs, recompute_context,
-                                       found.batchnorms if found is not None else None), describe,
-                               _function_name(function), _devices(args, kwargs), preserve_rng_state,
-                               _DETERMINISM[determinism_check], early_stop)
+    replay = _Replay(function, saved, kwargs, recompute_context, found.batchnorms if found is not None else None)
+    call = function if forward_context is None else functools.partial(_in_context, forward_context, function)
     versions = [t._version for t in tensors]
-    _push_hooks(frame.pack, frame.unpack)
-    try:
-        if forward_context is None:
-            out = function(*args, **kwargs)
-        else:
-            with forward_context:
-                out = function(*args, **kwargs)
-    finally:
-        _pop_hooks()
-    frame.forward_done()
+    # One C++ call: the frame (RNG/autocast snapshot), the saved-tensor hooks around the function.
+    out = _run(replay, describe, _function_name(function), _devices(args, kwargs), preserve_rng_state,
+               _DETERMINISM[determinism_check], early_stop, call, args if type(args) is tuple else tuple(args),
+               kwargs or None)
     if tensors:
         _check_inputs_unchanged(function, args, versions)
     return out
+
+
+def _in_context(context, function, *args, **kwargs):
+    with context:
+        return function(*args, **kwargs)
 
 
 def _is_noop_context_fn(context_fn) -> bool:

@@ -194,6 +194,15 @@ void Frame::replay(int64_t gid) {
   } else if (PyErr_ExceptionMatches(stop_type)) {
     PyErr_Clear();
   } else {
+    // Any other error: the recompute object adds its note (Python), then it propagates.
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback != nullptr) PyException_SetTraceback(value, traceback);
+    PyObject* noted = PyObject_CallMethod(recompute_.ptr(), "note", "O", value);
+    if (noted == nullptr) PyErr_WriteUnraisable(recompute_.ptr());
+    Py_XDECREF(noted);
+    PyErr_Restore(type, value, traceback);
     throw py::error_already_set();
   }
 }
@@ -264,25 +273,123 @@ void Frame::fail(const std::string& what) const {
                          "backward). determinism_check=\"none\" disables the metadata check." + detail);
 }
 
+namespace {
+
+// The forward's hooks are C functions whose `self` is a capsule owning the frame (no pybind11 dispatch
+// per saved tensor), and the Holder handed to autograd is a minimal Python object (no pybind11 instance).
+struct HolderObject {
+  PyObject_HEAD
+  std::shared_ptr<Holder> holder;
+};
+
+PyTypeObject* holder_type = nullptr;
+
+void holder_dealloc(PyObject* self) {
+  reinterpret_cast<HolderObject*>(self)->holder.~shared_ptr<Holder>();
+  PyTypeObject* tp = Py_TYPE(self);
+  tp->tp_free(self);
+  Py_DECREF(tp);  // heap type
+}
+
+PyType_Slot holder_slots[] = {{Py_tp_dealloc, reinterpret_cast<void*>(holder_dealloc)}, {0, nullptr}};
+PyType_Spec holder_spec = {"ckpt_ext._C._CheckpointHolder", sizeof(HolderObject), 0, Py_TPFLAGS_DEFAULT,
+                           holder_slots};
+
+const char* kFrameCapsule = "ckpt_ext.CheckpointFrame";
+
+void free_frame(PyObject* capsule) {
+  delete static_cast<std::shared_ptr<Frame>*>(PyCapsule_GetPointer(capsule, kFrameCapsule));
+}
+
+Frame* frame_of(PyObject* capsule) {
+  auto* f = static_cast<std::shared_ptr<Frame>*>(PyCapsule_GetPointer(capsule, kFrameCapsule));
+  return f == nullptr ? nullptr : f->get();
+}
+
+PyObject* forward_pack_c(PyObject* capsule, PyObject* tensor) {
+  Frame* frame = frame_of(capsule);
+  if (frame == nullptr) return nullptr;
+  try {
+    auto* obj = PyObject_New(HolderObject, holder_type);
+    if (obj == nullptr) return nullptr;
+    new (&obj->holder) std::shared_ptr<Holder>(frame->pack(THPVariable_Unpack(tensor)));
+    return reinterpret_cast<PyObject*>(obj);
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyObject* forward_unpack_c(PyObject* capsule, PyObject* holder) {
+  Frame* frame = frame_of(capsule);
+  if (frame == nullptr) return nullptr;
+  if (Py_TYPE(holder) != holder_type) {
+    PyErr_SetString(PyExc_TypeError, "ckpt_ext.checkpoint: unpack hook got an object its pack hook did not make");
+    return nullptr;
+  }
+  try {
+    return THPVariable_Wrap(frame->unpack(reinterpret_cast<HolderObject*>(holder)->holder));
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef forward_pack_def = {"ckpt_ext_pack", forward_pack_c, METH_O, nullptr};
+PyMethodDef forward_unpack_def = {"ckpt_ext_unpack", forward_unpack_c, METH_O, nullptr};
+
+// checkpoint_run(recompute, describe, name, devices, preserve_rng_state, check_metadata, early_stop,
+// function, args, kwargs): one checkpointed forward -- frame, hooks pushed, function(*args, **kwargs),
+// hooks popped -- in one call from Python.
+py::object checkpoint_run(py::object recompute, py::object describe, std::string name, const py::list& device_list,
+                          bool preserve_rng_state, bool check_metadata,
+                          bool early_stop, const py::object& function, const py::tuple& args, const py::object& kwargs) {
+  FrameOptions o;
+  o.preserve_rng_state = preserve_rng_state;
+  o.check_metadata = check_metadata;
+  o.early_stop = early_stop;
+  std::vector<c10::Device> devices;  // usually none (CPU tensors): no list conversion then
+  if (!device_list.empty()) devices = device_list.cast<std::vector<c10::Device>>();
+  auto frame = std::make_shared<Frame>(std::move(recompute), std::move(describe), std::move(name), devices, o);
+  Frame* raw = frame.get();
+  auto* owner = new std::shared_ptr<Frame>(std::move(frame));
+  py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(owner, kFrameCapsule, free_frame));
+  if (!capsule) {
+    delete owner;
+    throw py::error_already_set();
+  }
+  py::object pack = py::reinterpret_steal<py::object>(PyCFunction_New(&forward_pack_def, capsule.ptr()));
+  if (!pack) throw py::error_already_set();
+  py::object unpack = py::reinterpret_steal<py::object>(PyCFunction_New(&forward_unpack_def, capsule.ptr()));
+  if (!unpack) throw py::error_already_set();
+  auto& refs = PyRefs::get();
+  refs.push_hooks(pack, unpack);
+  PyObject* out = PyObject_Call(function.ptr(), args.ptr(), kwargs.is_none() ? nullptr : kwargs.ptr());
+  if (out == nullptr) {
+    py::error_already_set error;  // taken out of the indicator: popping the hooks calls Python
+    { PopHooks pop; }
+    throw error;
+  }
+  { PopHooks pop; }
+  raw->forward_done();
+  return py::reinterpret_steal<py::object>(out);
+}
+
+}  // namespace
+
 void bind_checkpoint(py::module_& m) {
   stop_type = py::register_exception<StopRecomputation>(m, "_StopRecomputation").ptr();
-  py::class_<Holder, std::shared_ptr<Holder>>(m, "_CheckpointHolder");
+  holder_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&holder_spec));
+  if (holder_type == nullptr) throw py::error_already_set();
+  m.attr("_CheckpointHolder") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(holder_type));
   m.def("checkpoint_frames_created", [] { return frames_created.load(); });
-  py::class_<Frame, std::shared_ptr<Frame>>(m, "CheckpointFrame")
-      .def(py::init([](py::object recompute, py::object describe, std::string name, std::vector<c10::Device> devices,
-                       bool preserve_rng_state, bool check_metadata, bool early_stop) {
-             FrameOptions o;
-             o.preserve_rng_state = preserve_rng_state;
-             o.check_metadata = check_metadata;
-             o.early_stop = early_stop;
-             return std::make_shared<Frame>(std::move(recompute), std::move(describe), std::move(name), devices, o);
-           }),
-           py::arg("recompute"), py::arg("describe"), py::arg("name"), py::arg("devices"),
-           py::arg("preserve_rng_state"), py::arg("check_metadata"), py::arg("early_stop"))
-      .def("pack", &Frame::pack)
-      .def("unpack", &Frame::unpack)
-      .def("forward_done", &Frame::forward_done)
-      .def_property_readonly("saved_count", &Frame::saved_count);
+  m.def("checkpoint_run", &checkpoint_run, py::arg("recompute"), py::arg("describe"), py::arg("name"),
+        py::arg("devices"), py::arg("preserve_rng_state"), py::arg("check_metadata"), py::arg("early_stop"),
+        py::arg("function"), py::arg("args"), py::arg("kwargs"));
 }
 
 }  // namespace ckpt_ext
