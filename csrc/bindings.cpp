@@ -37,8 +37,10 @@ ckpt_ext::layers::LayerInputs layer_inputs(const OptTensor& mask, const OptTenso
 
 }  // namespace
 
+// One flat table of what Python sees, longer than a function should be on purpose: split up, the
+// module's contents would have to be read from several places.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "ckpt_ext C++ core: BoundaryPool, CheckpointFrame, fused layers";
+  m.doc() = "ckpt_ext C++ core: BoundaryPool, checkpoint_run (saved-tensor-hook checkpoint), fused layers";
 
   ckpt_ext::bind_checkpoint(m);
   m.def("is_recomputing", &ckpt_ext::is_recomputing);
