@@ -35,6 +35,8 @@ reference (SGD with momentum, same seed for dropout). What is measured:
 The pool's chunk size is set small (--chunk-kib, default 64 KiB, where the default on CPU is 4 MiB) so
 that the varying boundaries exercise growth, out-of-order frees and outsize chunks instead of fitting
 in one chunk.
+
+The models are in soak_models.py, the measurements and the fault injection in soak_faults.py.
 """
 import os
 
@@ -45,246 +47,20 @@ if __name__ == "__main__":
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
 
 import argparse  # noqa: E402
-import copy  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import warnings  # noqa: E402
-from typing import Callable, Dict, List, Optional, Sequence, Tuple  # noqa: E402
+from typing import Callable, List, Optional, Sequence, Tuple  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import ckpt_ext  # noqa: E402
 from common import add_output_args, env_info, finish_env, output_dir  # noqa: E402
+from soak_faults import _first_difference, drain_autograd_queue, inject_fault, rss_bytes  # noqa: E402
+from soak_models import MODELS, VOCAB, build_pair  # noqa: E402
 
-MODELS = ("stack", "bert", "gpt2")
 FAULTS = ("backward-interrupt", "forward-interrupt", "graph-dropped")
-VOCAB = 101
-
-
-# --------------------------------------------------------------------------------------------------
-# Models
-# --------------------------------------------------------------------------------------------------
-class Block(nn.Module):
-    """Pre-norm transformer block with explicit attention (masked softmax, attention dropout) and an MLP."""
-
-    def __init__(self, d: int, heads: int, p: float):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.attn_drop, self.drop = nn.Dropout(p), nn.Dropout(p)
-
-    def forward(self, x, keep):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-1, -2)) * (d // self.heads) ** -0.5
-        att = self.attn_drop(scores.masked_fill(~keep, float("-inf")).softmax(-1))
-        x = x + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, s, d)))
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
-
-
-class Stack(nn.Module):
-    def __init__(self, d: int = 64, heads: int = 4, layers: int = 4, p: float = 0.1):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, d)
-        self.blocks = nn.ModuleList(Block(d, heads, p) for _ in range(layers))
-        self.head_mlp = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Dropout(p),
-                                      nn.Linear(2 * d, d))
-        self.out = nn.Linear(d, VOCAB)
-        self.checkpoint_head = False
-
-    def forward(self, ids, mask):
-        keep = mask[:, None, None, :].bool()
-        x = self.emb(ids)
-        for block in self.blocks:
-            x = block(x, keep)
-        x = ckpt_ext.checkpoint(self.head_mlp, x) if self.checkpoint_head else self.head_mlp(x)
-        return self.out(x)
-
-
-def _quiet(cfg):
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if getattr(cfg, name, None) is not None and getattr(cfg, name) >= VOCAB:
-            setattr(cfg, name, None)
-    return cfg
-
-
-def build_pair(name: str, seed: int):
-    """(checkpointed model, reference model, loss function(model, ids, mask) -> loss)."""
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # transformers' renames, small-vocabulary notices
-        if name == "stack":
-            ref = Stack()
-            ck = copy.deepcopy(ref)
-            ckpt_ext.enable_checkpointing(ck, every=2, layers=ck.blocks)
-            ck.checkpoint_head = True
-
-            def loss_fn(model, ids, mask):
-                logits = model(ids, mask)
-                return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        elif name == "bert":
-            from transformers import BertConfig, BertForMaskedLM
-            cfg = BertConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
-                             vocab_size=VOCAB, max_position_embeddings=128, hidden_dropout_prob=0.1,
-                             attention_probs_dropout_prob=0.1)
-            ref = ckpt_ext.fuse(BertForMaskedLM(_quiet(cfg)))
-            ck = ckpt_ext.enable_checkpointing(copy.deepcopy(ref), every=2)
-
-            def loss_fn(model, ids, mask):
-                return model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
-        elif name == "gpt2":
-            from transformers import GPT2Config, GPT2LMHeadModel
-            cfg = GPT2Config(n_embd=64, n_layer=4, n_head=4, n_positions=128, vocab_size=VOCAB, resid_pdrop=0.1,
-                             embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM")
-            ref = ckpt_ext.fuse(GPT2LMHeadModel(_quiet(cfg)))
-            ck = ckpt_ext.enable_checkpointing(copy.deepcopy(ref), every=1)
-
-            def loss_fn(model, ids, mask):
-                return model(input_ids=ids, labels=ids, use_cache=False).loss
-        else:
-            raise ValueError(f"unknown model {name!r} (choose from {', '.join(MODELS)})")
-    return ck.train(), ref.train(), loss_fn
-
-
-# --------------------------------------------------------------------------------------------------
-# Measurements
-# --------------------------------------------------------------------------------------------------
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def rss_bytes() -> Optional[int]:
-    """Resident set size of this process now (Linux /proc/self/statm), or None where unavailable."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _in_replay() -> bool:
-    """True while a checkpointed function is being replayed: is_recomputing(), or ckpt_ext's autograd node
-    running (the fused SegmentFunction replays in C++ and does not set is_recomputing())."""
-    if ckpt_ext.is_recomputing():
-        return True
-    node = torch._C._current_autograd_node() if hasattr(torch._C, "_current_autograd_node") else None
-    name = node.name() if node is not None else ""
-    return "CheckpointFunction" in name or "SegmentFunction" in name
-
-
-class InterruptAtCall:
-    """Raises KeyboardInterrupt at the start of the n-th Python function call (sys.setprofile) while
-    active: where a real Ctrl-C lands, since Python delivers signals only while it runs bytecode. Calls of
-    __enter__/__exit__ are not counted: an interrupt there breaks the context manager itself (torch.no_grad()
-    left on), with or without ckpt_ext."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.count = 0
-        self.raised = False
-        self.in_replay = False
-        self.where = ""
-
-    def _profile(self, frame, event, arg):
-        if event != "call" or self.raised or frame.f_code.co_name in ("__enter__", "__exit__"):
-            return
-        self.count += 1
-        if self.count == self.n:
-            self.raised = True
-            self.in_replay = _in_replay()
-            self.where = f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)})"
-            sys.setprofile(None)
-            raise KeyboardInterrupt(f"soak: injected at Python call {self.n}")
-
-    def __enter__(self):
-        sys.setprofile(self._profile)
-        return self
-
-    def __exit__(self, *exc):
-        sys.setprofile(None)
-        return False
-
-
-class InterruptAtOp(TorchDispatchMode):
-    """Raises KeyboardInterrupt at the n-th computing operator (matrix products, the fused kernels, ...)
-    dispatched while active: reaches C++ code that runs no Python, such as the fused SegmentFunction's
-    replay. Views, detach and copies are not counted: PyTorch's C++ autograd.Function dispatches them
-    between wrapping its outputs and saving them, and an exception there leaks the node (a PyTorch bug,
-    see docs/design.md)."""
-
-    _COMPUTE = ("mm", "addmm", "bmm", "_softmax", "native_layer_norm", "gelu", "tanh", "mul", "add", "sum",
-                "embedding", "masked_fill", "bias_gelu", "bias_dropout_add", "bias_dropout_add_layer_norm",
-                "dropout", "native_layer_norm_backward", "_softmax_backward_data", "gelu_backward")
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.n = n
-        self.count = 0
-        self.raised = False
-        self.in_replay = False
-        self.where = ""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.raised and func.overloadpacket.__name__ in self._COMPUTE:
-            self.count += 1
-            if self.count == self.n:
-                self.raised = True
-                self.in_replay = _in_replay()
-                self.where = str(func)
-                raise KeyboardInterrupt(f"soak: injected at operator {self.n} ({func})")
-        return func(*args, **(kwargs or {}))
-
-
-def _grads(model: nn.Module) -> Dict[str, Optional[torch.Tensor]]:
-    return {n: p.grad for n, p in model.named_parameters()}
-
-
-def _first_difference(loss_a, loss_b, model_a, model_b) -> Optional[str]:
-    if not torch.equal(loss_a, loss_b):
-        return f"loss {loss_a.item()!r} vs {loss_b.item()!r}"
-    ga, gb = _grads(model_a), _grads(model_b)
-    for name, a in ga.items():
-        b = gb[name]
-        if (a is None) != (b is None):
-            return f"gradient of {name}: one is None"
-        if a is not None and not torch.equal(a, b):
-            return f"gradient of {name}: max abs difference {(a - b).abs().max().item():.3g}"
-    return None
-
-
-def inject_fault(p: dict, kind: str, n: int, ids, mask, seed: int) -> dict:
-    """One faulty attempt at a step of p's checkpointed model; everything it made dies on return.
-    forward-interrupt: KeyboardInterrupt at the n-th Python call of the forward (ckpt_ext's wrapper, the
-    model's code, a replay's runner); backward-interrupt: at the n-th computing operator of the backward
-    (often inside a replay, Python or C++); graph-dropped: the loss is computed and dropped."""
-    torch.manual_seed(seed)
-    trap = InterruptAtCall(n) if kind == "forward-interrupt" else InterruptAtOp(n)
-    try:
-        if kind == "forward-interrupt":
-            with trap:
-                p["loss"](p["ck"], ids, mask)
-        else:
-            loss = p["loss"](p["ck"], ids, mask)
-            if kind == "backward-interrupt":
-                with trap:
-                    loss.backward()
-    except KeyboardInterrupt:
-        pass
-    return {"kind": kind, "n": n, "raised": trap.raised, "in_replay": trap.in_replay, "where": trap.where}
-
-
-def drain_autograd_queue():
-    """Runs a trivial backward. After an exception in backward, PyTorch's autograd engine leaves the tasks
-    it had queued in this thread's ready queue, and with them the part of the graph they reference (pooled
-    boundaries included), until the next backward on the thread pops and discards them. Plain PyTorch
-    does the same with ordinary activations; the pool is checked after this."""
-    torch.zeros((), requires_grad=True).backward()
 
 
 # --------------------------------------------------------------------------------------------------

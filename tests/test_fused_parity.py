@@ -3,11 +3,9 @@
 * Parity with the Hugging Face module each fused layer replaces (dropout off): outputs, the input's
   gradient and every parameter's gradient, float32, on odd shapes (hidden 72, 3 heads, seq 37; Llama
   with grouped-query attention), with and without padding masks; eval / no_grad parity.
-* Dropout on: reproducible under torch.manual_seed, the observed drop rate within statistical bounds.
 * fuse(): state_dict keys and Parameter identity preserved, warnings and errors, Hugging Face's own
   forward for the calls the fused path cannot serve (KV cache in eval, attention weights requested).
-* Checkpointing (SegmentFunction): enable_checkpointing(every=1, 2, all) on fused models equals the
-  non-checkpointed fused model exactly, dropout on; the pool is empty again after backward.
+* Autocast: error within a multiple of Hugging Face's, and checkpointed == not checkpointed exactly.
 
 Tolerances (float32): |fused - hf| <= 1e-5 * |hf| + 1e-6 * scale, scale = the largest magnitude of the
 quantity compared (per tensor; per model for gradients, because some gradients -- BERT's key bias -- are
@@ -15,24 +13,18 @@ zero in exact arithmetic and pure rounding noise in both implementations); the m
 in helpers/hf_models.py.
 """
 import copy
-import math
 import warnings
 
 import pytest
 import torch
 
-import ckpt_ext
 from ckpt_ext import FusedTransformerLayer, fuse
 
 transformers = pytest.importorskip("transformers")
 from helpers.devices import DEVICES, requires_cuda  # noqa: E402
 from helpers.hf_models import (B, FAMILIES, H, S, assert_training_parity, close, embeds_call,  # noqa: E402
                                fused_copy, inputs_for, layers_of, make_model)
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
+from helpers.fused import _checkpointed_pair, _seed  # noqa: E402,F401  (an autouse fixture)
 
 
 # ---- parity with Hugging Face (dropout off) ---------------------------------------------------------------------------
@@ -177,108 +169,6 @@ def test_explicit_attention_path_matches(family, padding, attn):
     assert_training_parity(model, fused, family, kw)
 
 
-# ---- dropout -------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
-def test_dropout_is_reproducible_and_seeded(family):
-    model = fuse(make_model(family, dropout=0.2)).train()
-    kw = inputs_for(family, padding=True)
-    torch.manual_seed(5)
-    a = model(**kw).last_hidden_state
-    torch.manual_seed(5)
-    b = model(**kw).last_hidden_state
-    c = model(**kw).last_hidden_state
-    assert torch.equal(a, b)
-    assert not torch.equal(b, c)
-    model.eval()
-    with torch.no_grad():
-        d = model(**kw).last_hidden_state
-    assert not torch.equal(a, d)
-
-
-@pytest.mark.parametrize("p", [0.1, 0.5])
-def test_residual_dropout_rate(p):
-    """GPT-2 block with zero projections and unit biases: out - x is the residual dropout of ones."""
-    model = make_model("gpt2", dropout=p, layers=1, attn_pdrop=0.0).train()
-    block = model.h[0]
-    with torch.no_grad():
-        for lin, bias in ((block.attn.c_proj, 0.0), (block.mlp.c_proj, 1.0)):
-            lin.weight.zero_()
-            lin.bias.fill_(bias)
-    fused = FusedTransformerLayer(block).train()
-    x = torch.randn(4, 100, H)
-    drop = fused(x) - x
-    scaled = 1.0 / (1.0 - p)
-    kept = (drop - scaled).abs() < 1e-5
-    dropped = drop.abs() < 1e-5
-    assert bool((kept | dropped).all())
-    n = drop.numel()
-    rate = dropped.sum().item() / n
-    assert abs(rate - p) < 5 * math.sqrt(p * (1 - p) / n)
-
-
-@pytest.mark.parametrize("p", [0.1, 0.5])
-def test_attention_dropout_rate(p):
-    """GPT-2 block with q = 0 (uniform causal attention: row i weighs i + 1 keys by 1/(i+1)), v = 1, an
-    identity output projection and a zero MLP: out - x = dropout(probs) @ 1, so (out - x) * (i+1) * (1-p)
-    counts the kept attention weights of each row exactly."""
-    model = make_model("gpt2", layers=1, attn_pdrop=p, resid_pdrop=0.0).train()
-    block = model.h[0]
-    with torch.no_grad():
-        block.attn.c_attn.weight[:, :H].zero_()  # q
-        block.attn.c_attn.bias[:H].zero_()
-        block.attn.c_attn.weight[:, 2 * H:].zero_()  # v = bias = 1
-        block.attn.c_attn.bias[2 * H:].fill_(1.0)
-        block.attn.c_proj.weight.copy_(torch.eye(H))
-        block.attn.c_proj.bias.zero_()
-        block.mlp.c_proj.weight.zero_()
-        block.mlp.c_proj.bias.zero_()
-    fused = FusedTransformerLayer(block).train()
-    batch, seq = 4, 100
-    x = torch.randn(batch, seq, H)
-    ctx = (fused(x) - x).view(batch, seq, 3, H // 3)[..., 0]  # one value per (batch, row, head)
-    rows = torch.arange(1, seq + 1, dtype=torch.float32).view(1, seq, 1)
-    kept = ctx * rows * (1 - p)
-    assert torch.allclose(kept, kept.round(), atol=1e-3)
-    n = batch * 3 * seq * (seq + 1) // 2
-    rate = 1 - kept.round().sum().item() / n
-    assert abs(rate - p) < 5 * math.sqrt(p * (1 - p) / n)
-
-
-def test_attention_dropout_changes_only_the_attention():
-    """Attention-probability dropout is applied (SDPA's, seeded from the layer's seed), reproducibly."""
-    model = make_model("llama", dropout=0.3, layers=1).train()
-    layer = model.layers[0]
-    fused = FusedTransformerLayer(layer)
-    x = torch.randn(B, S, H)
-    cos, sin = model.rotary_emb(x, torch.arange(S)[None])
-    torch.manual_seed(1)
-    a = fused(x, position_embeddings=(cos, sin))
-    torch.manual_seed(1)
-    assert torch.equal(a, fused(x, position_embeddings=(cos, sin)))
-    fused.eval()
-    ref = fused(x, position_embeddings=(cos, sin))
-    assert not torch.allclose(a, ref)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_attention_dropout_leaves_the_generator_as_it_was(device):
-    """SDPA's dropout runs from a generator state derived from the layer's seed and the user's generator is
-    put back afterwards: a GPT-2 block call with attention dropout leaves the generator exactly where the
-    same call without it (residual dropout only: one seed drawn) does, and repeats under the same seed."""
-    gen = torch.default_generator if device == "cpu" else torch.cuda.default_generators[0]
-    x = torch.randn(B, S, H, device=device)
-    states, outs = [], []
-    for attn_p in (0.3, 0.0, 0.3):
-        torch.manual_seed(0)  # same weights each time
-        block = make_model("gpt2", layers=1, attn_pdrop=attn_p, resid_pdrop=0.1).train().to(device).h[0]
-        torch.manual_seed(3)
-        outs.append(FusedTransformerLayer(block)(x))
-        states.append(gen.get_state())
-    assert torch.equal(states[0], states[1]) and torch.equal(states[0], states[2])
-    assert torch.equal(outs[0], outs[2])
-
 
 # ---- fuse(): structure, warnings, errors ---------------------------------------------------------------------------
 
@@ -400,195 +290,3 @@ def test_autocast_checkpointed_equals_not_checkpointed_exactly_with_dropout(fami
     assert grads[0][2].keys() == grads[1][2].keys()
     for n, g in grads[0][2].items():
         assert torch.equal(g, grads[1][2][n]), n
-
-
-# ---- checkpointing: SegmentFunction --------------------------------------------------------------------------------
-
-
-def _checkpointed_pair(family, every, layers=3, dropout=0.2):
-    model = fuse(make_model(family, dropout=dropout, layers=layers)).train()
-    ck = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename
-        ckpt_ext.enable_checkpointing(ck, every=every)
-    return model, ck
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("every", [1, 2, 3], ids=["every1", "every2", "all"])
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "llama-gqa"])
-def test_checkpointed_equals_not_checkpointed_exactly_with_dropout(family, every, device):
-    model, ck = _checkpointed_pair(family, every)
-    model.to(device)
-    ck.to(device)
-    kw = inputs_for(family, padding=True, device=device)
-    torch.manual_seed(7)
-    e_ref, ref = embeds_call(model, family, kw)
-    torch.manual_seed(7)
-    before = ckpt_ext.pool_stats(device)["in_use_bytes"]
-    e_ck, out = embeds_call(ck, family, kw)
-    assert ckpt_ext.pool_stats(device)["in_use_bytes"] > before  # the segment outputs live in the pool
-    assert torch.equal(out, ref)
-    g = torch.randn_like(ref)
-    ref.backward(g)
-    out.backward(g)
-    assert torch.equal(e_ck.grad, e_ref.grad)
-    layer_params = {id(p) for p in layers_of(ck).parameters()}
-    for (name, p), q in zip(model.named_parameters(), ck.parameters()):
-        if id(q) in layer_params:
-            assert q.grad is not None, name
-        assert (p.grad is None) == (q.grad is None), name
-        assert p.grad is None or torch.equal(p.grad, q.grad), name
-    del out, ref
-    assert ckpt_ext.pool_stats(device)["in_use_bytes"] == before
-
-
-def test_segment_is_one_node_with_pooled_output():
-    model, ck = _checkpointed_pair("bert", every=3)
-    out = ck(**inputs_for("bert", padding=True)).last_hidden_state
-    assert "SegmentFunction" in out.grad_fn.name()
-    assert ckpt_ext.is_pooled(out)
-    # The node's inputs: the hidden states and every distinct parameter of the three layers.
-    n_params = sum(1 for _ in ck.encoder.layer.parameters())
-    assert len(out.grad_fn.next_functions) == 1 + n_params
-
-
-def test_is_recomputing_during_the_segment_replay_only():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append((str(func), ckpt_ext.is_recomputing()))
-            return func(*args, **(kwargs or {}))
-
-    _, ck = _checkpointed_pair("gpt2", every=2, layers=2)
-    with Record() as fwd:
-        out = ck(**inputs_for("gpt2", padding=False)).last_hidden_state
-    assert fwd.seen and not any(flag for _, flag in fwd.seen)
-    with Record() as bwd:
-        out.sum().backward()
-    replayed = [op for op, flag in bwd.seen if flag]
-    assert any("addmm" in op or "mm" in op for op in replayed), bwd.seen  # the layers' GEMMs, rerun
-    assert not ckpt_ext.is_recomputing()
-
-
-def test_segment_grad_wrt_input_only_and_eval():
-    model, ck = _checkpointed_pair("gpt2", every=2, layers=2)
-    kw = inputs_for("gpt2", padding=False)
-    torch.manual_seed(1)
-    e_ref, ref = embeds_call(model, "gpt2", kw)
-    torch.manual_seed(1)
-    e_ck, out = embeds_call(ck, "gpt2", kw)
-    (g_ref,) = torch.autograd.grad(ref.sum(), e_ref)
-    (g_ck,) = torch.autograd.grad(out.sum(), e_ck)
-    assert torch.equal(g_ck, g_ref)
-    assert all(p.grad is None for p in ck.parameters())
-    ck.eval()
-    model.eval()
-    with torch.no_grad():
-        assert torch.equal(ck(**kw).last_hidden_state, model(**kw).last_hidden_state)
-
-
-def test_segment_detects_parameters_modified_before_backward():
-    model, ck = _checkpointed_pair("llama", every=2, layers=2)
-    out = ck(**inputs_for("llama", padding=False)).last_hidden_state
-    with torch.no_grad():
-        ck.layers[0].mlp.up_proj.weight.add_(1.0)
-    with pytest.raises(RuntimeError, match="modified in place between forward and backward"):
-        out.sum().backward()
-
-
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_replay_skips_the_last_linear(family):
-    """The backward replays the segment but never multiplies the last linear's input by its weight."""
-    model, ck = _checkpointed_pair(family, every=2, layers=2)
-    last = ck.get_submodule("h.1.mlp.c_proj" if family == "gpt2" else "layers.1.mlp.down_proj")
-    weight = last.weight
-    out = ck(**inputs_for(family, padding=False)).last_hidden_state
-    forward_orientation = (weight.t() if family == "llama" else weight).stride()  # x @ W^T (Linear), x @ W (Conv1D)
-    uses = []  # (is the forward product?) for every matrix product reading the weight
-
-    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-                w = args[-1]
-                if w.data_ptr() == weight.data_ptr():
-                    uses.append(w.stride() == forward_orientation)
-            return func(*args, **(kwargs or {}))
-
-    with Spy():
-        out.sum().backward()
-    assert uses == [False]  # only the input-gradient product g @ W (transposed orientation)
-    assert weight.grad is not None
-
-
-def test_hugging_face_gradient_checkpointing_uses_the_segment_function():
-    model, _ = _checkpointed_pair("gpt2", every=1, layers=2)
-    hf_ck = copy.deepcopy(model)
-    (getattr(hf_ck, "activation_checkpointing_enable", None) or hf_ck.gradient_checkpointing_enable)()
-    assert all(m.gradient_checkpointing for m in hf_ck.h)
-    kw = inputs_for("gpt2", padding=True)
-    torch.manual_seed(2)
-    ref = model(**kw).last_hidden_state
-    torch.manual_seed(2)
-    out = hf_ck(**kw).last_hidden_state
-    assert torch.equal(out, ref)
-    ref.sum().backward()
-    out.sum().backward()
-    for (name, p), q in zip(model.named_parameters(), hf_ck.parameters()):
-        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
-    with pytest.raises(ValueError, match="gradient checkpointing enabled"):
-        ckpt_ext.enable_checkpointing(hf_ck)
-
-
-def test_segment_with_a_weight_shared_by_two_layers():
-    """Tied weights are one input of the node; the last linear's hand-computed gradient adds to the rest."""
-    model, ck = _checkpointed_pair("llama", every=2, layers=2)
-    for m in (model, ck):
-        m.layers[0].mlp.down_proj.weight = m.layers[1].mlp.down_proj.weight  # the last linear of the segment
-    kw = inputs_for("llama", padding=False)
-    torch.manual_seed(4)
-    ref = model(**kw).last_hidden_state
-    torch.manual_seed(4)
-    out = ck(**kw).last_hidden_state
-    assert torch.equal(out, ref)
-    g = torch.randn_like(ref)
-    ref.backward(g)
-    out.backward(g)
-    shared_ref, shared = model.layers[1].mlp.down_proj.weight, ck.layers[1].mlp.down_proj.weight
-    close(shared.grad, shared_ref.grad)
-    for (name, p), q in zip(model.named_parameters(), ck.parameters()):
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            close(q.grad, p.grad, scale=p.grad.abs().max().item())
-
-
-def test_masks_are_checked():
-    model = make_model("bert", layers=1)
-    layer = FusedTransformerLayer(model.encoder.layer[0])
-    x = torch.randn(B, S, H)
-    with pytest.raises(RuntimeError, match="4-D mask"):
-        layer(x, torch.ones(B, S, dtype=torch.bool))
-    with pytest.raises(RuntimeError, match="bool or have the dtype"):
-        layer(x, torch.zeros(B, 1, S, S, dtype=torch.float64))
-
-
-def test_submodule_replaced_after_fuse_runs_hugging_face_forward():
-    model = make_model("gpt2", layers=2).train()
-    fused = fused_copy(model)
-    new = copy.deepcopy(model.h[1].mlp.c_fc)
-    with torch.no_grad():
-        new.weight.mul_(2.0)
-    model.h[1].mlp.c_fc = new
-    fused.h[1].mlp.c_fc = copy.deepcopy(new)
-    new_mlp = copy.deepcopy(model.h[0].mlp)
-    model.h[0].mlp = new_mlp
-    fused.h[0].mlp = copy.deepcopy(new_mlp)  # a direct child of the fused layer
-    kw = inputs_for("gpt2", padding=True)
-    with pytest.warns(UserWarning, match="was replaced after fuse"):
-        out = fused(**kw).last_hidden_state
-    close(out, model(**kw).last_hidden_state)

@@ -1,172 +1,15 @@
-"""The BoundaryPool: what checkpointing puts in it, its accounting, growth, release, and (on CUDA)
-stream-ordered reuse. The pool of a device is shared by the whole process, so the tests compare
-counters with their values at the start of the test, not with zero."""
-import gc
-
+"""The BoundaryPool's accounting, growth and release: out-of-order frees, views, peaks, chunks given back, the
+chunk size, bad arguments, and random store/write/free sequences (hypothesis). Shared helpers:
+tests/helpers/pool.py."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt_ext
-from reference import assert_grads_close, chain, leaf_inputs, loss_of, make_stack, run_step
 
-ALIGN = 256
-CPU = torch.device("cpu")
-pool_store = ckpt_ext._C.pool_store
-
-from helpers.devices import requires_cuda  # noqa: E402
-
-
-def aligned(nbytes: int) -> int:
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
-
-
-def slot_bytes(t: torch.Tensor) -> int:
-    """What a pooled copy of t occupies: its byte span, 256-byte aligned (nothing when empty)."""
-    return aligned(t.numel() * t.element_size()) if t.numel() else 0
-
-
-def stats(device="cpu"):
-    gc.collect()  # pooled tensors held only by reference cycles (tracebacks) die here
-    return ckpt_ext.pool_stats(device)
-
-
-@pytest.fixture
-def chunk_bytes():
-    """Sets the CPU pool's chunk size for the test, restores it and drops empty chunks afterwards."""
-    old = ckpt_ext.pool_chunk_bytes(CPU)
-    yield lambda n: ckpt_ext.set_pool_chunk_bytes(n, "cpu")
-    ckpt_ext.set_pool_chunk_bytes(old, "cpu")
-    gc.collect()
-    ckpt_ext.empty_pool("cpu")
-
-
-# --------------------------------------------------------------------------------------------------
-# What checkpointing keeps in the pool
-# --------------------------------------------------------------------------------------------------
-def _forward_chain(stack, x):
-    outs, h = [], x
-    for block in stack:
-        h = ckpt_ext.checkpoint(block, h)
-        outs.append(h)
-    return outs
-
-
-def test_checkpoint_outputs_are_not_pooled():
-    # ckpt_ext.checkpoint follows torch's non-reentrant design (issue 13): its outputs are the function's
-    # own tensors in the real graph, so the pool is untouched; the fused SegmentFunction still pools.
-    stack = make_stack(4, p=0.1, seed=1)
-    x, = leaf_inputs((9, 19), seed=1)
-    start = stats()
-    outs = _forward_chain(stack, x)
-    assert not any(ckpt_ext.is_pooled(t) for t in outs)
-    assert stats()["in_use_bytes"] == start["in_use_bytes"]
-    loss_of(outs[-1]).backward()
-    del outs
-    assert stats()["live_slots"] == start["live_slots"]
-
-
-def test_steady_state_training_does_not_grow_the_pool():
-    stack = make_stack(3, p=0.1, seed=3)
-    params = dict(stack.named_parameters())
-    x, = leaf_inputs((8, 19), seed=3)
-    start = stats()
-    run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=0)
-    after_first = stats()
-    seen = set()
-    for step in range(1, 51):
-        run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=step)
-        s = ckpt_ext.pool_stats("cpu")
-        seen.add((s["reserved_bytes"], s["grows"], s["chunks"]))
-    assert seen == {(after_first["reserved_bytes"], after_first["grows"], after_first["chunks"])}
-    assert stats()["in_use_bytes"] == start["in_use_bytes"]
-
-
-# What the pool holds: the outputs of fused segments (ckpt_ext.checkpoint keeps no pool bytes since
-# issue 13). A stack of tiny fused BERT layers, each run as its own segment, gives one boundary each.
-BOUNDARY = (4, 16, 16)  # float32: 4096 bytes, a multiple of the alignment
-BOUNDARY_BYTES = 4 * 16 * 16 * 4
-
-
-def _fused_layers(n, seed):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    cfg = transformers.BertConfig(hidden_size=16, num_hidden_layers=n, num_attention_heads=2, intermediate_size=24,
-                                  vocab_size=11, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
-    model = transformers.BertModel(cfg, add_pooling_layer=False).train()
-    ckpt_ext.fuse(model)
-    return list(model.encoder.layer)
-
-
-def _segment(layer, h):
-    from ckpt_ext.fused import run_segment
-    return run_segment([layer], (h,), {})
-
-
-def _sampled_backward(layers, x):
-    """Forward through fused segments keeping only the last output; returns the pool's stats after
-    forward and as sampled by a hook on each boundary's gradient during backward."""
-    samples = []
-    h = x
-    for layer in layers:
-        h = _segment(layer, h)
-        assert ckpt_ext.is_pooled(h)
-        h.register_hook(lambda g: samples.append(ckpt_ext.pool_stats("cpu")))
-    after_forward = ckpt_ext.pool_stats("cpu")
-    loss = loss_of(h)
-    del h  # the graph alone holds the boundaries now
-    loss.backward()
-    return after_forward, samples
-
-
-def test_reserved_bytes_fall_during_backward(chunk_bytes):
-    _empty_pool_at_start()
-    chunk = 4 * BOUNDARY_BYTES  # four boundaries a chunk: twelve layers fill three
-    chunk_bytes(chunk)
-    layers = _fused_layers(12, seed=7)
-    x, = leaf_inputs(BOUNDARY, seed=7)
-    after_forward, samples = _sampled_backward(layers, x)
-    assert (after_forward["reserved_bytes"], after_forward["live_slots"]) == (3 * chunk, 12)
-    reserved = [s["reserved_bytes"] for s in samples]
-    assert len(reserved) == 12 and reserved == sorted(reserved, reverse=True)
-    assert min(reserved) < after_forward["reserved_bytes"]  # given back while backward still runs
-    # What is reserved beyond the live slots is at most the spare and one partly freed chunk.
-    assert all(s["reserved_bytes"] - s["in_use_bytes"] <= 2 * chunk for s in samples)
-    end = stats()
-    assert (end["reserved_bytes"], end["chunks"], end["live_slots"]) == (chunk, 1, 0)  # the spare
-
-
-def test_training_loop_reaches_a_steady_state(chunk_bytes):
-    # Chunks go back and come again every step; what the pool holds between steps and at its peak
-    # within a step stays the same for 50 steps after the warm-up.
-    _empty_pool_at_start()
-    chunk_bytes(4 * BOUNDARY_BYTES)
-    layers = _fused_layers(12, seed=8)
-    params = {f"{i}.{n}": p for i, layer in enumerate(layers) for n, p in layer.named_parameters()}
-    x, = leaf_inputs(BOUNDARY, seed=8)
-    for step in range(3):
-        run_step(chain(layers, _segment), [x], params=params, seed=step)
-    before = ckpt_ext.pool_stats("cpu")
-    seen = set()
-    for step in range(50):
-        ckpt_ext.reset_peak_stats("cpu")
-        run_step(chain(layers, _segment), [x], params=params, seed=step)
-        s = ckpt_ext.pool_stats("cpu")
-        seen.add((s["reserved_bytes"], s["chunks"], s["peak_reserved_bytes"], s["in_use_bytes"]))
-    assert seen == {(4 * BOUNDARY_BYTES, 1, 3 * 4 * BOUNDARY_BYTES, 0)}
-    assert ckpt_ext.pool_stats("cpu")["releases"] - before["releases"] == 50 * 2  # not vacuous
-
-
-def test_checkpointed_training_matches_after_many_steps():
-    # Slots reused step after step still hold the right boundaries.
-    stack = make_stack(3, p=0.2, seed=4)
-    params = dict(stack.named_parameters())
-    x, = leaf_inputs((8, 19), seed=4)
-    for step in range(5):
-        ref = run_step(chain(stack), [x], params=params, seed=step)
-        ours = run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=step)
-        assert_grads_close(ref, ours, exact=True)
+from helpers.pool import (ALIGN, CPU, _empty_pool_at_start, chunk_bytes, pool_store,  # noqa: F401  (a fixture)
+                          slot_bytes, stats)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,15 +80,6 @@ def test_peak_in_use_and_reset():
     ckpt_ext.reset_peak_stats("cpu")
     assert ckpt_ext.pool_stats("cpu")["peak_in_use_bytes"] == start["in_use_bytes"] + slot_bytes(small)
     del small
-
-
-def _empty_pool_at_start():
-    s = stats()
-    assert s["live_slots"] == 0, "an earlier test left pooled tensors alive"
-    ckpt_ext.empty_pool("cpu")
-    s = ckpt_ext.pool_stats("cpu")
-    assert (s["reserved_bytes"], s["chunks"]) == (0, 0)
-    return s
 
 
 def test_empty_chunk_goes_back_at_once_but_one_spare(chunk_bytes):
@@ -465,64 +299,3 @@ def test_random_store_write_free_sequences(ops, chunk_kib):
     finally:
         ckpt_ext.set_pool_chunk_bytes(old_chunk, "cpu")
         ckpt_ext.empty_pool("cpu")
-
-
-# --------------------------------------------------------------------------------------------------
-# CUDA
-# --------------------------------------------------------------------------------------------------
-@pytest.mark.cuda
-@requires_cuda
-def test_cuda_parity_with_dropout():
-    stack = make_stack(3, dim=64, hidden=128, p=0.2, seed=5).cuda()
-    params = dict(stack.named_parameters())
-    x, = leaf_inputs((32, 64), seed=5, device="cuda")
-    ref = run_step(chain(stack), [x], params=params, seed=3)
-    ours = run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=3)
-    assert_grads_close(ref, ours, exact=True)
-
-
-@pytest.mark.cuda
-@requires_cuda
-def test_cuda_pool_returns_to_start():
-    stack = make_stack(4, dim=64, hidden=128, p=0.1, seed=6).cuda()
-    x, = leaf_inputs((32, 64), seed=6, device="cuda")
-    start = stats("cuda")
-    outs = _forward_chain(stack, x)
-    during = stats("cuda")
-    assert all(ckpt_ext.is_pooled(t) for t in outs)
-    assert during["in_use_bytes"] - start["in_use_bytes"] == sum(slot_bytes(t) for t in outs)
-    loss_of(outs[-1]).backward()
-    del outs
-    torch.cuda.synchronize()
-    end = stats("cuda")
-    assert (end["in_use_bytes"], end["live_slots"]) == (start["in_use_bytes"], start["live_slots"])
-    # The same after a graph dropped without backward.
-    out = chain(stack, ckpt_ext.checkpoint)(x)
-    del out
-    end = stats("cuda")
-    assert (end["in_use_bytes"], end["live_slots"]) == (start["in_use_bytes"], start["live_slots"])
-
-
-@pytest.mark.cuda
-@requires_cuda
-def test_cuda_slot_used_on_side_stream_not_reused_early():
-    n = 1 << 22
-    main = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    pooled = pool_store(torch.full((n,), 1.0, device="cuda"))
-    address = pooled.data_ptr()
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)  # a long kernel: the read below runs well after the free
-        seen = pooled * 1.0
-    ckpt_ext.record_stream(pooled, side)
-    fences = ckpt_ext.pool_stats("cuda")["stream_fences"]
-    del pooled
-    # A new slot of the same size on the main stream: the LIFO pool hands out the same memory, and
-    # its copy must wait for the side stream's read.
-    fresh = pool_store(torch.full((n,), 2.0, device="cuda"))
-    assert fresh.data_ptr() == address
-    torch.cuda.synchronize()
-    assert ckpt_ext.pool_stats("cuda")["stream_fences"] > fences
-    assert torch.equal(seen, torch.full((n,), 1.0, device="cuda"))
-    assert torch.equal(fresh, torch.full((n,), 2.0, device="cuda"))

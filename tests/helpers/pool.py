@@ -1,0 +1,54 @@
+"""What the pool tests (test_pool_*.py) share: slot sizes, the pool's counters, a fixture setting the CPU pool's
+chunk size for one test. The pool of a device is shared by the whole process, so the tests compare counters with
+their values at the start of the test, not with zero."""
+import gc
+
+import pytest
+import torch
+
+import ckpt_ext
+
+ALIGN = 256
+CPU = torch.device("cpu")
+pool_store = ckpt_ext._C.pool_store
+
+
+def aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def slot_bytes(t: torch.Tensor) -> int:
+    """What a pooled copy of t occupies: its byte span, 256-byte aligned (nothing when empty)."""
+    return aligned(t.numel() * t.element_size()) if t.numel() else 0
+
+
+def stats(device="cpu"):
+    gc.collect()  # pooled tensors held only by reference cycles (tracebacks) die here
+    return ckpt_ext.pool_stats(device)
+
+
+@pytest.fixture
+def chunk_bytes():
+    """Sets the CPU pool's chunk size for the test, restores it and drops empty chunks afterwards."""
+    old = ckpt_ext.pool_chunk_bytes(CPU)
+    yield lambda n: ckpt_ext.set_pool_chunk_bytes(n, "cpu")
+    ckpt_ext.set_pool_chunk_bytes(old, "cpu")
+    gc.collect()
+    ckpt_ext.empty_pool("cpu")
+
+
+def _forward_chain(stack, x):
+    outs, h = [], x
+    for block in stack:
+        h = ckpt_ext.checkpoint(block, h)
+        outs.append(h)
+    return outs
+
+
+def _empty_pool_at_start():
+    s = stats()
+    assert s["live_slots"] == 0, "an earlier test left pooled tensors alive"
+    ckpt_ext.empty_pool("cpu")
+    s = ckpt_ext.pool_stats("cpu")
+    assert (s["reserved_bytes"], s["chunks"]) == (0, 0)
+    return s

@@ -1,0 +1,138 @@
+"""Tests of the dropout kernels (torch.ops.ckpt_ext.dropout and the dropout inside the fused ops).
+
+Dropout is tested for its rate, determinism, prefix property, agreement with an independent Philox
+implementation written here, and for forward and backward using the same mask. On CUDA (skipped
+without a GPU) the CPU and CUDA masks and outputs must be equal.
+"""
+import math
+
+import pytest
+import torch
+
+from ckpt_ext import ops
+
+from helpers.devices import DEVICES, requires_cuda
+from helpers.kernel_refs import _MASK32, philox4x32_10, ref_dropout, reference_dropout_mask
+from helpers.kernel_fixtures import DTYPES, _seed  # noqa: F401  (an autouse fixture)
+
+
+# ---- dropout -----------------------------------------------------------------------------------------------
+
+
+def test_philox_reference_known_answers():
+    """The test's Philox is the Random123 one (its known-answer vectors), so it can specify the kernels' masks."""
+    kat = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((_MASK32,) * 4, (_MASK32, _MASK32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
+    ]
+    for counter, key, want in kat:
+        got = philox4x32_10(tuple(torch.tensor([c]) for c in counter), key)
+        assert tuple(int(w) for w in got) == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed,offset", [(0, 0), (1234, 5), (2**40 + 7, 2**33 + 1), (-1, 3), (7, -2)])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.93])
+def test_dropout_mask_matches_specification(device, seed, offset, p):
+    mask = ops.dropout_mask(1001, p, seed, offset, device)
+    assert mask.dtype == torch.bool and mask.shape == (1001,) and mask.device.type == device
+    assert torch.equal(mask.cpu(), reference_dropout_mask(1001, p, seed, offset))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_mask_rate(device, p):
+    n = 1 << 20
+    for seed, offset in [(0, 0), (17, 3)]:
+        rate = 1.0 - ops.dropout_mask(n, p, seed, offset, device).double().mean().item()
+        assert abs(rate - p) <= 5 * math.sqrt(p * (1 - p) / n), f"drop rate {rate} for p={p}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_mask_determinism_and_prefix(device):
+    m = ops.dropout_mask(4099, 0.5, 42, 7, device)
+    assert torch.equal(m, ops.dropout_mask(4099, 0.5, 42, 7, device))
+    assert not torch.equal(m, ops.dropout_mask(4099, 0.5, 42, 8, device))
+    assert not torch.equal(m, ops.dropout_mask(4099, 0.5, 43, 7, device))
+    for n in (1, 3, 37, 1000, 4098):  # element i's flag does not depend on numel
+        assert torch.equal(ops.dropout_mask(n, 0.5, 42, 7, device), m[:n])
+    assert ops.dropout_mask(0, 0.5, 42, 7, device).shape == (0,)
+    assert bool(ops.dropout_mask(100, 0.0, 1, 2, device).all())
+    assert not bool(ops.dropout_mask(100, 1.0, 1, 2, device).any())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 72), (3, 129), (5, 1)])
+def test_dropout_forward_and_backward_use_the_same_mask(device, dtype, shape):
+    p, seed, offset = 0.3, 99, 12
+    numel = math.prod(shape)
+    mask = ops.dropout_mask(numel, p, seed, offset, device).reshape(shape)
+    ones = torch.ones(shape, dtype=dtype, device=device)
+    zeros = torch.zeros(shape, dtype=dtype, device=device)
+    scale = torch.tensor(1 / (1 - p), dtype=dtype).item()
+    fwd = ops.bias_dropout_add(ones, None, zeros, p, seed, offset)
+    assert torch.equal(fwd != 0, mask)
+    assert torch.all(fwd[mask] == scale)
+    bwd = ops.dropout(ones, p, seed, offset)
+    assert torch.equal(bwd, fwd)
+    # The same mask through autograd of bias_dropout_add, and inside the fused LayerNorm.
+    x = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    ops.bias_dropout_add(x, None, zeros, p, seed, offset).backward(ones)
+    assert torch.equal(x.grad, fwd)
+    w = torch.randn(shape[-1], dtype=dtype, device=device)
+    out, pre, mean, rstd = ops.bias_dropout_add_layer_norm(ones, None, zeros, w, None, p, 1e-5, seed, offset)
+    assert torch.equal(pre, fwd)
+    g = torch.randn(shape, dtype=dtype, device=device)
+    grad_x, grad_res, _, _ = ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, p, seed, offset)
+    assert torch.equal(grad_x == 0, ~mask | (grad_res == 0))
+    rtol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(grad_x, ref_dropout(grad_res, mask, p), rtol=rtol, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_p_zero_and_one(device):
+    x = torch.randn(7, 9, device=device)
+    r = torch.randn(7, 9, device=device)
+    torch.testing.assert_close(ops.bias_dropout_add(x, None, r, 0.0, 1, 2), x + r)
+    torch.testing.assert_close(ops.bias_dropout_add(x, None, r, 1.0, 1, 2), r)
+    assert torch.equal(ops.dropout(x, 0.0, 1, 2), x)
+    assert torch.equal(ops.dropout(x, 1.0, 1, 2), torch.zeros_like(x))
+
+
+# ---- CUDA == CPU -----------------------------------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("numel", [1, 3, 1001, 1 << 20])
+def test_cpu_and_cuda_draw_the_same_mask(numel):
+    for p, seed, offset in [(0.1, 0, 0), (0.5, 2**40 + 3, 2**33 + 9), (0.7, -5, 1)]:
+        cuda = ops.dropout_mask(numel, p, seed, offset, "cuda").cpu()
+        assert torch.equal(cuda, ops.dropout_mask(numel, p, seed, offset, "cpu"))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 72), (3, 129), (129, 3), (2, 1001)])
+def test_cuda_dropout_kernels_match_cpu(dtype, shape):
+    """The fused kernels apply the same mask on both devices (compared through the dropped pattern)."""
+    p, seed, offset = 0.25, 123, 456
+    x = torch.randn(shape).to(dtype) + 3.0  # never zero, so zeros in the output are exactly the dropped elements
+    zeros = torch.zeros(shape, dtype=dtype)
+    w = torch.ones(shape[-1], dtype=dtype)
+    cpu = ops.bias_dropout_add(x, None, zeros, p, seed, offset)
+    cuda = ops.bias_dropout_add(x.cuda(), None, zeros.cuda(), p, seed, offset).cpu()
+    assert torch.equal(cpu == 0, cuda == 0)
+    torch.testing.assert_close(cuda, cpu)
+    pre_cpu = ops.bias_dropout_add_layer_norm(x, None, zeros, w, None, p, 1e-5, seed, offset)[1]
+    pre_cuda = ops.bias_dropout_add_layer_norm(x.cuda(), None, zeros.cuda(), w.cuda(), None, p, 1e-5, seed, offset)[1]
+    assert torch.equal(pre_cpu == 0, pre_cuda.cpu() == 0)
+    grad_cuda = ops.dropout(x.cuda(), p, seed, offset).cpu()
+    assert torch.equal(ops.dropout(x, p, seed, offset) == 0, grad_cuda == 0)
