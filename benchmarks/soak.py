@@ -89,12 +89,7 @@ def run(steps: int = 2000, models=MODELS, max_batch: int = 6, max_seq: int = 48,
         ckpt_ext.set_pool_chunk_bytes(saved[1], device)
 
 
-def _run(steps, models, max_batch, max_seq, seed, warmup, rss_every, fault_every, chunk_kib, progress, shape_set,
-         step_hook) -> dict:
-    warmup = max(1, steps // 10) if warmup is None else warmup
-    device = torch.device("cpu")
-    gc.collect()
-    ckpt_ext.empty_pool(device)  # chunks left by earlier work in this process would hide growth
+def _make_pairs(models, seed) -> dict:
     pairs = {}
     for i, name in enumerate(models):
         ck, ref, loss_fn = build_pair(name, seed + i)
@@ -103,58 +98,118 @@ def _run(steps, models, max_batch, max_seq, seed, warmup, rss_every, fault_every
         pairs[name] = dict(ck=ck, ref=ref, loss=loss_fn,
                            opt_ck=torch.optim.SGD(ck.parameters(), lr=0.02, momentum=0.9),
                            opt_ref=torch.optim.SGD(ref.parameters(), lr=0.02, momentum=0.9))
-    shapes = torch.Generator().manual_seed(seed)
-    # Faults: one of each kind early in the warm-up (so that one-time costs, such as the first use of a
-    # dispatch mode, fall in it), then every fault_every steps; kinds and models rotate through every pair.
+    return pairs
+
+
+def _fault_schedule(steps, models, warmup, fault_every) -> dict:
+    """{step: (fault kind, model)}. One of each kind early in the warm-up (so that one-time costs, such as
+    the first use of a dispatch mode, fall in it), then every fault_every steps; kinds and models rotate
+    through every pair."""
     fault_steps = ([s for s in (1, 2, 3) if s < warmup] + list(range(fault_every, steps, fault_every))
                    if fault_every else [])
-    fault_at = {}
-    for i, s in enumerate(fault_steps):
-        fault_at[s] = (FAULTS[i % len(FAULTS)], models[(i + i // len(FAULTS)) % len(models)])
-    gc.collect()
-    start = ckpt_ext.pool_stats(device)
-    base_in_use = start["in_use_bytes"]
+    return {s: (FAULTS[i % len(FAULTS)], models[(i + i // len(FAULTS)) % len(models)]) for i, s in enumerate(fault_steps)}
 
-    def global_state():
-        return dict(grad_enabled=torch.is_grad_enabled(), recomputing=ckpt_ext.is_recomputing(),
-                    autocast=torch.is_autocast_enabled("cpu"))
 
-    clean_state = global_state()
+def _draw_step(step, shapes, shape_set, max_batch, max_seq):
+    """(batch, seq, ids, mask, step_seed) of one step, drawn from the `shapes` generator."""
+    if shape_set:
+        i = step if step < len(shape_set) else int(torch.randint(len(shape_set), (1,), generator=shapes))
+        batch, seq = shape_set[i]
+    else:
+        batch = int(torch.randint(1, max_batch + 1, (1,), generator=shapes))
+        seq = int(torch.randint(2, max_seq + 1, (1,), generator=shapes))
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=shapes)
+    lengths = torch.randint(1, seq + 1, (batch,), generator=shapes)
+    lengths[0] = seq  # at least one full row
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+    step_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=shapes))
+    return batch, seq, ids, mask, step_seed
 
-    steps_log: List[dict] = []
-    rss_log: List[List[int]] = []
-    mismatches: List[str] = []
-    leaks: List[str] = []
-    problems: List[str] = []  # thread state left behind by a fault (grad mode, recomputing flag, autocast)
-    faults: List[dict] = []
-    step_seconds: List[float] = []
 
-    bar = None
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=steps, unit="step", file=sys.stderr, dynamic_ncols=True, desc="soak")
-        except ImportError:
-            bar = None
+def _global_state():
+    return dict(grad_enabled=torch.is_grad_enabled(), recomputing=ckpt_ext.is_recomputing(),
+                autocast=torch.is_autocast_enabled("cpu"))
 
-    def check_pool(step, what):
-        in_use = ckpt_ext.pool_stats(device)["in_use_bytes"]
-        if in_use != base_in_use:
-            leaks.append(f"step {step}, {what}: in_use_bytes {in_use} != {base_in_use} at the start")
+
+def _progress_bar(progress, steps):
+    if not progress:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=steps, unit="step", file=sys.stderr, dynamic_ncols=True, desc="soak")
+
+
+class _Log:
+    """What a soak run records, and the checks made after every step and fault."""
+
+    def __init__(self, device, base_in_use):
+        self.device, self.base_in_use = device, base_in_use
+        self.clean_state = _global_state()
+        self.steps: List[dict] = []
+        self.rss: List[List[int]] = []
+        self.mismatches: List[str] = []
+        self.leaks: List[str] = []
+        self.problems: List[str] = []  # thread state left behind by a fault (grad mode, recomputing flag, autocast)
+        self.faults: List[dict] = []
+        self.step_seconds: List[float] = []
+
+    def check_pool(self, step, what):
+        in_use = ckpt_ext.pool_stats(self.device)["in_use_bytes"]
+        if in_use != self.base_in_use:
+            self.leaks.append(f"step {step}, {what}: in_use_bytes {in_use} != {self.base_in_use} at the start")
         return in_use
 
+    def fault(self, step, name, kind, pair, n, ids, mask, step_seed):
+        record = inject_fault(pair, kind, n, ids, mask, step_seed)
+        record.update(step=step, model=name)
+        pair["opt_ck"].zero_grad(set_to_none=True)  # a partial backward may have left gradients
+        record["in_use_before_drain"] = ckpt_ext.pool_stats(self.device)["in_use_bytes"]
+        drain_autograd_queue()
+        record["in_use_after"] = self.check_pool(step, f"{name} after fault {kind}")
+        state = _global_state()
+        if state != self.clean_state:
+            self.problems.append(f"step {step}, {name} after fault {kind}: state {state} != {self.clean_state}")
+        self.faults.append(record)
+
+
+def _train_pair(step, name, p, ids, mask, step_seed, log, step_hook):
+    """One step of the checkpointed model and of its reference, compared bitwise."""
+    torch.manual_seed(step_seed)
+    loss_ck = p["loss"](p["ck"], ids, mask)
+    loss_ck.backward()
+    torch.manual_seed(step_seed)
+    loss_ref = p["loss"](p["ref"], ids, mask)
+    loss_ref.backward()
+    diff = _first_difference(loss_ck, loss_ref, p["ck"], p["ref"])
+    if diff is not None:
+        log.mismatches.append(f"step {step}, {name}: {diff}")
+    p["opt_ck"].step()
+    p["opt_ref"].step()
+    p["opt_ck"].zero_grad(set_to_none=True)
+    p["opt_ref"].zero_grad(set_to_none=True)
+    if step_hook is not None:
+        step_hook(step, name, p, ids, mask)
+    del loss_ck, loss_ref
+    log.check_pool(step, name)
+
+
+def _run(steps, models, max_batch, max_seq, seed, warmup, rss_every, fault_every, chunk_kib, progress, shape_set,
+         step_hook) -> dict:
+    warmup = max(1, steps // 10) if warmup is None else warmup
+    device = torch.device("cpu")
+    gc.collect()
+    ckpt_ext.empty_pool(device)  # chunks left by earlier work in this process would hide growth
+    pairs = _make_pairs(models, seed)
+    shapes = torch.Generator().manual_seed(seed)
+    fault_at = _fault_schedule(steps, models, warmup, fault_every)
+    gc.collect()
+    start = ckpt_ext.pool_stats(device)
+    log = _Log(device, start["in_use_bytes"])
+    bar = _progress_bar(progress, steps)
     for step in range(steps):
-        if shape_set:
-            i = step if step < len(shape_set) else int(torch.randint(len(shape_set), (1,), generator=shapes))
-            batch, seq = shape_set[i]
-        else:
-            batch = int(torch.randint(1, max_batch + 1, (1,), generator=shapes))
-            seq = int(torch.randint(2, max_seq + 1, (1,), generator=shapes))
-        ids = torch.randint(0, VOCAB, (batch, seq), generator=shapes)
-        lengths = torch.randint(1, seq + 1, (batch,), generator=shapes)
-        lengths[0] = seq  # at least one full row
-        mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
-        step_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=shapes))
+        batch, seq, ids, mask, step_seed = _draw_step(step, shapes, shape_set, max_batch, max_seq)
         fault_kind, fault_model = fault_at.get(step, (None, None))
         # Where the interrupt lands: the n-th Python call of a forward (hundreds per step) or the n-th computing
         # operator of a backward (a hundred or more per step, most of them in replays).
@@ -162,64 +217,34 @@ def _run(steps, models, max_batch, max_seq, seed, warmup, rss_every, fault_every
         ckpt_ext.reset_peak_stats(device)
         t0 = time.perf_counter()
         for name in models:
-            p = pairs[name]
             if name == fault_model:
-                record = inject_fault(p, fault_kind, fault_n, ids, mask, step_seed)
-                record.update(step=step, model=name)
-                p["opt_ck"].zero_grad(set_to_none=True)  # a partial backward may have left gradients
-                record["in_use_before_drain"] = ckpt_ext.pool_stats(device)["in_use_bytes"]
-                drain_autograd_queue()
-                record["in_use_after"] = check_pool(step, f"{name} after fault {fault_kind}")
-                state = global_state()
-                if state != clean_state:
-                    problems.append(f"step {step}, {name} after fault {fault_kind}: state {state} != {clean_state}")
-                faults.append(record)
-            torch.manual_seed(step_seed)
-            loss_ck = p["loss"](p["ck"], ids, mask)
-            loss_ck.backward()
-            torch.manual_seed(step_seed)
-            loss_ref = p["loss"](p["ref"], ids, mask)
-            loss_ref.backward()
-            diff = _first_difference(loss_ck, loss_ref, p["ck"], p["ref"])
-            if diff is not None:
-                mismatches.append(f"step {step}, {name}: {diff}")
-            p["opt_ck"].step()
-            p["opt_ref"].step()
-            p["opt_ck"].zero_grad(set_to_none=True)
-            p["opt_ref"].zero_grad(set_to_none=True)
-            if step_hook is not None:
-                step_hook(step, name, p, ids, mask)
-            del loss_ck, loss_ref
-            check_pool(step, name)
-        step_seconds.append(time.perf_counter() - t0)
+                log.fault(step, name, fault_kind, pairs[name], fault_n, ids, mask, step_seed)
+            _train_pair(step, name, pairs[name], ids, mask, step_seed, log, step_hook)
+        log.step_seconds.append(time.perf_counter() - t0)
         s = ckpt_ext.pool_stats(device)
-        steps_log.append({"step": step, "batch": batch, "seq": seq, "reserved_bytes": s["reserved_bytes"],
+        log.steps.append({"step": step, "batch": batch, "seq": seq, "reserved_bytes": s["reserved_bytes"],
                           "in_use_bytes": s["in_use_bytes"], "peak_in_use_bytes": s["peak_in_use_bytes"],
                           "chunks": s["chunks"], "grows": s["grows"]})
         if step % rss_every == 0 or step == steps - 1 or step == warmup - 1:
-            rss_log.append([step, rss_bytes()])
+            log.rss.append([step, rss_bytes()])
         if bar is not None:
             bar.update(1)
             if step % 50 == 0:
-                bar.set_postfix(reserved_kib=s["reserved_bytes"] >> 10, mismatches=len(mismatches),
-                                leaks=len(leaks), refresh=False)
+                bar.set_postfix(reserved_kib=s["reserved_bytes"] >> 10, mismatches=len(log.mismatches),
+                                leaks=len(log.leaks), refresh=False)
     if bar is not None:
         bar.close()
-
-    final_diff = []
-    for name in models:
-        for (n, a), b in zip(pairs[name]["ck"].named_parameters(), pairs[name]["ref"].parameters()):
-            if not torch.equal(a, b):
-                final_diff.append(f"{name}: {n}")
+    final_diff = [f"{name}: {n}" for name in models
+                  for (n, a), b in zip(pairs[name]["ck"].named_parameters(), pairs[name]["ref"].parameters())
+                  if not torch.equal(a, b)]
     return summarize(dict(
         config=dict(steps=steps, models=list(models), max_batch=max_batch, max_seq=max_seq,
                     onednn_primitive_cache_capacity=os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
                     shape_set=[list(x) for x in shape_set] if shape_set else None, seed=seed,
                     warmup=warmup, rss_every=rss_every, fault_every=fault_every, chunk_bytes=chunk_kib << 10,
                     threads=torch.get_num_threads()),
-        pool_start=start, steps=steps_log, rss=rss_log, mismatches=mismatches, leaks=leaks, problems=problems,
-        faults=faults,
-        final_parameters_differ=final_diff, step_seconds=step_seconds))
+        pool_start=start, steps=log.steps, rss=log.rss, mismatches=log.mismatches, leaks=log.leaks,
+        problems=log.problems, faults=log.faults, final_parameters_differ=final_diff, step_seconds=log.step_seconds))
 
 
 def summarize(result: dict) -> dict:
