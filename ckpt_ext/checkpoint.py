@@ -1,6 +1,6 @@
 """ckpt_ext.checkpoint: a drop-in for torch's non-reentrant torch.utils.checkpoint.checkpoint.
 
-The design is torch's own (csrc/autograd/checkpoint_function.cpp, docs/design.md): the function runs
+The design is torch's own (csrc/checkpoint/checkpoint_frame.cpp, docs/design.md): the function runs
 in forward with grad enabled, building the real autograd graph, under saved-tensor hooks whose pack
 (C++) drops every tensor autograd would save and keeps a small holder instead. The first unpack in a
 backward replays the function (C++: under the forward's (seed, offset) RNG, autocast and device state)

@@ -1,8 +1,8 @@
 // Python bindings of ckpt_ext._C. Each room of csrc/ exposes its C++ API; this file only binds it.
 #include <torch/extension.h>
 
-#include "autograd/checkpoint_function.h"
-#include "autograd/replay_context.h"
+#include "checkpoint/checkpoint_frame.h"
+#include "replay/replay_context.h"
 #include "common/optional.h"
 #include "layers/layer.h"
 #include "pool/boundary_pool.h"

@@ -1,4 +1,4 @@
-#include "checkpoint_function.h"
+#include "checkpoint_frame.h"
 
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>

@@ -11,7 +11,7 @@
 
 #include <torch/extension.h>
 
-#include "replay_context.h"
+#include "../replay/replay_context.h"
 
 #include <memory>
 #include <string>

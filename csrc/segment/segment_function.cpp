@@ -9,7 +9,7 @@
 #include <unordered_map>
 #include <utility>
 
-#include "../autograd/replay_context.h"
+#include "../replay/replay_context.h"
 #include "../layers/rng.h"
 #include "../pool/boundary_pool.h"
 
