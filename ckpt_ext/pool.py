@@ -74,8 +74,9 @@ def set_pool_chunk_bytes(nbytes: int, device: DeviceLike = None) -> None:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise TypeError(f"nbytes must be an int (bytes), got {type(nbytes).__name__}; "
                         "for '64MiB' use ckpt_ext.planner.parse_bytes('64MiB')")
-    if nbytes < _C.pool_min_chunk_bytes:
-        raise ValueError(f"nbytes must be at least {_C.pool_min_chunk_bytes}, got {nbytes}")
+    least = pool_min_chunk_bytes()
+    if nbytes < least:
+        raise ValueError(f"nbytes must be at least {least}, got {nbytes}")
     d = _device(device)
     total = _device_memory(d)
     if total is not None and nbytes > total:

@@ -11,7 +11,6 @@ ninja's progress one source per line, and on failure the end of the log.
 """
 import argparse
 import glob
-import hashlib
 import importlib.metadata
 import os
 import re
@@ -20,25 +19,19 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import toolchain  # noqa: E402
+
 STAMP = os.path.join(ROOT, "build", ".build-stamp")
 LOG = os.path.join(ROOT, "build", "build.log")
 ENV_KEYS = ("CKPT_EXT_FORCE_CPU", "TORCH_CUDA_ARCH_LIST", "CC", "CXX", "CUDAHOSTCXX", "CUDA_HOME")
 
 
 def build_key() -> str:
-    files = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*"), recursive=True))
+    files = sorted(p for p in glob.glob(os.path.join(ROOT, "csrc", "**", "*"), recursive=True) if os.path.isfile(p))
     files += [os.path.join(ROOT, p) for p in ("setup.py", "tools/toolchain.py", "pyproject.toml")]
-    h = hashlib.sha256()
-    for p in files:
-        if os.path.isfile(p):
-            h.update(os.path.relpath(p, ROOT).encode())
-            with open(p, "rb") as f:
-                h.update(f.read())
-    h.update(importlib.metadata.version("torch").encode())
-    h.update(sys.executable.encode())
-    for k in ENV_KEYS:
-        h.update(f"{k}={os.environ.get(k, '')}".encode())
-    return h.hexdigest()
+    return toolchain.content_hash(files, importlib.metadata.version("torch"), sys.executable,
+                                  *(f"{k}={os.environ.get(k, '')}" for k in ENV_KEYS))
 
 
 def up_to_date(key: str) -> bool:

@@ -16,7 +16,6 @@ second run with unchanged sources costs seconds.
 import argparse
 import concurrent.futures
 import glob
-import hashlib
 import os
 import re
 import shutil
@@ -31,8 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toolchain  # noqa: E402
 
-CACHE = os.environ.get("CKPT_EXT_CACHE") or os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ckpt_ext")
+CACHE = toolchain.CACHE
 GPU_IMAGE_TORCH = "2.11"
 
 
@@ -67,17 +65,6 @@ def torch_headers(version: str) -> str:
         with open(os.path.join(dest, "VERSION"), "w") as f:
             f.write(os.path.basename(wheel).split("-")[1] + "\n")
     return include
-
-
-def _sha(paths, *extra) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(p.encode())
-        with open(p, "rb") as f:
-            h.update(f.read())
-    for e in extra:
-        h.update(str(e).encode())
-    return h.hexdigest()[:24]
 
 
 def _cuda_include():
@@ -126,7 +113,7 @@ def main() -> int:
                 if variant == "missing":
                     print(f"check-headers: torch {release}: {rel} not checked: no CUDA toolkit headers")
                     continue
-                stamp = os.path.join(stamps, _sha([src, *headers], release, variant, cxx_id, std))
+                stamp = os.path.join(stamps, toolchain.content_hash([src, *headers], release, variant, cxx_id, std))
                 if os.path.exists(stamp):
                     cached += 1
                     continue

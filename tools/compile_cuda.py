@@ -15,8 +15,8 @@ import sysconfig
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_headers import CACHE, _sha  # noqa: E402
 import toolchain  # noqa: E402
+from toolchain import CACHE  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHS = ("80", "90")
@@ -47,7 +47,7 @@ def main() -> int:
             rel = os.path.relpath(src, ROOT)
             flags = [f"-std={std}", "-O2", "--expt-relaxed-constexpr", "-DCKPT_EXT_WITH_CUDA=1",
                      "-DTORCH_EXTENSION_NAME=_C", *gencode, *includes]
-            stamp = os.path.join(stamps, _sha([src, *headers], torch.__version__, nvcc_version, flags))
+            stamp = os.path.join(stamps, toolchain.content_hash([src, *headers], torch.__version__, nvcc_version, flags))
             if os.path.exists(stamp):
                 print(f"check-cuda: ok {rel} (unchanged since it compiled with {' '.join(nvcc_version)}, "
                       f"torch {torch.__version__})")

@@ -8,12 +8,31 @@
 
 Only the standard library is imported here, so the tools can load this file without torch.
 """
+import hashlib
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The cache the checks stamp their passing results in (and keep torch headers in), outside the checkout.
+CACHE = os.environ.get("CKPT_EXT_CACHE") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ckpt_ext")
+
+
+def content_hash(paths, *extra) -> str:
+    """sha256 of the files (named relative to the checkout, so a stamp does not depend on where it
+    lives) and of `extra`."""
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(os.path.relpath(p, ROOT).encode())
+        with open(p, "rb") as f:
+            h.update(f.read())
+    for e in extra:
+        h.update(str(e).encode())
+    return h.hexdigest()[:24]
 
 SYSTEM_COMPILERS = "CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++"
 _STANDARDS = {201703: "c++17", 202002: "c++20", 202302: "c++23"}

@@ -278,7 +278,7 @@ at::Tensor BoundaryPool::release(Slot* slot) {
   // The chunk is empty: it goes back to PyTorch's allocator at once unless it becomes the spare. Of two
   // empty shared chunks the larger is kept, so the spare's size only grows: a training loop settles on
   // a fixed reservation even when its shapes vary.
-  if (!chunk->shared || kMaxSpareChunks == 0) return drop_chunk(chunk);
+  if (!chunk->shared) return drop_chunk(chunk);  // one spare at most: spare_
   if (!spare_) {
     spare_ = chunk;
     return {};

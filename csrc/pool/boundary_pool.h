@@ -53,8 +53,6 @@ class BoundaryPool : public std::enable_shared_from_this<BoundaryPool> {
   static constexpr size_t kAlignment = 256;
   // The smallest chunk size set_chunk_bytes accepts (one aligned slot); Python reads it from here.
   static constexpr int64_t kMinChunkBytes = kAlignment;
-  // Empty chunks kept for reuse (see the file comment).
-  static constexpr int kMaxSpareChunks = 1;
 
   // The pool of a device; created on first use and kept for the life of the process.
   static std::shared_ptr<BoundaryPool> for_device(c10::Device device);
