@@ -18,10 +18,9 @@ _ATOMS = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 # FSDP units run inside a checkpoint (an error) and serves enable_checkpointing.
 # --------------------------------------------------------------------------------------------------
 class _Found:
-    __slots__ = ("params", "batchnorms", "fsdp_units", "seen")
+    __slots__ = ("batchnorms", "fsdp_units", "seen")
 
     def __init__(self):
-        self.params: List[_Tensor] = []
         self.batchnorms: List[_BatchNorm] = []
         self.fsdp_units: List[nn.Module] = []  # modules sharded with fully_shard (see _check_fsdp_units)
         self.seen = set()
@@ -41,10 +40,6 @@ def _add_module(mod: nn.Module, found: _Found):
         found.seen.add(id(m))
         if fsdp_unit is not None and isinstance(m, fsdp_unit):
             found.fsdp_units.append(m)
-        for p in m._parameters.values():
-            if p is not None and p.requires_grad and id(p) not in found.seen:
-                found.seen.add(id(p))
-                found.params.append(p)
         if isinstance(m, _BatchNorm) and m.training and m.track_running_stats:
             found.batchnorms.append(m)
 
@@ -64,9 +59,6 @@ def _collect(obj: Any, found: _Found, depth: int):
             _add_module(obj, found)
         return
     if isinstance(obj, _Tensor):
-        if obj.requires_grad and id(obj) not in found.seen:
-            found.seen.add(id(obj))
-            found.params.append(obj)
         return
     if depth > 4 or id(obj) in found.seen:
         return

@@ -21,15 +21,12 @@ from torch.utils import _pytree as pytree
 
 from . import _compiler
 from ._compiler import check_not_capturing, eager_under_compile
-from ._discovery import (_ATOMS, _add_module, _check_fsdp_units, _collect, _discover, _Found,  # noqa: F401
-                         _fsdp_unit_class, _fsdp_units_in)
+from ._discovery import _check_fsdp_units, _collect, _discover, _Found, _fsdp_unit_class
 from ._extension import load
 
 _C = load()
 _run = _C.checkpoint_run
 _Tensor = torch.Tensor
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 # Inputs are saved as torch saves them (outer saved-tensor hooks such as save_on_cpu apply; in-place
 # changes are detected at unpack); torches without the binding keep them referenced.
 _make_saved = getattr(torch._C._autograd, "_make_saved_tensor", None)
@@ -139,11 +136,8 @@ class _Replay:
         if bns:
             with _BatchNormGuard(bns):
                 self._run(args)
-        elif self.context is None:
-            self.fn(*args, **self.kwargs)
         else:
-            with self.context:
-                self.fn(*args, **self.kwargs)
+            self._run(args)
 
     def note(self, e: BaseException):
         """Called by the frame with an error the replay raised (KeyboardInterrupt too: the note tells
@@ -321,9 +315,13 @@ def checkpoint(function: Callable, *args, use_reentrant: Optional[bool] = None, 
 
 
 def _run_range(functions: Sequence[Callable], start: int, end: int):
+    # Closes over its own slice only: a replay's discovery (BatchNorm statistics) then walks this
+    # segment's modules, not the whole sequence's.
+    segment = list(functions[start:end + 1])
+
     def forward(x):
-        for j in range(start, end + 1):
-            x = functions[j](x)
+        for f in segment:
+            x = f(x)
         return x
 
     return forward

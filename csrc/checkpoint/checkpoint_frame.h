@@ -48,7 +48,6 @@ class Frame : public std::enable_shared_from_this<Frame> {
   std::shared_ptr<Holder> pack(const at::Tensor& x);  // forward hook
   at::Tensor unpack(const std::shared_ptr<Holder>& h);  // forward hook
   void forward_done() { forward_completed_ = true; }
-  size_t saved_count() const { return holders_.size(); }
 
   // The replay's pack hook (see recompute_hooks in the .cpp).
   pybind11::object recompute_pack(int64_t gid, const at::Tensor& x);
@@ -81,7 +80,7 @@ class Frame : public std::enable_shared_from_this<Frame> {
   bool ignore_mismatch_ = false;  // the replay of a backward run inside the forward went past it
 };
 
-// Registers CheckpointFrame, the Holder type and the stop exception on the module.
+// Registers checkpoint_run, the Holder type and the stop exception on the module.
 void bind_checkpoint(pybind11::module_& m);
 
 }  // namespace ckpt_ext
