@@ -72,6 +72,11 @@ constexpr uint64_t kSdpaSalt = 0x5DBA7E11A5EEDULL;  // separates SDPA's generato
 
 }  // namespace
 
+LayerInputs prepared(const LayerInputs& in) {
+  if (!in.mask.defined() || in.mask.scalar_type() == at::kBool) return in;
+  return {finite_additive_mask(in.mask), in.cos, in.sin};
+}
+
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
                  double p, int64_t seed, int64_t offset) {
   const int64_t n_rep = q.size(1) / k.size(1);
@@ -81,7 +86,7 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   const bool gqa = n_rep > 1 && !mask.defined();
   const Tensor kk = gqa ? k : repeat_kv(k, n_rep), vv = gqa ? v : repeat_kv(v, n_rep);
   std::optional<Tensor> m;
-  if (mask.defined()) m = mask.scalar_type() == at::kBool ? mask : finite_additive_mask(mask);
+  if (mask.defined()) m = mask;  // additive masks made finite by prepared()
   if (p == 0.0) return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, use_causal, scale, gqa);
   // SDPA draws its dropout from the device's default generator (CUDA flash/efficient kernels: the
   // philox (seed, offset) they read from it and return for their backward; the math path, CPU: a

@@ -158,7 +158,7 @@ Tensor fused_layer_forward(const LayerSpec& spec, const Tensor& hidden, const La
                            const std::vector<Tensor>& weights, bool training) {
   check_weights(spec, weights, hidden);
   LayerRng rng{training, uses_dropout(spec, training) ? draw_dropout_seed(hidden.device()) : 0};
-  return layer_forward(spec, hidden, in, weights, rng).out;
+  return layer_forward(spec, hidden, prepared(in), weights, rng).out;
 }
 
 // ---- the segment's replay --------------------------------------------------------------------------------------

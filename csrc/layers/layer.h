@@ -91,6 +91,10 @@ struct LayerInputs {
   Tensor sin;
 };
 
+// The inputs as the layers read them: an additive float mask clamped to a finite lowest value (see
+// attention.cpp). Done once per layer call or segment by the entry points, not once per layer.
+LayerInputs prepared(const LayerInputs& in);
+
 // Dropout offsets of the sites of one layer call (all under the call's seed).
 // LoRA adapter j's input dropout is site kLoraInput + j (each adapter its own mask, as peft's modules).
 enum DropoutSite : int64_t { kAttnProbs = 0, kAttnOut = 1, kMlpOut = 2, kLoraInput = 16 };

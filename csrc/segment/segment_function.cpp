@@ -186,7 +186,7 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
   }
   auto st = c10::make_intrusive<SegmentState>();
   st->specs = specs;
-  st->inputs = inputs;
+  st->inputs = layers::prepared(inputs);  // once for every layer, forward and replay
   st->training = training;
   st->autocast = AutocastSnapshot::capture({hidden.device()});
   std::unordered_map<const c10::TensorImpl*, int64_t> index_of;
