@@ -203,15 +203,14 @@ class FusedTransformerLayer(nn.Module):
             fallback = "attention weights were requested"
         changed = [(parent._modules.get(name), child) for parent, name, child in self._links
                    if parent._modules.get(name) is not child]
-        if changed and all(peft_relink(old, new) for new, old in changed):
-            # peft wrapped (or unwrapped) a projection after fuse(): same Parameters, adapter read per call.
-            check_layer_adapters(self, LORA_PROJECTIONS[self.family],
-                                 f"fused {self.layer_class}: adapters added after ckpt_ext.fuse()", RuntimeError)
-            self._resolve()
-            changed = []
         if changed:
             check_layer_adapters(self, LORA_PROJECTIONS[self.family],
                                  f"fused {self.layer_class}: adapters added after ckpt_ext.fuse()", RuntimeError)
+        if changed and all(peft_relink(old, new) for new, old in changed):
+            # peft wrapped (or unwrapped) a projection after fuse(): same Parameters, adapter read per call.
+            self._resolve()
+            changed = []
+        if changed:
             _warn_once(("replaced", id(self)),
                        f"ckpt_ext: a submodule of a fused {self.layer_class} was replaced after fuse() (an adapter or "
                        "quantised layer?); that layer now runs Hugging Face's forward. Apply such changes before "
