@@ -17,6 +17,17 @@ import torch
 
 __all__ = ["eager_under_compile", "check_not_capturing"]
 
+try:  # Dynamo's frame-evaluation hook: set while a compiled region (or a frame it resumes) runs
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
+except ImportError:  # pragma: no cover - torches without it: assume the hook may be set once Dynamo is loaded
+    _eval_frame_callback = None
+
+
+def _frame_hook_active() -> bool:
+    if _eval_frame_callback is None:
+        return "torch._dynamo" in sys.modules
+    return _eval_frame_callback() is not None
+
 
 def eager_under_compile(fn):
     """``fn`` run outside torch.compile: under Dynamo, a call is one graph break and ``fn`` and everything
@@ -26,9 +37,11 @@ def eager_under_compile(fn):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        # Dynamo folds is_compiling() to True while tracing; the sys.modules test covers an eager frame
-        # run while a compiled region is active (a frame Dynamo gave up on calls the engine).
-        if torch.compiler.is_compiling() or "torch._dynamo" in sys.modules:
+        # Dynamo folds is_compiling() to True while tracing; the frame hook covers an eager frame run
+        # while a compiled region is active (a frame Dynamo gave up on calls the engine), whose callees
+        # Dynamo would otherwise compile. Outside both (Dynamo merely imported, as Hugging Face models
+        # do), the direct call saves torch._dynamo.disable's ~6 µs per call.
+        if torch.compiler.is_compiling() or _frame_hook_active():
             return not_traced(*args, **kwargs)
         return fn(*args, **kwargs)
 

@@ -27,9 +27,12 @@ class _Found:
 
 
 def _fsdp_unit_class():
-    """torch.distributed.fsdp.FSDPModule, or None while FSDP was never imported (then no module is one)."""
+    """torch.distributed.fsdp.FSDPModule, or None while no module can be one: FSDP never imported (Dynamo
+    imports it), or fully_shard never called (it makes every unit an instance of a new FSDPModule
+    subclass). Checked per checkpointed call, so it must stay cheap."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    return getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    unit = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    return unit if unit is not None and type.__subclasses__(unit) else None
 
 
 def _add_module(mod: nn.Module, found: _Found):

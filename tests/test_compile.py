@@ -378,3 +378,24 @@ def test_cuda_graph_captures_a_dropout_free_fused_layer_forward_and_backward(fam
     torch.testing.assert_close(replayed[1], eager[1], rtol=1e-5, atol=1e-6)
     for a, b in zip(replayed[2], eager[2]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_engine_runs_eagerly_from_frames_a_compiled_region_runs_eagerly():
+    """eager_under_compile goes around Dynamo in an eager frame of a compiled region (where Dynamo's
+    frame hook is set and would compile the checkpointed function), and calls directly where no
+    compiled region is active, Dynamo merely imported (the cheap path)."""
+    seen = []
+
+    def probe(x):
+        seen.append(ckpt_ext._compiler._frame_hook_active())  # not traceable: Dynamo runs it eagerly
+        return x
+
+    @torch.compile(backend="eager")
+    def f(x):
+        return probe(x + 1) * 2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Dynamo's note about the untraceable builtin
+        f(torch.ones(3))
+    assert seen == [True]
+    assert not ckpt_ext._compiler._frame_hook_active()

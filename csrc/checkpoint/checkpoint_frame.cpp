@@ -1,5 +1,6 @@
 #include "checkpoint_frame.h"
 
+#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <pybind11/eval.h>
@@ -148,7 +149,15 @@ std::shared_ptr<Holder> Frame::pack(const at::Tensor& x) {
   auto h = std::make_shared<Holder>();
   holders_.push_back(h);
   if (options_.check_metadata) metas_.push_back({x.sizes().vec(), x.scalar_type(), x.device()});
+  sequence_at_last_pack_ = at::sequence_number::peek();
   return h;
+}
+
+void Frame::forward_done() {
+  forward_completed_ = true;
+  // Every autograd node takes a sequence number when it is created: none taken since the last pack means
+  // no differentiable op followed it, and stopping the replay there would skip nothing worth a throw.
+  stop_at_last_pack_ = at::sequence_number::peek() != sequence_at_last_pack_;
 }
 
 Frame::GraphTaskState& Frame::state(int64_t gid) {
@@ -226,7 +235,7 @@ py::object Frame::recompute_pack(int64_t gid, const at::Tensor& x) {
     TORCH_INTERNAL_ASSERT(h->find(gid) == nullptr);
     h->entries.push_back({gid, keep});
   }
-  if (options_.early_stop && st.counter == holders_.size()) {
+  if (options_.early_stop && stop_at_last_pack_ && st.counter == holders_.size()) {
     PyErr_SetNone(stop_type);
     return py::object();  // null: the C hook returns it with the error set
   }
