@@ -223,6 +223,19 @@ def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] 
                                  debug, early_stop, context_fn)
 
 
+def _save_inputs(args: tuple):
+    """The positional arguments as the replay gets them (tensors as torch's SavedTensor) and the versions
+    of the tensors among them. One pass: this runs once per checkpointed call."""
+    saved, versions = [], []
+    for a in args:
+        if isinstance(a, _Tensor):
+            versions.append(a._version)
+            saved.append(a if _make_saved is None else _make_saved(a, is_output=False))
+        else:
+            saved.append(a)
+    return saved, versions
+
+
 def _check_inputs_unchanged(function, args: tuple, versions: List[int]):
     for i, (a, v) in enumerate(zip((a for a in args if isinstance(a, _Tensor)), versions)):
         if a._version != v:
@@ -260,17 +273,14 @@ def _checkpoint_with_grad(function, args: tuple, kwargs: dict, found: Optional[_
         describe = functools.partial(_describe, *logs)
     elif context_fn is not None:
         forward_context, recompute_context = context_fn()
-    tensors = [a for a in args if isinstance(a, _Tensor)]
-    saved = args if _make_saved is None else \
-        [_make_saved(a, is_output=False) if isinstance(a, _Tensor) else a for a in args]
+    saved, versions = _save_inputs(args)
     replay = _Replay(function, saved, kwargs, recompute_context, found.batchnorms if found is not None else None)
     call = function if forward_context is None else functools.partial(_in_context, forward_context, function)
-    versions = [t._version for t in tensors]
     # One C++ call: the frame (RNG/autocast snapshot), the saved-tensor hooks around the function.
     out = _run(replay, describe, _function_name(function), _devices(args, kwargs), preserve_rng_state,
                _DETERMINISM[determinism_check], early_stop, call, args if type(args) is tuple else tuple(args),
                kwargs or None)
-    if tensors:
+    if versions and versions != [a._version for a in args if isinstance(a, _Tensor)]:
         _check_inputs_unchanged(function, args, versions)
     return out
 
