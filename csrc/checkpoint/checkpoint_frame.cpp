@@ -67,14 +67,20 @@ std::string describe_meta(c10::IntArrayRef sizes, at::ScalarType dtype, c10::Dev
   return os.str();
 }
 
+// torch's saved_tensors_hooks bindings, called through the C API (pybind11's call builds its argument
+// tuple through a generic collector; this runs on every checkpointed call and every replay).
+void push_hooks(const py::object& pack, const py::object& unpack) {
+  PyObject* r = PyObject_CallFunctionObjArgs(PyRefs::get().push_hooks.ptr(), pack.ptr(), unpack.ptr(), nullptr);
+  if (r == nullptr) throw py::error_already_set();
+  Py_DECREF(r);
+}
+
 // Pops the replay's saved-tensor hooks however the replay ends.
 struct PopHooks {
   ~PopHooks() {
-    try {
-      PyRefs::get().pop_hooks();
-    } catch (py::error_already_set& e) {
-      e.discard_as_unraisable(__func__);
-    }
+    PyObject* r = PyObject_CallNoArgs(PyRefs::get().pop_hooks.ptr());
+    if (r == nullptr) PyErr_WriteUnraisable(PyRefs::get().pop_hooks.ptr());
+    Py_XDECREF(r);
   }
 };
 
@@ -189,12 +195,11 @@ void Frame::replay(int64_t gid) {
   auto keep_alive = shared_from_this();
   ReplayGuard guard(snapshot_);  // RNG, autocast, current device; is_recomputing()
   at::AutoGradMode grad_mode(true);
-  auto& refs = PyRefs::get();
   py::object capsule = py::reinterpret_steal<py::object>(make_capsule(new RecomputeHook{keep_alive, gid}));
   if (!capsule) throw py::error_already_set();
   py::object pack = py::reinterpret_steal<py::object>(PyCFunction_New(&recompute_pack_def, capsule.ptr()));
   if (!pack) throw py::error_already_set();
-  refs.push_hooks(pack, identity());
+  push_hooks(pack, identity());
   PopHooks pop;
   // Called through the C API: early stop is a Python exception that must not cost C++ throws here.
   PyObject* result = PyObject_CallObject(recompute_.ptr(), nullptr);
@@ -375,8 +380,7 @@ py::object checkpoint_run(py::object recompute, py::object describe, std::string
   if (!pack) throw py::error_already_set();
   py::object unpack = py::reinterpret_steal<py::object>(PyCFunction_New(&forward_unpack_def, capsule.ptr()));
   if (!unpack) throw py::error_already_set();
-  auto& refs = PyRefs::get();
-  refs.push_hooks(pack, unpack);
+  push_hooks(pack, unpack);
   PyObject* out = PyObject_Call(function.ptr(), args.ptr(), kwargs.is_none() ? nullptr : kwargs.ptr());
   if (out == nullptr) {
     py::error_already_set error;  // taken out of the indicator: popping the hooks calls Python
