@@ -109,6 +109,58 @@ def test_lora_argument():
             suite.resolve_config(suite.make_parser().parse_args(["--device", "cpu", "--lora", bad]), suite.make_parser())
 
 
+def _last_segments(err: str):
+    """Each line of a terminal's output as it ends up (the text after its last carriage return)."""
+    return [line.rsplit("\r", 1)[-1] for line in err.split("\n")]
+
+
+def _console_state():
+    import logging
+    names = ("", "transformers", "ckpt_ext")
+    return __import__("warnings").showwarning, {n: list(logging.getLogger(n).handlers) for n in names}
+
+
+def test_messages_go_above_the_progress_bar(capsys):
+    """Warnings and transformers / ckpt_ext logging while the bar is shown come out as whole lines (a bar
+    has no newline: without tqdm.write they would continue its line), and everything is restored."""
+    pytest.importorskip("tqdm")
+    import logging
+    import warnings
+    from transformers.utils import logging as hf_logging
+    before = _console_state()
+    progress = common.Progress()
+    progress.plan(3)
+    progress.describe("working")
+    progress()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("a warning in the middle", UserWarning)
+    hf_logging.get_logger("transformers.models.bert").warning("a transformers message")
+    logging.getLogger("ckpt_ext").warning("a ckpt_ext message")
+    progress()
+    assert _console_state() != before
+    progress.close()
+    assert _console_state() == before
+    lines = _last_segments(capsys.readouterr().err)
+    assert any(line.endswith("UserWarning: a warning in the middle") for line in lines), lines
+    assert any(line.endswith("a transformers message") and "working" not in line for line in lines), lines
+    assert "a ckpt_ext message" in lines, lines
+
+
+def test_console_restored_when_the_suite_fails(monkeypatch):
+    pytest.importorskip("tqdm")
+    before = _console_state()
+
+    def fail(*a, **k):
+        assert _console_state() != before  # redirected while the bar is shown
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(suite, "run", fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        suite.main(TINY[:-1] + ["--batch", "1", "--variants", "none"])
+    assert _console_state() == before
+
+
 def _digests(folder):
     return {f: hashlib.sha256(open(os.path.join(folder, f), "rb").read()).hexdigest() for f in sorted(os.listdir(folder))}
 
