@@ -5,9 +5,11 @@ Results go to `bench-out/<device>/` (untracked, see .gitignore) or to --out; the
 `benchmarks/results/<device>/` is written only with --save-results.
 """
 import argparse
+import contextlib
 import datetime
 import gc
 import json
+import logging
 import os
 import platform
 import re
@@ -15,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
@@ -354,16 +357,22 @@ def short_error(exc: BaseException) -> str:
 
 
 class Progress:
-    """tqdm bar on stderr whose total grows as work is planned (no bar without tqdm or when disabled)."""
+    """tqdm bar on stderr whose total grows as work is planned (no bar without tqdm or when disabled).
+    While the bar is shown, Python warnings and the console logging of the root, transformers and
+    ckpt_ext loggers go through tqdm.write (whole lines above the bar, not in the middle of it); close()
+    puts the previous handlers and warnings.showwarning back."""
 
     def __init__(self, enabled: bool = True):
         self.bar = None
+        self._redirect = contextlib.ExitStack()
         if enabled:
             try:
                 from tqdm.auto import tqdm
                 self.bar = tqdm(total=0, unit="step", file=sys.stderr, dynamic_ncols=True)
             except ImportError:
                 print("no progress bar: tqdm is not installed (pip install '.[bench]')", file=sys.stderr)
+        if self.bar is not None:
+            self._redirect.enter_context(_output_through_tqdm(type(self.bar), sys.stderr))
 
     def plan(self, n: int):
         if self.bar is not None:
@@ -379,6 +388,38 @@ class Progress:
             self.bar.update(1)
 
     def close(self):
+        self._redirect.close()
         if self.bar is not None:
             self.bar.total = self.bar.n
             self.bar.close()
+
+
+@contextlib.contextmanager
+def _output_through_tqdm(tqdm_class, stream):
+    """Warnings and console logging written with tqdm_class.write to `stream` (the bar's: tqdm clears only
+    the bars on the stream it writes to), restored on exit."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    # The root logger (ckpt_ext's logger propagates to it), plus the loggers that print on their own
+    # (transformers' library logger does not propagate).
+    loggers = [logging.root] + [logging.getLogger(n) for n in ("transformers", "ckpt_ext")
+                                if logging.getLogger(n).handlers]
+    before = {id(h) for logger in loggers for h in logger.handlers}
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if file is not None:  # an explicit stream is the caller's choice
+            return shown(message, category, filename, lineno, file, line)
+        text = warnings.formatwarning(message, category, filename, lineno, line)
+        tqdm_class.write(text.rstrip("\n"), file=stream)
+
+    with logging_redirect_tqdm(loggers, tqdm_class=tqdm_class):
+        for logger in loggers:
+            for h in logger.handlers:
+                if id(h) not in before:  # tqdm's handler keeps the replaced handler's stream otherwise
+                    h.stream = stream
+        warnings.showwarning = showwarning
+        try:
+            yield
+        finally:
+            warnings.showwarning = shown

@@ -16,9 +16,17 @@ def _frag(r) -> str:
     return f"{mib(r['fragmentation_bytes'])} ({r['fragmentation_bytes'] / r['peak_reserved_bytes']:.1%})"
 
 
+def _parity(r) -> str:
+    p = r.get("parity")
+    if not p:
+        return "-"
+    return f"{p['max_rel_err']:.1e}" + ("" if p["ok"] else " FAILED")
+
+
 def batch_table(rows: List[dict], cuda: bool) -> List[str]:
-    head = "| variant | batch | status | step ms, median (p20-p80) | time/token vs none | tokens/s | activations MiB |"
-    sep = "|---|---|---|---|---|---|---|"
+    head = ("| variant | batch | status | step ms, median (p20-p80) | time/token vs none | tokens/s | activations MiB "
+            "| parity vs none |")
+    sep = "|---|---|---|---|---|---|---|---|"
     if cuda:
         head += " peak allocated MiB | peak reserved MiB |"
         sep += "---|---|"
@@ -27,7 +35,7 @@ def batch_table(rows: List[dict], cuda: bool) -> List[str]:
     for r in rows:
         cells = [r["variant"], str(r["batch"] or "-"), r["status"], ms(r["step_s"]),
                  _ratio(r, none_tps.get(r["batch"])), f"{r['tokens_per_s']:.0f}" if r["step_s"] else "-",
-                 mib(r["activation_bytes"])]
+                 mib(r["activation_bytes"]), _parity(r)]
         if cuda:
             cells += [mib(r["peak_allocated_bytes"]), mib(r["peak_reserved_bytes"])]
         lines.append("| " + " | ".join(cells + ["; ".join(r["flags"])]) + " |")
@@ -36,14 +44,14 @@ def batch_table(rows: List[dict], cuda: bool) -> List[str]:
 
 def max_batch_table(rows: List[dict], cuda: bool) -> List[str]:
     lines = ["| variant | status | largest batch | tokens/s at it | step ms, median (p20-p80) | peak allocated MiB | "
-             "peak reserved MiB | reserved − allocated at peak, MiB (of reserved) | flags |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "peak reserved MiB | reserved − allocated at peak, MiB (of reserved) | parity vs none | flags |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         frag = _frag(r) if cuda else "n/a (CPU)"
         cells = [r["variant"], r["status"], str(r["batch"]) if r["status"] == "ok" or r["batch"] else "-",
                  f"{r['tokens_per_s']:.0f}" if r["step_s"] else "-", ms(r["step_s"]),
                  mib(r["peak_allocated_bytes"]) if cuda else "n/a (CPU)",
-                 mib(r["peak_reserved_bytes"]) if cuda else "n/a (CPU)", frag, "; ".join(r["flags"])]
+                 mib(r["peak_reserved_bytes"]) if cuda else "n/a (CPU)", frag, _parity(r), "; ".join(r["flags"])]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -56,6 +64,9 @@ def to_markdown(result: dict) -> str:
              env_line(info), "",
              f"Model: {cfg['model_description']}{shrunk}; mode {cfg['mode']}; batch {cfg['batch']}; "
              f"{cfg['repeat']} timed rounds after {cfg['warmup']} warm-up step(s) per variant.", ""]
+    if cfg.get("lora"):
+        lines += [f"Adapters: {cfg['lora']['description']}; every variant runs on the peft model "
+                        "(`fused` = ckpt_ext.fuse(peft model)).", ""]
     if cfg["batch"] == "max":
         lines += max_batch_table(rows, cuda)
         lines += ["", f"- largest batch: doubling then bisection up to {cfg['max_batch']}, each variant alone on "
@@ -71,6 +82,9 @@ def to_markdown(result: dict) -> str:
         if cuda:
             lines.append("- peak allocated/reserved: during one step, as if the model were alone on the device; "
                          "parameters and gradients included.")
+    lines.append("- parity vs none: one seeded step per variant at the smallest batch on a dropout-free copy; the "
+                 "largest difference of the loss and of every trainable parameter's gradient from `none`'s, relative "
+                 "to that tensor's largest magnitude, at least 1/1000 of the largest (FAILED above the mode's tolerance, also flagged).")
     lines.append("- flags: `noisy` when the p20-p80 range exceeds 25% of the median; `implausible` when a variant "
                  "that recomputes on none's kernels is faster than none.")
     for r in rows:

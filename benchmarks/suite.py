@@ -3,10 +3,19 @@
     python benchmarks/suite.py                                  # bert-large on the best device present
     python benchmarks/suite.py --model llama --batch max        # largest batch per variant
     python benchmarks/suite.py --device cpu --model bert-base   # CPU: shrunk model (4 layers, seq 128, batch 2)
+    python benchmarks/suite.py --model llama --mode bf16 --lora --variants none,hf-torch-nonreentrant,ckpt_ext,fused,ckpt_ext-fused
+                                                                # peft LoRA (r=16, alpha 32, dropout 0.05) on every variant
 
 Variants (benchmarks/variants.py): none, hf-torch-nonreentrant, hf-torch-reentrant, torch-selective,
 ckpt_ext, fused, ckpt_ext-fused, ckpt_ext-budget, compile-budget. Each has its own copy of the model; one
 that does not apply here is reported as `not applicable: <reason>`, one that fails as `error: ...` or `oom`.
+--lora wraps the model with peft LoRA first (variants.LORA_TARGETS, base frozen): every variant then trains
+the adapters, `fused` being ckpt_ext.fuse(peft model).
+
+Parity: before timing, each variant runs one step at the smallest batch on its own dropout-free copy
+(--no-parity skips it); its loss and every trainable parameter's gradient are compared with no
+checkpointing's, and the largest difference relative to each tensor's largest magnitude (at least a
+thousandth of the largest one's) is reported, and flagged above PARITY_TOLERANCE.
 
 Every variant runs in one process, in interleaved rounds after untimed warm-up steps (the first checks
 that the variant runs and fits). Step time: median with 20th/80th percentiles; rows whose spread is wide
@@ -31,10 +40,13 @@ import ckpt_ext
 import report
 from common import (Progress, add_output_args, env_info, finish_env, free_memory, interleaved, is_oom, held_bytes,
                     find_max_batch, noise_flags, output_dir, short_error, write_results)
-from variants import MODELS, MODES, VARIANTS, ModelSpec, NotApplicable, Workload, make_variant
+from variants import MODELS, MODES, VARIANTS, ModelSpec, NotApplicable, Variant, Workload, make_variant, parse_lora
 
 CUSTOM_DEFAULTS = {"layers": 4, "hidden": 256, "heads": 4, "seq": 128}
 CPU_SMALL = {"layers": 4, "seq": 128, "batch": "2"}  # the CPU scaling (off with --full)
+# Parity step: the largest difference from `none` (relative to each tensor's largest magnitude) that passes.
+# Fused GEMMs and a different order of additions round differently; bfloat16 keeps ~3 significant digits.
+PARITY_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "autocast": 5e-2}
 
 
 def _failure(exc: BaseException) -> str:
@@ -46,7 +58,7 @@ def empty_row(v: str, batch: int, seq: int, status: str = "ok", note: str = "") 
             "tokens_per_s": None, "activation_bytes": None, "saved_bytes": None, "pool_bytes": None,
             "peak_allocated_bytes": None, "peak_reserved_bytes": None, "peak_over_weights_bytes": None,
             "fragmentation_bytes": None,
-            "budget_bytes": None, "flags": [], "note": note}
+            "budget_bytes": None, "parity": None, "flags": [], "note": note}
 
 
 class Suite:
@@ -59,6 +71,8 @@ class Suite:
         self.status: Dict[str, str] = {}
         self.none_held: Dict[int, int] = {}
         self.scale_budget = False  # --batch max: `none`'s bytes scaled from batch 1, not run at every batch
+        self.budget = budget
+        self.parity_results: Dict[str, dict] = {}
         for n in names:
             v = make_variant(n, budget)
             reason = v.unavailable()
@@ -102,13 +116,68 @@ class Suite:
             mem["peak_reserved_bytes"] = mem["peak_reserved"] - mem["base_reserved"] + own
         return mem
 
+    def parity_step(self, variant: Variant, batch: int) -> dict:
+        """Loss and the gradients of the trainable parameters of one seeded step of `variant` on a fresh
+        dropout-free copy of the model (float32, on the CPU), the copy torn down afterwards."""
+        model = variant.setup(self.workload.fresh_without_dropout)
+        try:
+            variant.prepare(model, batch, self.workload, self.none_bytes)
+            torch.manual_seed(0)
+            out = {"loss": self.workload.forward(variant, model, batch, probe=True)}
+            out["loss"].backward()
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    name = name.removeprefix("_orig_mod.")  # torch.compile's wrapper
+                    out[name] = None if p.grad is None else p.grad.detach().float().cpu()
+            out["loss"] = out["loss"].detach().float().cpu()
+        finally:
+            variant.teardown(model)
+            del model
+            free_memory(self.workload.device)
+        return out
+
+    def parity(self, batch: int, progress: Progress) -> None:
+        """Writes each built variant's parity with `none` into self.parity_results (see the module doc)."""
+        tol = PARITY_TOLERANCE[self.workload.mode]
+        progress.describe("parity: none")
+        try:
+            ref = self.parity_step(Variant(), batch)
+        except Exception as e:
+            self.notes.append(f"parity: the reference step (no checkpointing) failed with {short_error(e)}")
+            return
+        # Gradients that are zero in exact arithmetic (BERT's key bias) are compared against a thousandth of
+        # the largest gradient, not their own rounding noise.
+        floor = max([t.abs().max().item() for t in ref.values() if t is not None and t.numel()] + [1e-30]) * 1e-3
+        for name in self.variants:
+            if name == "none":
+                continue
+            progress.describe(f"parity: {name}")
+            try:
+                got = self.parity_step(make_variant(name, self.budget), batch)
+            except NotApplicable:
+                continue
+            except Exception as e:
+                self.notes.append(f"{name}: the parity step failed with {short_error(e)}")
+                continue
+            err, why = 0.0, []
+            for key in ref.keys() | got.keys():
+                a, b = got.get(key), ref.get(key)
+                if a is None or b is None:
+                    why.append(f"{key}: gradient {'missing' if a is None else 'unexpected'}")
+                    err = float("inf")
+                    continue
+                scale = max(b.abs().max().item(), floor)
+                err = max(err, (a - b).abs().max().item() / scale)
+            self.parity_results[name] = {"batch": batch, "max_rel_err": err, "tolerance": tol, "ok": err <= tol}
+            if why:
+                self.notes.append(f"{name}: parity: {len(why)} mismatching gradient(s), e.g. {why[0]}")
+
     def none_bytes(self, batch: int) -> int:
         """Activation bytes of `none` at this batch (what ckpt_ext-budget's default budget is half of):
         measured on a model without checkpointing, or scaled from batch 1 in the max-batch search."""
         if self.scale_budget and batch != 1:
             return self.none_bytes(1) * batch
         if batch not in self.none_held:
-            from variants import Variant
             plain = Variant()
             model = self.models.get("none") or plain.setup(self.workload.fresh)
             mem = held_bytes(lambda: self.workload.forward(plain, model, batch), list(model.parameters()),
@@ -251,6 +320,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--budget", default=None,
                    help="memory budget of ckpt_ext-budget ('2GiB', bytes); default half the activations of none")
+    p.add_argument("--lora", nargs="?", const="", default=None, metavar="r=16,alpha=32,dropout=0.05",
+                   help="wrap the model with peft LoRA (every attention and MLP projection, base frozen); "
+                        "values not given take these defaults")
+    p.add_argument("--no-parity", action="store_true", help="skip the parity step (loss, gradients vs none)")
     p.add_argument("--full", action="store_true", help="CPU: the model's real size (default: shrunk, see CPU_SMALL)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="no PNG plots")
@@ -281,6 +354,12 @@ def resolve_config(args, parser) -> dict:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         parser.error(f"--variants: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(VARIANTS)}")
+    lora = None
+    if args.lora is not None:
+        try:
+            lora = parse_lora(args.lora)
+        except (TypeError, ValueError) as e:
+            parser.error(f"--lora: {e}")
     budget = None
     if args.budget is not None:
         from ckpt_ext.planner import parse_bytes
@@ -292,7 +371,8 @@ def resolve_config(args, parser) -> dict:
            "batch": args.batch or ([8, 16, 32] if cuda else parse_batches(CPU_SMALL["batch"])),
            "max_batch": args.max_batch or (4096 if cuda else 8), "repeat": args.repeat or (20 if cuda else 5),
            "warmup": args.warmup if args.warmup is not None else (3 if cuda else 1), "variants": variants,
-           "budget": budget, "cpu_small": small and args.model != "custom"}
+           "budget": budget, "cpu_small": small and args.model != "custom", "lora": lora,
+           "parity": not args.no_parity}
     if cfg["repeat"] < 1 or cfg["warmup"] < 1 or cfg["max_batch"] < 1:
         parser.error("--repeat, --warmup and --max-batch must be at least 1 (the first warm-up step is the trial)")
     return cfg
@@ -304,6 +384,9 @@ def flag_rows(rows: List[dict], suite: Suite) -> None:
     for r in rows:
         v = suite.variants.get(r["variant"])
         r["flags"] = noise_flags(r["step_s"], none.get(r["batch"]), recomputes=bool(v and v.recomputes))
+        r["parity"] = suite.parity_results.get(r["variant"])
+        if r["parity"] and not r["parity"]["ok"]:
+            r["flags"].append(f"parity: {r['parity']['max_rel_err']:.2g} from none > {r['parity']['tolerance']:g}")
 
 
 def run(cfg: dict, progress: Progress, notes: List[str]) -> dict:
@@ -312,8 +395,10 @@ def run(cfg: dict, progress: Progress, notes: List[str]) -> dict:
     progress.describe(f"building {cfg['spec'].name}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename
-        workload = Workload(cfg["spec"], cfg["mode"], device)
+        workload = Workload(cfg["spec"], cfg["mode"], device, cfg["lora"])
         suite = Suite(workload, cfg["variants"], cfg["budget"], notes)
+        if cfg["parity"]:
+            suite.parity(1 if cfg["batch"] == "max" else min(cfg["batch"]), progress)
         rows: List[dict] = []
         max_batch = None
         if cfg["batch"] == "max":
@@ -358,13 +443,14 @@ def main(argv=None) -> dict:
               "intermediate": spec.intermediate, "vocab": spec.vocab, "mode": cfg["mode"],
               "batch": cfg["batch"], "max_batch": cfg["max_batch"], "repeat": cfg["repeat"], "warmup": cfg["warmup"],
               "variants": cfg["variants"], "budget_bytes": cfg["budget"], "cpu_small": cfg["cpu_small"],
+              "lora": cfg["lora"] and {**vars(cfg["lora"]), "description": cfg["lora"].describe(spec.family)},
               "argv": list(sys.argv[1:] if argv is None else argv)}
     result = {"env": finish_env(info), "config": config, "rows": measured["rows"],
               "max_batch": measured["max_batch"], "variant_summaries": measured["summaries"], "notes": notes}
     md = report.to_markdown(result)
     print(md)
     out = output_dir(args, info)
-    stem = cfg["model"] + ("-max-batch" if cfg["batch"] == "max" else "")
+    stem = cfg["model"] + ("-lora" if cfg["lora"] else "") + ("-max-batch" if cfg["batch"] == "max" else "")
     written = write_results(out, stem, result, md)
     if not args.no_plots:
         written += report.plots(result, os.path.join(out, stem))

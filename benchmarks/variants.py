@@ -9,6 +9,11 @@ A variant is an object with its own set-up and tear-down: `setup(fresh)` receive
 a fresh copy of the base model on the device and returns the model to train; nothing outside the
 variant knows what it does to the model. `unavailable()` gives the reason a variant does not apply
 here (the run reports it and goes on).
+
+With a LoRA spec (suite.py --lora), the base model is wrapped by peft LoRA before any variant sees it:
+adapters on the attention and MLP projections (LORA_TARGETS), base weights frozen, B initialised at
+random (peft's zeros would leave every A without gradient), so every variant trains the adapters only
+(fuse(peft model) computes them in the fused layers).
 """
 import contextlib
 import copy
@@ -53,6 +58,63 @@ MODELS = {
 }
 
 
+# peft target_modules per family: every attention and MLP projection (BERT's "dense" is the attention
+# output, intermediate and output linears).
+LORA_TARGETS = {"bert": ["query", "key", "value", "dense"], "gpt2": ["c_attn", "c_proj", "c_fc"],
+                "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+
+    def describe(self, family: str) -> str:
+        return (f"peft LoRA r={self.r}, alpha {self.alpha:g}, dropout {self.dropout:g} on "
+                f"{', '.join(LORA_TARGETS[family])}; base weights frozen")
+
+
+def parse_lora(text: str) -> LoraSpec:
+    """'r=16,alpha=32,dropout=0.05' (any subset; the rest default) -> LoraSpec."""
+    kw = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("r", "alpha", "dropout"):
+            raise ValueError(f"expected r=, alpha= or dropout= items, got {item!r}")
+        kw[key] = int(value) if key == "r" else float(value)
+    spec = LoraSpec(**kw)
+    if spec.r < 1 or not 0 <= spec.dropout < 1:
+        raise ValueError(f"r must be at least 1 and dropout in [0, 1), got {spec}")
+    return spec
+
+
+def add_lora(model: nn.Module, family: str, lora: LoraSpec) -> nn.Module:
+    """The model wrapped by peft LoRA (peft's defaults otherwise: float32 adapters on a bfloat16 model)."""
+    import peft
+    cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=LORA_TARGETS[family], fan_in_fan_out=family == "gpt2")
+    model = peft.get_peft_model(model, cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model.train()
+
+
+def without_dropout(model: nn.Module) -> nn.Module:
+    """Every dropout of the model set to 0 in place (nn.Dropout modules, adapters' included, and Llama's
+    attention_dropout), before fuse reads them: the suite's parity step compares variants without the
+    random numbers they draw differently."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    return model
+
+
 def build_model(spec: ModelSpec, mode: str) -> nn.Module:
     """The Hugging Face base model of the spec, random weights (seeded), training mode, on CPU."""
     torch.manual_seed(0)
@@ -84,15 +146,20 @@ def build_model(spec: ModelSpec, mode: str) -> nn.Module:
 class Workload:
     """A model spec in a mode on a device: fresh copies of the base model, inputs per batch, a step."""
 
-    def __init__(self, spec: ModelSpec, mode: str, device):
+    def __init__(self, spec: ModelSpec, mode: str, device, lora: Optional[LoraSpec] = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.spec, self.mode, self.device = spec, mode, torch.device(device)
+        self.spec, self.mode, self.device, self.lora = spec, mode, torch.device(device), lora
         self.base = build_model(spec, mode)  # stays on CPU: every variant gets its own copy on the device
+        if lora is not None:
+            self.base = add_lora(self.base, spec.family, lora)
         self.ids: Dict[int, torch.Tensor] = {}
 
     def fresh(self) -> nn.Module:
         return copy.deepcopy(self.base).to(self.device)
+
+    def fresh_without_dropout(self) -> nn.Module:
+        return without_dropout(self.fresh())
 
     def input_ids(self, batch: int) -> torch.Tensor:
         if batch not in self.ids:
@@ -100,13 +167,19 @@ class Workload:
             self.ids[batch] = torch.randint(0, self.spec.vocab, (batch, self.spec.seq), generator=g).to(self.device)
         return self.ids[batch]
 
-    def forward(self, variant: "Variant", model: nn.Module, batch: int) -> torch.Tensor:
+    def forward(self, variant: "Variant", model: nn.Module, batch: int, probe: bool = False) -> torch.Tensor:
+        """The loss: mean of the squared last hidden state, or with `probe` its mean product with fixed
+        random weights (a model ending in a LayerNorm makes the mean square ~1 whatever the weights, and
+        its gradients mere rounding noise: the parity step compares gradients)."""
         model.zero_grad(set_to_none=True)
         ids = self.input_ids(batch)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.mode == "autocast"):
             with variant.context():
-                hidden = model(input_ids=ids).last_hidden_state
-            return hidden.float().pow(2).mean()
+                hidden = model(input_ids=ids).last_hidden_state.float()
+            if probe:
+                g = torch.Generator().manual_seed(2)
+                return (hidden * torch.randn(hidden.shape, generator=g).to(hidden.device)).mean()
+            return hidden.pow(2).mean()
 
     def step(self, variant: "Variant", model: nn.Module, batch: int) -> None:
         self.forward(variant, model, batch).backward()

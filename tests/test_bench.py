@@ -21,7 +21,7 @@ import variants  # noqa: E402
 
 ROW_KEYS = {"variant", "batch", "tokens", "status", "step_s", "tokens_per_s", "activation_bytes", "saved_bytes",
             "pool_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "peak_over_weights_bytes",
-            "fragmentation_bytes", "budget_bytes", "flags", "note"}
+            "fragmentation_bytes", "budget_bytes", "parity", "flags", "note"}
 TINY = ["--device", "cpu", "--model", "custom", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
         "--repeat", "1", "--warmup", "1", "--no-progress"]
 
@@ -53,6 +53,112 @@ def test_suite_smoke(tmp_path):
     assert "| variant | batch | status |" in md and "flags |" in md
     assert "| none | 2 | ok |" in md and "| ckpt_ext | 2 | ok |" in md
     assert (tmp_path / "custom.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+PEFT_VARIANTS = "none,hf-torch-nonreentrant,ckpt_ext,fused,ckpt_ext-fused"
+
+
+def test_suite_lora(tmp_path):
+    """--lora: every variant on the peft model, adapters trained only, parity with `none` checked."""
+    pytest.importorskip("peft")
+    result = suite.main(TINY + ["--batch", "2", "--variants", PEFT_VARIANTS, "--lora", "r=4,dropout=0.1",
+                                "--out", str(tmp_path), "--no-plots"])
+    data = json.loads((tmp_path / "custom-lora.json").read_text())
+    assert data["config"]["lora"] == {"r": 4, "alpha": 32.0, "dropout": 0.1,
+                                      "description": variants.LoraSpec(4, 32.0, 0.1).describe("bert")}
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert list(rows) == PEFT_VARIANTS.split(",")
+    assert all(r["status"] == "ok" and r["step_s"] for r in rows.values())
+    assert rows["none"]["parity"] is None
+    for v in PEFT_VARIANTS.split(",")[1:]:
+        p = rows[v]["parity"]
+        assert p["ok"] and p["max_rel_err"] < 1e-4 and p["tolerance"] == 1e-4, (v, p)
+    assert rows["ckpt_ext-fused"]["activation_bytes"] < rows["fused"]["activation_bytes"]
+    md = (tmp_path / "custom-lora.md").read_text()
+    assert "Adapters: peft LoRA r=4, alpha 32, dropout 0.1 on query, key, value, dense" in md
+    assert "| parity vs none |" in md
+    assert result["rows"][0]["variant"] == "none"
+
+
+def test_parity_failure_is_flagged(tmp_path, monkeypatch):
+    """A variant computing another function (here: one adapter's B changed) fails the parity step."""
+    pytest.importorskip("peft")
+    fused_setup = variants.Fused.setup
+
+    def broken(self, fresh):
+        model = fused_setup(self, fresh)
+        with torch.no_grad():
+            next(p for n, p in model.named_parameters() if "lora_B" in n).mul_(2)
+        return model
+
+    monkeypatch.setattr(variants.Fused, "setup", broken)
+    result = suite.main(TINY + ["--batch", "1", "--variants", "none,fused,ckpt_ext", "--lora", "",
+                                "--out", str(tmp_path), "--no-plots"])
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert rows["ckpt_ext"]["parity"]["ok"] and not any(f.startswith("parity") for f in rows["ckpt_ext"]["flags"])
+    assert not rows["fused"]["parity"]["ok"]
+    assert any(f.startswith("parity: ") for f in rows["fused"]["flags"])
+    assert "FAILED" in (tmp_path / "custom-lora.md").read_text()
+
+
+def test_lora_argument():
+    assert variants.parse_lora("") == variants.LoraSpec(16, 32.0, 0.05)
+    assert variants.parse_lora("r=8, dropout=0") == variants.LoraSpec(8, 32.0, 0.0)
+    for bad in ("rank=8", "r=0", "dropout=1", "r"):
+        with pytest.raises(SystemExit):
+            suite.resolve_config(suite.make_parser().parse_args(["--device", "cpu", "--lora", bad]), suite.make_parser())
+
+
+def _last_segments(err: str):
+    """Each line of a terminal's output as it ends up (the text after its last carriage return)."""
+    return [line.rsplit("\r", 1)[-1] for line in err.split("\n")]
+
+
+def _console_state():
+    import logging
+    names = ("", "transformers", "ckpt_ext")
+    return __import__("warnings").showwarning, {n: list(logging.getLogger(n).handlers) for n in names}
+
+
+def test_messages_go_above_the_progress_bar(capsys):
+    """Warnings and transformers / ckpt_ext logging while the bar is shown come out as whole lines (a bar
+    has no newline: without tqdm.write they would continue its line), and everything is restored."""
+    pytest.importorskip("tqdm")
+    import logging
+    import warnings
+    from transformers.utils import logging as hf_logging
+    before = _console_state()
+    progress = common.Progress()
+    progress.plan(3)
+    progress.describe("working")
+    progress()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("a warning in the middle", UserWarning)
+    hf_logging.get_logger("transformers.models.bert").warning("a transformers message")
+    logging.getLogger("ckpt_ext").warning("a ckpt_ext message")
+    progress()
+    assert _console_state() != before
+    progress.close()
+    assert _console_state() == before
+    lines = _last_segments(capsys.readouterr().err)
+    assert any(line.endswith("UserWarning: a warning in the middle") for line in lines), lines
+    assert any(line.endswith("a transformers message") and "working" not in line for line in lines), lines
+    assert "a ckpt_ext message" in lines, lines
+
+
+def test_console_restored_when_the_suite_fails(monkeypatch):
+    pytest.importorskip("tqdm")
+    before = _console_state()
+
+    def fail(*a, **k):
+        assert _console_state() != before  # redirected while the bar is shown
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(suite, "run", fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        suite.main(TINY[:-1] + ["--batch", "1", "--variants", "none"])
+    assert _console_state() == before
 
 
 def _digests(folder):

@@ -7,7 +7,10 @@
   over many seeds approaches the no-dropout output (dropout rate and 1/(1-p) scaling).
 * Merged adapters, disabled adapters, adapters added after fuse (handled), unsupported adapters (DoRA,
   lora_bias, an adapter on the embeddings, several active adapters: refused at fuse or at the call).
-* CPU bfloat16 autocast vs peft under autocast, both against the fp32 reference.
+* CPU bfloat16 autocast vs peft under autocast, both against the fp32 reference; a bfloat16 model with
+  peft's float32 adapters (autocast_adapter_dtype) vs peft.
+* q/k/v adapters without adapter dropout (lora_dropout 0, or not training) share their first GEMM: the
+  parity tests above run that path; the number of matrix products shows it is taken.
 """
 import copy
 
@@ -132,9 +135,10 @@ def test_rslora_and_ranks_per_module(family):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lora_dropout", [0.0, 0.2])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_dropout_checkpointing_replays_bit_identical(family, device):
-    base = peft_model(family, lora_dropout=0.2, dropout=0.1).to(device)
+def test_dropout_checkpointing_replays_bit_identical(family, lora_dropout, device):
+    base = peft_model(family, lora_dropout=lora_dropout, dropout=0.1).to(device)
     fused = ckpt_ext.fuse(copy.deepcopy(base))
     ck = ckpt_ext.enable_checkpointing(ckpt_ext.fuse(copy.deepcopy(base)), every=2)
     batch = inputs(device)
@@ -274,6 +278,12 @@ def test_cpu_bf16_autocast(family):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         r = step(ref, batch)
         f = step(fused, batch)
+    assert_no_worse_than_peft(f, r, exact)
+
+
+def assert_no_worse_than_peft(f, r, exact):
+    """Low precision: the fused step's error against the float32 reference is at most a small multiple
+    of peft's own (output and every gradient)."""
     err_ref = (r[0].float() - exact[0]).abs().max().item()
     err_fused = (f[0].float() - exact[0]).abs().max().item()
     assert err_fused <= 3 * err_ref + 1e-3, (err_fused, err_ref)
@@ -282,3 +292,62 @@ def test_cpu_bf16_autocast(family):
         gf = (f[1][n].float() - exact[1][n]).abs().max().item()
         scale = exact[1][n].abs().max().item()
         assert gf <= 3 * gr + 1e-2 * scale, (n, gf, gr)
+
+
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+        return func(*args, **(kwargs or {}))
+
+
+def _forward_matmuls(model, batch):
+    with torch.no_grad(), _CountMatmuls() as count:
+        model(**batch)
+    return count.n
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_qkv_adapters_share_their_first_gemm(family):
+    """All of q, k, v adapted and no adapter dropout in the call: x [A_q; A_k; A_v]^T and one GEMM against
+    the block-diagonal B (2 products) instead of 2 per adapter (6), per layer. Adapter dropout in training,
+    or one of the three without adapter, takes the per-adapter path."""
+    batch = inputs()
+    torch.manual_seed(0)
+    base = _forward_matmuls(ckpt_ext.fuse(make_model(family).train()), batch)
+    others = len(TARGETS[family]) - 3 if family == "llama" else 3  # bert's "dense" is three projections
+    shared = _forward_matmuls(ckpt_ext.fuse(peft_model(family)), batch)
+    assert shared == base + 2 * (2 + 2 * others)
+    dropped = ckpt_ext.fuse(peft_model(family, lora_dropout=0.1))
+    assert _forward_matmuls(dropped, batch) == base + 2 * (6 + 2 * others)
+    assert _forward_matmuls(dropped.eval(), batch) == shared  # dropout is the identity outside training
+    two = ckpt_ext.fuse(peft_model(family, target_modules=TARGETS[family][:2]))
+    assert _forward_matmuls(two, batch) == base + 2 * 4
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_eval_with_adapter_dropout_matches_peft(family):
+    """lora_dropout > 0 outside training takes the shared q/k/v path: parity with peft, gradients included."""
+    ref = peft_model(family, lora_dropout=0.3).eval()
+    fused = ckpt_ext.fuse(copy.deepcopy(ref))
+    batch = inputs()
+    assert_close_step(step(fused, batch), step(ref, batch))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_model_with_float32_adapters(family):
+    """peft keeps float32 adapters on a bfloat16 model and computes their terms in float32: the fused layer
+    does as well (it used to refuse the float32 adapter weights)."""
+    torch.manual_seed(0)
+    ref = peft.get_peft_model(make_model(family).to(torch.bfloat16), lora_config(family)).train()
+    randomise_adapters(ref)
+    assert {p.dtype for n, p in ref.named_parameters() if "lora_" in n} == {torch.float32}
+    fused = ckpt_ext.fuse(copy.deepcopy(ref))
+    batch = inputs()
+    exact = step(copy.deepcopy(ref).float(), batch)  # the same values in float32
+    r, f = step(ref, batch), step(fused, batch)
+    assert f[0].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in f[1].values())
+    assert_no_worse_than_peft(f, r, exact)

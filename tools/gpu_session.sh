@@ -10,6 +10,8 @@
 #   bash tools/gpu_session.sh build bench       # the benchmarks (a warm machine skips the unchanged build)
 #   bash tools/gpu_session.sh build suite       # benchmarks/suite.py, bert-large, batches 8..64
 #   bash tools/gpu_session.sh build suite-max   # the same with --batch max
+#   bash tools/gpu_session.sh build suite-lora  # peft LoRA (r=16, alpha 32, dropout 0.05), bf16: BERT-large,
+#                                               # GPT-2 medium, Llama; peft (+ HF ckpt, + ckpt_ext) vs fuse (+ ckpt)
 #
 # build: the image exports CC/CXX/CUDAHOSTCXX=/opt/gcc/bin/..., a wrapper that links libstdc++ statically into
 # _C.so (C++ error paths then crash in codecvt; setup.py refuses such a compiler), so the system compilers are
@@ -61,6 +63,13 @@ for step in "$@"; do
       "$PY" benchmarks/bench_fused.py --rounds 10 --no-progress --out "$OUT" 2>&1 | tee "$OUT/bench_fused.log" | tail -40 || status=1 ;;
     suite) "$PY" benchmarks/suite.py --model bert-large --batch 8,16,32,64 --no-progress --out "$OUT" 2>&1 | tee "$OUT/suite.log" | tail -40 || status=1 ;;
     suite-max) "$PY" benchmarks/suite.py --model bert-large --batch max --no-progress --out "$OUT" 2>&1 | tee "$OUT/suite-max.log" | tail -40 || status=1 ;;
+    suite-lora)
+      # Issue 15: the fused LoRA layer + checkpointing against peft + Hugging Face's checkpointing.
+      for spec in "bert-large 8,32" "gpt2-medium 8,16" "llama 2,4"; do
+        read -r model batches <<< "$spec"
+        "$PY" benchmarks/suite.py --model "$model" --batch "$batches" --mode bf16 --lora --repeat 10 --no-progress --out "$OUT" \
+          --variants none,hf-torch-nonreentrant,ckpt_ext,fused,ckpt_ext-fused 2>&1 | tee "$OUT/suite-lora-$model.log" | tail -25 || status=1
+      done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "gpu_session: $step took $(( $(date +%s) - start )) s (status so far: $status)" | tee -a "$OUT/session.log"

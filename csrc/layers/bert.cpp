@@ -44,10 +44,8 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
   const int64_t H = s.hidden;
-  const Tensor qkv = plus_lora_parts(at::linear(x, wqkv, opt(bqkv)),
-                                     {lora_delta(s, w, kLoraQ, x, rng), lora_delta(s, w, kLoraK, x, rng),
-                                      lora_delta(s, w, kLoraV, x, rng)},
-                                     {H, H, H});
+  const Tensor qkv = plus_lora_qkv(s, w, {kLoraQ, kLoraK, kLoraV}, x,
+                                  at::linear(x, wqkv, opt(bqkv)), {H, H, H}, rng);
   const auto [q, k, v] = split_qkv(qkv, s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/false, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs));

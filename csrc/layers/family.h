@@ -80,11 +80,14 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
 // LoRA: the adapter term scaling_j * (dropout(x) A_j^T) B_j^T of projection j (FamilyInfo::lora), or
 // undefined when the projection has no adapter in this call.
 Tensor lora_delta(const LayerSpec& s, const std::vector<Tensor>& w, int64_t j, const Tensor& x, const LayerRng& rng);
-// y + delta, in y's dtype (y itself when delta is undefined).
+// y + delta, computed in the wider dtype of the two and returned in y's (y itself when delta is undefined).
 Tensor plus_lora(const Tensor& y, const Tensor& delta);
-// y + [d_0, d_1, ...] concatenated along the last dim (a fused q/k/v projection; `widths`: each part's
-// width, an undefined d_i adds nothing to its part). y itself when no d_i is defined.
-Tensor plus_lora_parts(const Tensor& y, std::initializer_list<Tensor> deltas, std::initializer_list<int64_t> widths);
+// y + the adapter terms of the q, k and v projections j (all reading x), concatenated along the last dim
+// as the fused qkv projection y is (`widths`: each part's width; a projection without adapter adds
+// nothing to its part). With all three adapted and no adapter dropout in this call, the terms come from
+// two GEMMs in all instead of six. y itself when none is adapted.
+Tensor plus_lora_qkv(const LayerSpec& s, const std::vector<Tensor>& w, std::array<int64_t, 3> j, const Tensor& x,
+                     const Tensor& y, std::array<int64_t, 3> widths, const LayerRng& rng);
 // Shapes of the adapter slots against their base weights.
 void check_lora(const LayerSpec& s, const std::vector<Tensor>& w);
 

@@ -57,8 +57,9 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
 
 }  // namespace
 
-const LayerFamily kGpt2Family{{Family::kGPT2, "gpt2", {kSlotNames, kSlotNames + kCount}, kLora}, &check, &forward,
-                              &last_linear};
+const LayerFamily kGpt2Family{
+    {Family::kGPT2, "gpt2", {kSlotNames, kSlotNames + kCount}, kLora, /*conv1d=*/true}, &check, &forward,
+    &last_linear};
 
 }  // namespace layers
 }  // namespace ckpt_ext

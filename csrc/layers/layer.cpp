@@ -131,7 +131,10 @@ void check_weights(const LayerSpec& s, const std::vector<Tensor>& w, const Tenso
               " weights (or ", n_all, " with the LoRA adapter slots), got ", w.size());
   for (size_t i = 0; i < w.size(); ++i) {
     if (!w[i].defined()) continue;
-    TORCH_CHECK(w[i].device() == hidden.device() && w[i].scalar_type() == hidden.scalar_type(), "ckpt_ext fused ",
+    // Adapter weights may be wider than the layer's (peft keeps float32 adapters on a bfloat16 model and
+    // computes their term in float32): check_lora checks them.
+    const bool dtype_ok = i >= n ? at::isFloatingType(w[i].scalar_type()) : w[i].scalar_type() == hidden.scalar_type();
+    TORCH_CHECK(w[i].device() == hidden.device() && dtype_ok, "ckpt_ext fused ",
                 fam.info.name, " layer: weight ", i, " is ", w[i].scalar_type(), " on ", w[i].device(),
                 " but the hidden states are ", hidden.scalar_type(), " on ", hidden.device(), " (weight slot ",
                 fam.info.slot_name(i), "); the fused layers keep the residual stream in the parameters' dtype (cast the whole model with "

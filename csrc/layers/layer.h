@@ -74,6 +74,7 @@ struct FamilyInfo {
   const char* name;
   std::vector<std::string> slots;
   std::vector<std::string> lora;
+  bool conv1d = false;  // weights are [in, out] (GPT-2's Conv1D) rather than [out, in] (nn.Linear)
 
   size_t num_weights() const { return slots.size() + 2 * lora.size(); }
   std::string slot_name(size_t i) const;  // "q_weight", or "q_weight.lora_A" for an adapter slot

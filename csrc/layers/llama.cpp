@@ -51,10 +51,8 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
   const int64_t qw = s.num_heads * s.head_dim, kvw = s.num_kv_heads * s.head_dim;
-  const Tensor qkv = plus_lora_parts(at::linear(n1, wqkv, opt(bqkv)),
-                                     {lora_delta(s, w, kLoraQ, n1, rng), lora_delta(s, w, kLoraK, n1, rng),
-                                      lora_delta(s, w, kLoraV, n1, rng)},
-                                     {qw, kvw, kvw});
+  const Tensor qkv = plus_lora_qkv(s, w, {kLoraQ, kLoraK, kLoraV}, n1,
+                                  at::linear(n1, wqkv, opt(bqkv)), {qw, kvw, kvw}, rng);
   const auto [q_raw, k_raw, v] = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim);
   const Tensor cos = like(in.cos, q_raw), sin = like(in.sin, q_raw);
   const Tensor q = ops::rotary(q_raw, cos, sin);

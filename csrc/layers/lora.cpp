@@ -1,10 +1,12 @@
 // LoRA adapters (peft) on the projections of the fused layers, computed as peft's lora.Linear does:
 // y = x W^T + b + scaling * (dropout(x) A^T) B^T, with the dropout mask drawn from the layer call's seed
 // at a site of its own (kLoraInput + j), so that a checkpointed replay draws it again. A and B go through
-// ATen's linear (autocast casts them like peft's nn.Linear adapters) and C++ autograd.
+// ATen's linear (autocast casts them like peft's nn.Linear adapters) and C++ autograd. The q, k and v
+// adapters of one input share their first GEMM when no adapter dropout applies (plus_lora_qkv).
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <array>
 
 #include "../ops/ops.h"
 #include "family.h"
@@ -18,31 +20,73 @@ std::string FamilyInfo::slot_name(size_t i) const {
   return (j < lora.size() ? lora[j] : std::string("?")) + ((i - slots.size()) % 2 == 0 ? ".lora_A" : ".lora_B");
 }
 
+namespace {
+
+size_t a_slot(const LayerSpec& s, int64_t j) { return family_info(s.family).slots.size() + 2 * static_cast<size_t>(j); }
+
+bool has_adapter(const LayerSpec& s, const std::vector<Tensor>& w, int64_t j) {
+  const size_t a = a_slot(s, j);
+  return a + 1 < w.size() && w[a].defined();
+}
+
+// peft casts the adapter's input to the adapter weights' dtype (float32 adapters on a bfloat16 model: peft's
+// autocast_adapter_dtype default); under autocast at::linear casts it on as peft's nn.Linear does.
+Tensor adapter_input(const Tensor& x, const Tensor& A) {
+  return x.scalar_type() == A.scalar_type() ? x : x.to(A.scalar_type());
+}
+
+}  // namespace
+
 Tensor lora_delta(const LayerSpec& s, const std::vector<Tensor>& w, int64_t j, const Tensor& x, const LayerRng& rng) {
-  const size_t a = family_info(s.family).slots.size() + 2 * static_cast<size_t>(j);
-  if (a + 1 >= w.size() || !w[a].defined()) return Tensor();
+  if (!has_adapter(s, w, j)) return Tensor();
+  const size_t a = a_slot(s, j);
   const double p = effective(s.lora_p[static_cast<size_t>(j)], rng);
-  const Tensor xd = p > 0 ? ops::dropout(x, p, rng.seed, kLoraInput + j) : x;
+  const Tensor xa = adapter_input(x, w[a]);
+  const Tensor xd = p > 0 ? ops::dropout(xa, p, rng.seed, kLoraInput + j) : xa;
   return at::linear(at::linear(xd, w[a]), w[a + 1]) * s.lora_scaling[static_cast<size_t>(j)];
 }
 
-Tensor plus_lora(const Tensor& y, const Tensor& delta) { return delta.defined() ? y + like(delta, y) : y; }
+// peft adds the term in the wider dtype of the two, then casts to the base output's.
+Tensor plus_lora(const Tensor& y, const Tensor& delta) {
+  if (!delta.defined()) return y;
+  return delta.scalar_type() == y.scalar_type() ? y + delta : (y + delta).to(y.scalar_type());
+}
 
-Tensor plus_lora_parts(const Tensor& y, std::initializer_list<Tensor> deltas, std::initializer_list<int64_t> widths) {
-  if (std::none_of(deltas.begin(), deltas.end(), [](const Tensor& d) { return d.defined(); })) return y;
-  std::vector<Tensor> parts;
-  auto width = widths.begin();
-  for (const Tensor& d : deltas) {
-    if (d.defined()) {
-      parts.push_back(like(d, y));
-    } else {
-      auto sizes = y.sizes().vec();
-      sizes.back() = *width;
-      parts.push_back(at::zeros(sizes, y.options()));
-    }
-    ++width;
+Tensor plus_lora_qkv(const LayerSpec& s, const std::vector<Tensor>& w, std::array<int64_t, 3> j, const Tensor& x,
+                     const Tensor& y, std::array<int64_t, 3> widths, const LayerRng& rng) {
+  bool all = true, any = false, dropout = false;
+  for (int64_t k : j) {
+    const bool has = has_adapter(s, w, k);
+    all = all && has;
+    any = any || has;
+    dropout = dropout || (has && effective(s.lora_p[static_cast<size_t>(k)], rng) > 0);
   }
-  return y + at::cat(parts, -1);
+  if (!any) return y;
+  const Tensor &Aq = w[a_slot(s, j[0])], &Ak = w[a_slot(s, j[1])], &Av = w[a_slot(s, j[2])];
+  if (all && !dropout && Aq.scalar_type() == Ak.scalar_type() && Aq.scalar_type() == Av.scalar_type()) {
+    // One input, no adapter dropout: x [A_q; A_k; A_v]^T as one GEMM (x read once), then one GEMM against
+    // blockdiag(s_q B_q, s_k B_k, s_v B_v), which lays the three terms out as the fused qkv projection.
+    // Copies only the small adapter matrices (peft allocates each A apart, so their concatenation cannot
+    // be a view); autograd splits the gradients back.
+    const Tensor xa = at::linear(adapter_input(x, Aq), at::cat({Aq, Ak, Av}, 0));
+    std::vector<Tensor> b;
+    for (int64_t k : j) b.push_back(w[a_slot(s, k) + 1] * s.lora_scaling[static_cast<size_t>(k)]);
+    return plus_lora(y, at::linear(xa, at::block_diag(b)));
+  }
+  // Each adapter its own dropout mask (as peft's modules draw them), or not all three adapted.
+  std::vector<Tensor> deltas;
+  Tensor first;
+  for (int64_t k : j) {
+    deltas.push_back(lora_delta(s, w, k, x, rng));
+    if (!first.defined()) first = deltas.back();
+  }
+  for (size_t k = 0; k < deltas.size(); ++k) {
+    if (deltas[k].defined()) continue;
+    auto sizes = y.sizes().vec();
+    sizes.back() = widths[k];
+    deltas[k] = at::zeros(sizes, first.options());
+  }
+  return plus_lora(y, at::cat(deltas, -1));
 }
 
 void check_lora(const LayerSpec& s, const std::vector<Tensor>& w) {
@@ -58,8 +102,9 @@ void check_lora(const LayerSpec& s, const std::vector<Tensor>& w) {
     const size_t base = static_cast<size_t>(
         std::find(info.slots.begin(), info.slots.end(), info.lora[j]) - info.slots.begin());
     const Tensor& W = w[base];
-    const bool conv1d = s.family == Family::kGPT2;  // Conv1D weights are [in, out]
-    const int64_t in = conv1d ? W.size(0) : W.size(1), out = conv1d ? W.size(1) : W.size(0);
+    const int64_t in = info.conv1d ? W.size(0) : W.size(1), out = info.conv1d ? W.size(1) : W.size(0);
+    TORCH_CHECK(A.scalar_type() == B.scalar_type(), "ckpt_ext fused ", info.name, " layer: the LoRA adapter of ",
+                info.lora[j], " has A in ", A.scalar_type(), " but B in ", B.scalar_type());
     TORCH_CHECK(A.dim() == 2 && B.dim() == 2 && A.size(1) == in && B.size(0) == out && B.size(1) == A.size(0),
                 "ckpt_ext fused ", info.name, " layer: the LoRA adapter of ", info.lora[j], " must be A [r, ", in,
                 "] and B [", out, ", r], got A ", A.sizes(), " and B ", B.sizes());
