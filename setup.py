@@ -60,7 +60,11 @@ if TorchVersion(torch.__version__) < MIN_TORCH:
 if _major_minor(torch.__version__) > NEWEST_TESTED_TORCH:
     log(f"warning: torch {torch.__version__} is newer than the newest tested ({NEWEST_TESTED_TORCH})")
 
-cuda_home = cpp_extension.CUDA_HOME
+cuda_home = toolchain.real_cuda_home(cpp_extension.CUDA_HOME)
+if cuda_home != cpp_extension.CUDA_HOME:  # torch's build reads this global when it links and runs nvcc
+    log(f"CUDA_HOME: {cpp_extension.CUDA_HOME} (from the nvcc on PATH) has no CUDA libraries; using {cuda_home}, "
+        "where that nvcc runs from (set CUDA_HOME to choose another)")
+    cpp_extension.CUDA_HOME = cuda_home
 with_cuda = bool(torch.version.cuda) and cuda_home is not None
 if os.environ.get("CKPT_EXT_FORCE_CPU", "0") == "1":
     with_cuda = False

@@ -149,3 +149,24 @@ def test_missing_build_without_an_installed_one_asks_for_a_build(tmp_path, monke
     with pytest.raises(ImportError) as e:
         _extension.load()
     assert "Build it with" in str(e.value) and "shadows" not in str(e.value)
+
+
+def test_cuda_home_behind_an_nvcc_wrapper_is_found(tmp_path, monkeypatch):
+    """torch derives CUDA_HOME from the nvcc on PATH; a wrapper script in /usr/local/bin gives /usr/local,
+    where linking fails on -lcudart. The toolkit is then taken from where nvcc says it runs."""
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    toolkit = tmp_path / "cuda-13.0"
+    (toolkit / "lib64").mkdir(parents=True)
+    (toolkit / "lib64" / "libcudart.so").write_text("")
+    wrapper_home = tmp_path / "local"
+    (wrapper_home / "bin").mkdir(parents=True)
+    nvcc = wrapper_home / "bin" / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho '#$ _HERE_={toolkit}/bin' >&2\necho '#$ TOP={toolkit}/bin/..' >&2\n")
+    nvcc.chmod(0o755)
+    tc = _toolchain()
+    assert tc.real_cuda_home(str(wrapper_home)) == str(toolkit)
+    assert tc.real_cuda_home(str(toolkit)) == str(toolkit)  # a home with the libraries is kept
+    assert tc.real_cuda_home(None) is None
+    monkeypatch.setenv("CUDA_HOME", str(wrapper_home))  # the user's choice is kept
+    assert tc.real_cuda_home(str(wrapper_home)) == str(wrapper_home)

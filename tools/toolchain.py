@@ -108,3 +108,21 @@ def static_libstdcxx_message(what: str) -> str:
         f"    {SYSTEM_COMPILERS} pip install --no-build-isolation .\n"
         "(CKPT_EXT_ALLOW_STATIC_LIBSTDCXX=1 skips this check.)"
     )
+
+
+def real_cuda_home(home):
+    """The CUDA toolkit's directory. Without CUDA_HOME, torch takes it from the nvcc on PATH, two levels
+    up; a wrapper script (say /usr/local/bin/nvcc running /usr/local/cuda-13.0/bin/nvcc) then gives
+    /usr/local, which holds no CUDA libraries, and linking fails on -lcudart. Such a home is replaced by
+    the directory nvcc reports as its own (`nvcc -v --dryrun`: "TOP=..."); anything else is kept."""
+    if home is None or os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return home
+    if any(os.path.exists(os.path.join(home, d, "libcudart.so")) for d in ("lib64", "lib")):
+        return home
+    try:
+        out = subprocess.run([os.path.join(home, "bin", "nvcc"), "-v", "--dryrun", "-c", "-x", "cu", os.devnull,
+                              "-o", os.devnull], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return home
+    m = re.search(r"^#\$ TOP=(.+)$", out.stderr + out.stdout, re.MULTILINE)
+    return os.path.realpath(m.group(1).strip()) if m else home
