@@ -32,7 +32,9 @@ def _fsdp_unit_class():
     subclass). Checked per checkpointed call, so it must stay cheap."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     unit = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
-    return unit if unit is not None and type.__subclasses__(unit) else None
+    if unit is None or torch.compiler.is_compiling():  # Dynamo (torch 2.11) cannot trace __subclasses__
+        return unit
+    return unit if type.__subclasses__(unit) else None
 
 
 def _add_module(mod: nn.Module, found: _Found):

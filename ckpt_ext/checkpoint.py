@@ -28,9 +28,9 @@ _C = load()
 _run = _C.checkpoint_run
 _Tensor = torch.Tensor
 # Inputs are saved as torch saves them (outer saved-tensor hooks such as save_on_cpu apply; in-place
-# changes are detected at unpack); torches without the binding keep them referenced.
-_make_saved = getattr(torch._C._autograd, "_make_saved_tensor", None)
-_SavedTensor = getattr(torch._C._autograd, "SavedTensor", ())
+# changes are detected at unpack): torch's binding where it has one (2.13+), else the same in ckpt_ext's C++.
+_make_saved = getattr(torch._C._autograd, "_make_saved_tensor", None) or _C._make_saved_input
+_SavedTensor = getattr(torch._C._autograd, "SavedTensor", None) or _C._SavedInput
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing"]
 
@@ -119,23 +119,18 @@ class _BatchNormGuard:
 
 
 class _Replay:
-    __slots__ = ("fn", "saved", "kwargs", "context", "batchnorms", "versions")
+    __slots__ = ("fn", "saved", "kwargs", "context", "batchnorms")
 
-    def __init__(self, fn, saved, kwargs, context, batchnorms, versions):
+    def __init__(self, fn, saved, kwargs, context, batchnorms):
         self.fn = fn
         self.saved = saved  # the positional arguments, tensors as SavedTensor
         self.kwargs = kwargs
         self.context = context  # context_fn's recompute context, or None
         self.batchnorms = batchnorms  # known by the caller (enable_checkpointing), or None: found at replay
-        # Torches without SavedTensor (before 2.13): the inputs are kept as they are, and their versions
-        # from forward are checked here, as their checkpoint's saved inputs (_NoopSaveInputs) are.
-        self.versions = versions if _make_saved is None else None
 
     def __call__(self):
         # Early stop (_StopRecomputation) and errors pass straight to the C++ frame, which adds note()'s
         # note to an error: no Python exception handling on the replay path.
-        if self.versions is not None:
-            _check_saved_versions(self.saved, self.versions)
         args = [a.unpack() if type(a) is _SavedTensor else a for a in self.saved]
         bns = self.batchnorms if self.batchnorms is not None else _batchnorms_of(self.fn, args)
         if bns:
@@ -235,23 +230,10 @@ def _save_inputs(args: tuple):
     for a in args:
         if isinstance(a, _Tensor):
             versions.append(a._version)
-            saved.append(a if _make_saved is None else _make_saved(a, is_output=False))
+            saved.append(_make_saved(a, is_output=False))
         else:
             saved.append(a)
     return saved, versions
-
-
-def _check_saved_versions(saved: List[Any], versions: List[int]):
-    """What SavedTensor.unpack checks, for torches without it: a tensor argument modified in place
-    between forward and backward fails as autograd fails for any saved tensor (torch's message)."""
-    for a, v in zip((a for a in saved if isinstance(a, _Tensor)), versions):
-        if a._version != v:
-            made_by = f"output 0 of {type(a.grad_fn).__name__}" if a.grad_fn is not None else "an input of the checkpoint"
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"[{a.type()} {list(a.shape)}], which is {made_by}, is at version {a._version}; expected version "
-                f"{v} instead. (ckpt_ext.checkpoint replays the function on its saved arguments; clone an argument "
-                "before changing it in place.)")
 
 
 def _check_inputs_unchanged(function, args: tuple, versions: List[int]):
@@ -292,8 +274,7 @@ def _checkpoint_with_grad(function, args: tuple, kwargs: dict, found: Optional[_
     elif context_fn is not None:
         forward_context, recompute_context = context_fn()
     saved, versions = _save_inputs(args)
-    replay = _Replay(function, saved, kwargs, recompute_context, found.batchnorms if found is not None else None,
-                     versions)
+    replay = _Replay(function, saved, kwargs, recompute_context, found.batchnorms if found is not None else None)
     call = function if forward_context is None else functools.partial(_in_context, forward_context, function)
     # One C++ call: the frame (RNG/autocast snapshot), the saved-tensor hooks around the function.
     out = _run(replay, describe, _function_name(function), _devices(args, kwargs), preserve_rng_state,

@@ -353,9 +353,11 @@ def test_double_backward_matches():
 @pytest.mark.parametrize("saved_tensor", [True, False], ids=["SavedTensor", "torch-without-SavedTensor"])
 @pytest.mark.parametrize("input_requires_grad", [True, False])
 def test_saved_input_modified_before_backward_raises(input_requires_grad, saved_tensor, monkeypatch):
-    # Torches before 2.13 have no SavedTensor binding: the inputs' versions are checked by the replay.
+    # Torches before 2.13 have no SavedTensor binding: ckpt_ext's C++ saves the inputs there.
     if not saved_tensor:
-        monkeypatch.setattr(importlib.import_module("ckpt_ext.checkpoint"), "_make_saved", None)
+        module = importlib.import_module("ckpt_ext.checkpoint")
+        monkeypatch.setattr(module, "_make_saved", ckpt_ext._C._make_saved_input)
+        monkeypatch.setattr(module, "_SavedTensor", ckpt_ext._C._SavedInput)
     block = make_block(p=0.0, seed=12)
     x, = leaf_inputs((BATCH, DIM), seed=12)
     h = x * 1.0 if input_requires_grad else x.detach().clone()

@@ -3,6 +3,7 @@
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <pybind11/eval.h>
 
 #include <atomic>
@@ -394,7 +395,23 @@ py::object checkpoint_run(py::object recompute, py::object describe, std::string
 
 }  // namespace
 
+namespace {
+
+// A checkpoint's tensor argument kept for the replay as autograd keeps a saved tensor: outer saved-tensor
+// hooks (save_on_cpu) apply, and unpacking a tensor modified in place since raises autograd's error.
+// torch 2.13+ binds the same as torch._C._autograd._make_saved_tensor; this serves older torches.
+struct SavedInput {
+  explicit SavedInput(const at::Tensor& t) : saved(t, /*is_output=*/false) {}
+  at::Tensor unpack() const { return saved.unpack(); }
+  torch::autograd::SavedVariable saved;
+};
+
+}  // namespace
+
 void bind_checkpoint(py::module_& m) {
+  py::class_<SavedInput>(m, "_SavedInput").def("unpack", &SavedInput::unpack);
+  m.def("_make_saved_input", [](const at::Tensor& t, bool /*is_output*/) { return std::make_unique<SavedInput>(t); },
+        py::arg("tensor"), py::kw_only(), py::arg("is_output") = false);
   stop_type = py::register_exception<StopRecomputation>(m, "_StopRecomputation").ptr();
   holder_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&holder_spec));
   if (holder_type == nullptr) throw py::error_already_set();
