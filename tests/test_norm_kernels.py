@@ -5,7 +5,8 @@ bandwidth script call) and compared with a float64 reference computed from the s
 flash-attention's scheme: the kernel's max error must be at most 2x (outputs) or 3x (gradients) the max
 error of PyTorch eager running the reference in the kernel's dtype, plus a small atol (one rounding at the
 output's scale, at least 1e-5 * (1 + max |ref|)).
-Dropout masks must equal the CPU kernel's (the Philox mapping of csrc/kernels/philox.h), forward and
+The numerical tests run on aligned tensors and on views one element into their storage (the CUDA kernels'
+element-by-element path; a misaligned 16-byte access would fault). Dropout masks must equal the CPU kernel's (the Philox mapping of csrc/kernels/philox.h), forward and
 backward, on the 16-byte path and on the element-by-element path (odd hidden, misaligned views).
 
 The same tests run on the CPU kernels at small shapes (they check the harness itself, and that the CPU
@@ -22,11 +23,14 @@ from ckpt_ext import ops
 
 from helpers.devices import requires_cuda  # noqa: E402
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (rows, hidden): the model sizes (1024/4096/8192), odd hidden (element-by-element path), hidden just past a
-# launch bucket (1025, 4097), past the register-resident limit of 8192 (multi-pass kernels), rows 1..4097.
+# (rows, hidden): the model sizes (1024/4096/8192), odd hidden (element-by-element path), hidden % 8 == 4
+# (1028, 6004: 16-byte path for float, element by element for 16-bit types), hidden just past a launch
+# bucket (1025, 2049, 4097), backward's widest bucket (6000, 6004, 8192), past the register-resident limit of
+# 8192 (multi-pass kernels), one row (three idle warps in a four-row block), no rows, rows up to 4097.
 CUDA_SHAPES = [(4097, 1024), (1000, 4096), (257, 8192), (1, 1), (3, 7), (129, 33), (4097, 1000), (2, 1025),
-               (65, 4097), (5, 8193), (3, 12288)]
-CPU_SHAPES = [(1, 1), (3, 7), (129, 33), (4, 1000), (2, 1025)]
+               (1, 1024), (7, 1028), (33, 2049), (65, 4097), (9, 6000), (9, 6004), (5, 8193), (1, 8193),
+               (3, 12288), (0, 1024)]
+CPU_SHAPES = [(1, 1), (3, 7), (129, 33), (4, 1000), (2, 1025), (0, 7)]
 SHAPES = [pytest.param("cpu", s, id=f"cpu-{s[0]}x{s[1]}") for s in CPU_SHAPES] + [
     pytest.param("cuda", s, id=f"cuda-{s[0]}x{s[1]}", marks=[requires_cuda, pytest.mark.cuda]) for s in CUDA_SHAPES
 ]
@@ -38,8 +42,16 @@ def _seed():
     torch.manual_seed(0)
 
 
-def _randn(*shape, dtype, device, scale=1.0):
-    return (torch.randn(*shape, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+def _randn(*shape, dtype, device, scale=1.0, offset=0):
+    """Random values; offset > 0: a view `offset` elements into its storage (a row pointer that is not
+    16-byte aligned, which takes the CUDA kernels off their 16-byte path)."""
+    values = (torch.randn(*shape, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+    if not offset:
+        return values
+    storage = torch.empty(values.numel() + offset, dtype=dtype, device=device)
+    view = storage[offset:].view(values.shape)
+    view.copy_(values)
+    return view
 
 
 def _max_err(a, b):
@@ -105,7 +117,8 @@ def assert_stats_describe(s, mean, rstd, eps):
     assert rstd.shape == s.shape[:-1]
     if mean is not None:
         assert mean.shape == s.shape[:-1]
-        torch.testing.assert_close(mean.double(), h.mean(-1), rtol=1e-5, atol=1e-6 * (1 + h.abs().max().item()))
+        scale = h.abs().max().item() if h.numel() else 0.0
+        torch.testing.assert_close(mean.double(), h.mean(-1), rtol=1e-5, atol=1e-6 * (1 + scale))
         want = torch.rsqrt(h.var(-1, unbiased=False) + eps)
     else:
         want = torch.rsqrt(h.pow(2).mean(-1) + eps)
@@ -118,11 +131,13 @@ def assert_stats_describe(s, mean, rstd, eps):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device,shape", SHAPES)
 @pytest.mark.parametrize("p", [0.0, 0.1])
-def test_bias_dropout_add_layer_norm(device, shape, dtype, p):
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset"])
+def test_bias_dropout_add_layer_norm(device, shape, dtype, p, offset):
     rows, hidden = shape
-    x, r = _randn(rows, hidden, dtype=dtype, device=device), _randn(rows, hidden, dtype=dtype, device=device, scale=2)
-    b, w, lb = (_randn(hidden, dtype=dtype, device=device) for _ in range(3))
-    g_out, g_pre = _randn(rows, hidden, dtype=dtype, device=device), _randn(rows, hidden, dtype=dtype, device=device)
+    randn = lambda *size, scale=1.0: _randn(*size, dtype=dtype, device=device, scale=scale, offset=offset)  # noqa: E731
+    x, r = randn(rows, hidden), randn(rows, hidden, scale=2)
+    b, w, lb = (randn(hidden) for _ in range(3))
+    g_out, g_pre = randn(rows, hidden), randn(rows, hidden)
     out, pre, mean, rstd = ops.bias_dropout_add_layer_norm(x, b, r, w, lb, p, 1e-5, SEED, OFFSET)
     gx, gr, gw, glb = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, w, mean, rstd, p, SEED, OFFSET)
     mask = cpu_mask(rows, hidden, p).to(device) if p > 0 else None
@@ -167,13 +182,15 @@ def test_add_layer_norm(device, shape, dtype, with_residual, with_bias, with_gra
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device,shape", SHAPES)
 @pytest.mark.parametrize("with_residual,with_grad_sum", [(True, True), (False, False)])
-def test_add_rms_norm(device, shape, dtype, with_residual, with_grad_sum):
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset"])
+def test_add_rms_norm(device, shape, dtype, with_residual, with_grad_sum, offset):
     rows, hidden = shape
-    x = _randn(rows, hidden, dtype=dtype, device=device, scale=3)
-    r = _randn(rows, hidden, dtype=dtype, device=device) if with_residual else None
-    w = _randn(hidden, dtype=dtype, device=device)
-    g_out = _randn(rows, hidden, dtype=dtype, device=device)
-    g_sum = _randn(rows, hidden, dtype=dtype, device=device) if with_grad_sum else None
+    randn = lambda *size, scale=1.0: _randn(*size, dtype=dtype, device=device, scale=scale, offset=offset)  # noqa: E731
+    x = randn(rows, hidden, scale=3)
+    r = randn(rows, hidden) if with_residual else None
+    w = randn(hidden)
+    g_out = randn(rows, hidden)
+    g_sum = randn(rows, hidden) if with_grad_sum else None
     out, s, rstd = ops.add_rms_norm(x, r, w, 1e-6)
     g_in, gw = ops.add_rms_norm_backward(g_out, g_sum, s, w, rstd)
     names = ["out", "sum", "grad_x"] + (["grad_residual"] if with_residual else []) + ["grad_weight"]
@@ -213,7 +230,7 @@ def test_dropout_mask_and_values_equal_the_cpu_kernels(device, shape, dtype, mis
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("hidden", [1024, 1000, 8192, 8200])
+@pytest.mark.parametrize("hidden", [1024, 1000, 6004, 8192, 8200])
 def test_backward_is_deterministic(hidden):
     """Column sums go through per-block partials in a fixed order: two runs give the same bits."""
     x, g = torch.randn(3000, hidden, device="cuda"), torch.randn(3000, hidden, device="cuda")
@@ -226,27 +243,41 @@ def test_backward_is_deterministic(hidden):
 
 # ---- the CUDA kernels' thread -> column mapping (norms.cu with_row_shape, norms_rowwise.cuh) ------------------
 
-WARP, MAX_ELEMS, MAX_WARPS = 32, 32, 8  # kWarpSize, kMaxElemsPerThread, kMaxWarpsPerRow
+WARP = 32  # kWarpSize
+# rowwise::ForwardLimits / BackwardLimits: (kElemsPerThread, kMaxElemsPerThread, kWarpsPerRow)
+FORWARD_LIMITS, BACKWARD_LIMITS = (32, 32, 8), (16, 32, 8)
 
 
-def row_shape(hidden, vec_width):
+def row_shape(hidden, vec_width, limits):
     """(slots per thread, warps per row) as norms.cu's with_row_shape picks them; None: multi-pass kernels."""
-    im = MAX_ELEMS // vec_width
-    for warps, iters in ((1, im // 4), (1, im // 2), (1, im), (2, im), (4, im), (MAX_WARPS, im)):
-        if hidden <= warps * WARP * iters * vec_width:
-            return iters, warps
-    return None
+    elems, max_elems, max_warps = limits
+    im, imax = elems // vec_width, max_elems // vec_width
+    iters, warps = max(1, im // 4), 1
+    while hidden > warps * WARP * iters * vec_width:
+        if warps == 1 and iters < im:
+            iters *= 2
+        elif warps < max_warps:
+            warps *= 2
+        elif iters < imax:
+            iters *= 2
+        else:
+            return None
+    return iters, warps
 
 
+@pytest.mark.parametrize("limits", [FORWARD_LIMITS, BACKWARD_LIMITS], ids=["forward", "backward"])
 @pytest.mark.parametrize("vec_width", [4, 8])  # float; half / bfloat16
-@pytest.mark.parametrize("hidden", [1, 2, 3, 7, 8, 33, 255, 256, 257, 1000, 1024, 1025, 2048, 4095, 4096, 4097, 8191, 8192])
-def test_every_column_is_owned_once(hidden, vec_width):
+@pytest.mark.parametrize("hidden", [1, 2, 3, 7, 8, 33, 255, 256, 257, 1000, 1024, 1025, 1028, 2048, 2049, 4095, 4096,
+                                    4097, 6000, 6004, 8191, 8192])
+def test_every_column_is_owned_once(hidden, vec_width, limits):
     """Emulates the kernels' index math: thread t of a row owns slots it * TPR + t, slot s = columns
     s*V .. s*V+V-1; columns < hidden are owned exactly once, 16-byte slots start at multiples of 4 elements
-    (whole Philox groups), and the backward's in-block partial reduction covers every column."""
-    iters, warps = row_shape(hidden, vec_width)
+    (whole Philox groups), a thread holds at most 32 elements (one bit each in backward's dropout mask), and
+    a block has at most 256 threads (255 registers a thread)."""
+    iters, warps = row_shape(hidden, vec_width, limits)
     tpr = warps * WARP
-    assert iters * vec_width <= MAX_ELEMS
+    assert iters * vec_width <= limits[1] <= 32
+    assert (4 if warps == 1 else 1) * tpr <= 256  # rowwise::cta_threads
     owned = [0] * hidden
     vec = hidden % vec_width == 0
     for t in range(tpr):
@@ -263,6 +294,11 @@ def test_every_column_is_owned_once(hidden, vec_width):
 
 
 def test_wide_rows_take_the_multipass_kernels():
-    assert row_shape(8192, 8) == (4, 8) and row_shape(8192, 4) == (8, 8)
-    assert row_shape(8193, 8) is None and row_shape(8193, 4) is None
-    assert row_shape(1024, 8) == (4, 1) and row_shape(1024, 4) == (8, 1) and row_shape(4096, 8) == (4, 4)
+    for limits in (FORWARD_LIMITS, BACKWARD_LIMITS):
+        assert row_shape(8192, 8, limits) == (4, 8) and row_shape(8192, 4, limits) == (8, 8)
+        assert row_shape(8193, 8, limits) is None and row_shape(8193, 4, limits) is None
+    assert row_shape(1024, 8, FORWARD_LIMITS) == (4, 1) and row_shape(1024, 4, FORWARD_LIMITS) == (8, 1)
+    assert row_shape(4096, 8, FORWARD_LIMITS) == (4, 4)
+    # backward: 16 elements a thread while 8 warps hold the row that way, 32 only beyond
+    assert row_shape(1024, 8, BACKWARD_LIMITS) == (2, 2) and row_shape(1024, 4, BACKWARD_LIMITS) == (4, 2)
+    assert row_shape(4096, 8, BACKWARD_LIMITS) == (2, 8) and row_shape(4097, 8, BACKWARD_LIMITS) == (4, 8)

@@ -33,15 +33,26 @@ int64_t draw_dropout_seed(c10::Device device) {
 }
 
 SeededGeneratorScope::SeededGeneratorScope(c10::Device device, uint64_t seed)
-    : gen_(device.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device)) {
+    : gen_(device.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device)),
+      philox_(device.is_cuda()) {
   std::lock_guard<std::mutex> lock(gen_.mutex());
-  saved_ = gen_.get_state();
+  if (philox_) {  // (seed, offset) is the whole state: no state tensor to allocate
+    saved_seed_ = gen_.current_seed();
+    saved_offset_ = gen_.get_offset();
+  } else {
+    saved_ = gen_.get_state();
+  }
   gen_.set_current_seed(seed);
 }
 
 SeededGeneratorScope::~SeededGeneratorScope() {
   std::lock_guard<std::mutex> lock(gen_.mutex());
-  gen_.set_state(saved_);
+  if (philox_) {
+    gen_.set_current_seed(saved_seed_);  // resets the offset, so the offset goes back second
+    gen_.set_offset(saved_offset_);
+  } else {
+    gen_.set_state(saved_);
+  }
 }
 
 }  // namespace layers

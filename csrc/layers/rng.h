@@ -22,9 +22,9 @@ int64_t draw_dropout_seed(c10::Device device);
 uint64_t mix64(uint64_t x);
 
 // Sets the default generator of `device` to `seed` (offset 0 for Philox generators) for its lifetime
-// and puts the previous state back afterwards. The generator's mutex is not held in between (SDPA
-// takes it to draw), so, like torch.utils.checkpoint's set_rng_state, this assumes no other thread
-// draws from the same generator during the call.
+// and puts the previous state back afterwards: CUDA's (seed, offset), any other generator's state tensor.
+// The generator's mutex is not held in between (SDPA takes it to draw), so, like torch.utils.checkpoint's
+// set_rng_state, this assumes no other thread draws from the same generator during the call.
 class SeededGeneratorScope {
  public:
   SeededGeneratorScope(c10::Device device, uint64_t seed);
@@ -34,7 +34,9 @@ class SeededGeneratorScope {
 
  private:
   at::Generator gen_;
-  at::Tensor saved_;
+  bool philox_;
+  uint64_t saved_seed_ = 0, saved_offset_ = 0;  // philox_
+  at::Tensor saved_;                            // otherwise
 };
 
 }  // namespace layers

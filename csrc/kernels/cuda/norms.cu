@@ -3,11 +3,15 @@
 // read and one write per tensor) for hidden <= rowwise::kMaxRegisterHidden, and of norms_multipass.cuh for
 // wider rows.
 //
-// Launch shape: the smallest (warps per row, slots per thread) bucket that covers the row, so a thread
-// holds at most 32 elements; a resident grid (SMs x blocks that fit per SM) walks the rows grid-stride.
-// Backward writes one float column partial per block ([grid, hidden], no atomics: deterministic on a given
-// device) and column_sum_kernel adds them into grad_weight / grad_bias in the weight's dtype.
+// Launch shape: the smallest (warps per row, slots per thread) bucket that covers the row within the kernel's
+// register budget (rowwise::ForwardLimits / BackwardLimits); a resident grid (SMs x blocks that fit per SM)
+// walks the rows grid-stride. Backward writes one float column partial per block ([grid, hidden], no atomics:
+// deterministic on a given device) and column_sum_kernel adds them into grad_weight / grad_bias in the
+// weight's dtype; the multipass backward kernels leave the same kind of partials, summed the same way.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
 
 #include "norms_multipass.cuh"
 #include "norms_rowwise.cuh"
@@ -17,33 +21,42 @@ namespace kernels {
 namespace cuda {
 namespace {
 
-template <int ITERS, int WPR>
+template <int ITERS, int WPR, bool VEC>
 struct RowShape {
   static constexpr int iters = ITERS, warps = WPR;
+  static constexpr bool vec = VEC;
 };
 
-// Calls f(RowShape<ITERS, WPR>{}) for the smallest bucket with 32 * WPR * ITERS * V >= hidden; false when
-// hidden is too wide for the register-resident kernels.
-template <typename T, typename F>
-bool with_row_shape(int64_t hidden, F&& f) {
-  constexpr int V = rowwise::kVec<T>, IM = rowwise::kMaxElemsPerThread / V;  // IM: most slots a thread holds
-  static_assert(IM % 4 == 0, "the smallest bucket holds IM / 4 slots");
-  const auto covers = [&](int warps, int iters) { return hidden <= int64_t(warps) * kWarpSize * iters * V; };
-  if (covers(1, IM / 4))
-    f(RowShape<IM / 4, 1>{});
-  else if (covers(1, IM / 2))
-    f(RowShape<IM / 2, 1>{});
-  else if (covers(1, IM))
-    f(RowShape<IM, 1>{});
-  else if (covers(2, IM))
-    f(RowShape<IM, 2>{});
-  else if (covers(4, IM))
-    f(RowShape<IM, 4>{});
-  else if (covers(rowwise::kMaxWarpsPerRow, IM))
-    f(RowShape<IM, rowwise::kMaxWarpsPerRow>{});
+// Tries the buckets from (ITERS, WPR) on: ITERS doubles up to IM with one warp per row, then WPR doubles up
+// to MAXW, then ITERS doubles up to IMAX; calls f(RowShape<ITERS, WPR, vec>{}) with the first that holds
+// hidden (32 * WPR * ITERS * V elements).
+template <typename T, int ITERS, int WPR, int IM, int MAXW, int IMAX, typename F>
+bool try_row_shape(int64_t hidden, bool vec, F& f) {
+  if (hidden <= int64_t(WPR) * kWarpSize * ITERS * rowwise::kVec<T>) {
+    if (vec)
+      f(RowShape<ITERS, WPR, true>{});
+    else
+      f(RowShape<ITERS, WPR, false>{});
+    return true;
+  }
+  if constexpr (WPR == 1 && ITERS < IM)
+    return try_row_shape<T, 2 * ITERS, WPR, IM, MAXW, IMAX>(hidden, vec, f);
+  else if constexpr (WPR < MAXW)
+    return try_row_shape<T, ITERS, 2 * WPR, IM, MAXW, IMAX>(hidden, vec, f);
+  else if constexpr (ITERS < IMAX)
+    return try_row_shape<T, 2 * ITERS, WPR, IM, MAXW, IMAX>(hidden, vec, f);
   else
     return false;
-  return true;
+}
+
+// Calls f(RowShape<ITERS, WPR, vec>{}) for the smallest bucket that covers the row within Limits; false
+// when hidden is too wide for the register-resident kernels (> rowwise::kMaxRegisterHidden).
+template <typename T, typename Limits, typename F>
+bool with_row_shape(int64_t hidden, bool vec, F&& f) {
+  constexpr int V = rowwise::kVec<T>, IM = Limits::kElemsPerThread / V, IMAX = Limits::kMaxElemsPerThread / V;
+  static_assert(IM >= 1 && (IM & (IM - 1)) == 0 && IMAX % IM == 0 && ((IMAX / IM) & (IMAX / IM - 1)) == 0,
+                "slots per thread: powers of two");
+  return try_row_shape<T, std::max(1, IM / 4), 1, IM, Limits::kWarpsPerRow, IMAX>(hidden, vec, f);
 }
 
 // 16-byte accesses need every pointer aligned and rows starting on a 16-byte boundary (hidden % V == 0).
@@ -71,6 +84,13 @@ T* mutable_or_null(const at::Tensor& t) {
   return t.defined() ? t.mutable_data_ptr<T>() : nullptr;
 }
 
+// Float column partials [grid, hidden] of a backward kernel. The rowwise kernels write every element (zeros for
+// a block that had no rows); the multipass kernels add their rows into them, so theirs start at zero.
+at::Tensor column_partials(int grid, int64_t hidden, const at::Tensor& like, bool zeroed) {
+  const at::TensorOptions floats = like.options().dtype(at::kFloat);
+  return zeroed ? at::zeros({grid, hidden}, floats) : at::empty({grid, hidden}, floats);
+}
+
 // Adds the [parts, hidden] float partials into grad_w (and grad_b when partial_b is defined).
 template <typename T>
 void launch_column_sum(const at::Tensor& partial_w, const at::Tensor& partial_b, const at::Tensor& grad_w,
@@ -91,6 +111,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
                         const at::Tensor& rstd) {
   const c10::DeviceGuard guard(x.device());
   const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
+  const cudaStream_t stream = current_stream(x.device());
   CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::layer_norm_forward", [&] {
     using T = scalar_t;
     rowwise::LayerNormForwardArgs<T> a{x.const_data_ptr<T>(), ptr_or_null<T>(bias), ptr_or_null<T>(residual),
@@ -99,15 +120,15 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
                                        rstd.mutable_data_ptr<float>(), rows, static_cast<int>(hidden),
                                        static_cast<float>(eps), dropout.philox(), dropout.enabled(), false};
     a.vec = vector_ok<T>(hidden, {a.x, a.bias, a.residual, a.weight, a.ln_bias, a.out, a.pre_norm});
-    const bool fits = with_row_shape<T>(hidden, [&](auto shape) {
+    const bool fits = with_row_shape<T, rowwise::ForwardLimits>(hidden, a.vec, [&](auto shape) {
       using S = decltype(shape);
-      const auto kernel = rowwise::layer_norm_forward_kernel<T, S::iters, S::warps>;
+      const auto kernel = rowwise::layer_norm_forward_kernel<T, S::iters, S::warps, S::vec>;
       const int threads = rowwise::cta_threads(S::warps);
       const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
-      kernel<<<grid, threads, 0, current_stream(x.device())>>>(a);
+      kernel<<<grid, threads, 0, stream>>>(a);
       CKPT_EXT_CUDA_LAUNCH_CHECK();
     });
-    if (!fits) multipass::layer_norm_forward(x, bias, residual, dropout, weight, ln_bias, eps, out, pre_norm, mean, rstd);
+    if (!fits) multipass::layer_norm_forward<T>(a, stream);
   });
 }
 
@@ -126,23 +147,28 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
                                         grad_pre.mutable_data_ptr<T>(), mutable_or_null<T>(grad_x), nullptr, nullptr,
                                         rows, static_cast<int>(hidden), dropout.philox(), dropout.enabled(), false};
     a.vec = vector_ok<T>(hidden, {a.grad_out, a.grad_pre_norm, a.pre_norm, a.weight, a.grad_pre, a.grad_x});
-    const bool fits = with_row_shape<T>(hidden, [&](auto shape) {
-      using S = decltype(shape);
-      const auto kernel = rowwise::layer_norm_backward_kernel<T, S::iters, S::warps>;
-      const int threads = rowwise::cta_threads(S::warps);
-      const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
-      // Every block writes its whole partial row (zeros if it had no rows), so no zero-fill is needed.
-      const at::Tensor partial_w = at::empty({grid, hidden}, pre_norm.options().dtype(at::kFloat));
-      const at::Tensor partial_b = at::empty({grid, hidden}, pre_norm.options().dtype(at::kFloat));
+    at::Tensor partial_w, partial_b;
+    const auto partials = [&](int grid, bool zeroed) {
+      partial_w = column_partials(grid, hidden, pre_norm, zeroed);
+      partial_b = column_partials(grid, hidden, pre_norm, zeroed);
       a.partial_w = partial_w.mutable_data_ptr<float>();
       a.partial_b = partial_b.mutable_data_ptr<float>();
+    };
+    const bool fits = with_row_shape<T, rowwise::BackwardLimits>(hidden, a.vec, [&](auto shape) {
+      using S = decltype(shape);
+      const auto kernel = rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec>;
+      const int threads = rowwise::cta_threads(S::warps);
+      const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
+      partials(grid, false);
       kernel<<<grid, threads, 0, stream>>>(a);
       CKPT_EXT_CUDA_LAUNCH_CHECK();
-      launch_column_sum<T>(partial_w, partial_b, grad_weight, grad_ln_bias, stream);
     });
-    if (!fits)
-      multipass::layer_norm_backward(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, dropout, grad_pre, grad_x,
-                                     grad_weight, grad_ln_bias);
+    if (!fits) {
+      const int grid = multipass::backward_grid(rows);
+      partials(grid, true);
+      multipass::layer_norm_backward<T>(a, grid, stream);
+    }
+    launch_column_sum<T>(partial_w, partial_b, grad_weight, grad_ln_bias, stream);
   });
 }
 
@@ -150,21 +176,22 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
                       const at::Tensor& out, const at::Tensor& sum, const at::Tensor& rstd) {
   const c10::DeviceGuard guard(x.device());
   const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
+  const cudaStream_t stream = current_stream(x.device());
   CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::rms_norm_forward", [&] {
     using T = scalar_t;
     rowwise::RmsNormForwardArgs<T> a{x.const_data_ptr<T>(), ptr_or_null<T>(residual), weight.const_data_ptr<T>(),
                                      out.mutable_data_ptr<T>(), sum.mutable_data_ptr<T>(), rstd.mutable_data_ptr<float>(),
                                      rows, static_cast<int>(hidden), static_cast<float>(eps), false};
     a.vec = vector_ok<T>(hidden, {a.x, a.residual, a.weight, a.out, a.sum});
-    const bool fits = with_row_shape<T>(hidden, [&](auto shape) {
+    const bool fits = with_row_shape<T, rowwise::ForwardLimits>(hidden, a.vec, [&](auto shape) {
       using S = decltype(shape);
-      const auto kernel = rowwise::rms_norm_forward_kernel<T, S::iters, S::warps>;
+      const auto kernel = rowwise::rms_norm_forward_kernel<T, S::iters, S::warps, S::vec>;
       const int threads = rowwise::cta_threads(S::warps);
       const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
-      kernel<<<grid, threads, 0, current_stream(x.device())>>>(a);
+      kernel<<<grid, threads, 0, stream>>>(a);
       CKPT_EXT_CUDA_LAUNCH_CHECK();
     });
-    if (!fits) multipass::rms_norm_forward(x, residual, weight, eps, out, sum, rstd);
+    if (!fits) multipass::rms_norm_forward<T>(a, stream);
   });
 }
 
@@ -180,18 +207,24 @@ void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, c
                                       weight.const_data_ptr<T>(), rstd.const_data_ptr<float>(),
                                       grad_input.mutable_data_ptr<T>(), nullptr, rows, static_cast<int>(hidden), false};
     a.vec = vector_ok<T>(hidden, {a.grad_out, a.grad_sum, a.sum, a.weight, a.grad_input});
-    const bool fits = with_row_shape<T>(hidden, [&](auto shape) {
+    at::Tensor partial_w;
+    const bool fits = with_row_shape<T, rowwise::BackwardLimits>(hidden, a.vec, [&](auto shape) {
       using S = decltype(shape);
-      const auto kernel = rowwise::rms_norm_backward_kernel<T, S::iters, S::warps>;
+      const auto kernel = rowwise::rms_norm_backward_kernel<T, S::iters, S::warps, S::vec>;
       const int threads = rowwise::cta_threads(S::warps);
       const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
-      const at::Tensor partial_w = at::empty({grid, hidden}, sum.options().dtype(at::kFloat));
+      partial_w = column_partials(grid, hidden, sum, false);
       a.partial_w = partial_w.mutable_data_ptr<float>();
       kernel<<<grid, threads, 0, stream>>>(a);
       CKPT_EXT_CUDA_LAUNCH_CHECK();
-      launch_column_sum<T>(partial_w, at::Tensor(), grad_weight, at::Tensor(), stream);
     });
-    if (!fits) multipass::rms_norm_backward(grad_out, grad_sum, sum, weight, rstd, grad_input, grad_weight);
+    if (!fits) {
+      const int grid = multipass::backward_grid(rows);
+      partial_w = column_partials(grid, hidden, sum, true);
+      a.partial_w = partial_w.mutable_data_ptr<float>();
+      multipass::rms_norm_backward<T>(a, grid, stream);
+    }
+    launch_column_sum<T>(partial_w, at::Tensor(), grad_weight, at::Tensor(), stream);
   });
 }
 

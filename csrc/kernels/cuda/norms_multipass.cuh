@@ -1,16 +1,16 @@
 // Multi-pass norm kernels for rows wider than the register-resident kernels take (norms_rowwise.cuh,
 // hidden > rowwise::kMaxRegisterHidden): one block per row, each thread walking groups of four columns, the
-// row re-read from global memory (L1/L2) per pass, and column sums added per block into a float buffer
-// [blocks, hidden] reduced by ATen. Slower than the rowwise kernels but with no limit on hidden; the
-// dropout mask is the same philox::Dropout::keep(row * hidden + col).
+// row re-read from global memory (L1/L2) per pass, and column sums added per block into a zeroed float
+// buffer [blocks, hidden] that norms.cu reduces as it does the rowwise kernels' partials. Slower than the
+// rowwise kernels but with no limit on hidden; the dropout mask is the same philox::Dropout::keep(row *
+// hidden + col). The launchers take the rowwise kernels' argument structs: norms.cu builds them once, in
+// the dtype it dispatched, for whichever kernel runs.
 #pragma once
 
 #include <cmath>
 
-#include <ATen/ops/sum.h>
-#include <ATen/ops/zeros.h>
-
 #include "common.cuh"
+#include "norms_rowwise.cuh"
 
 namespace ckpt_ext {
 namespace kernels {
@@ -186,73 +186,36 @@ __global__ void rms_norm_backward_kernel(const T* grad_out, const T* grad_sum, c
 
 }  // namespace
 
-inline void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
-                        const DropoutArgs& dropout, const at::Tensor& weight, const at::Tensor& ln_bias, double eps,
-                        const at::Tensor& out, const at::Tensor& pre_norm, const at::Tensor& mean,
-                        const at::Tensor& rstd) {
-  const c10::DeviceGuard guard(x.device());
-  const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
-  CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::layer_norm_forward", [&] {
-    layer_norm_forward_kernel<scalar_t>
-        <<<forward_grid(rows), row_threads(hidden), 0, current_stream(x.device())>>>(
-            x.const_data_ptr<scalar_t>(), ptr_or_null<scalar_t>(bias), ptr_or_null<scalar_t>(residual),
-            weight.const_data_ptr<scalar_t>(), ptr_or_null<scalar_t>(ln_bias), out.mutable_data_ptr<scalar_t>(),
-            pre_norm.mutable_data_ptr<scalar_t>(), mean.mutable_data_ptr<float>(), rstd.mutable_data_ptr<float>(),
-            rows, hidden, static_cast<float>(eps), dropout.philox(), dropout.enabled());
-    CKPT_EXT_CUDA_LAUNCH_CHECK();
-  });
+template <typename T>
+void layer_norm_forward(const rowwise::LayerNormForwardArgs<T>& a, cudaStream_t stream) {
+  layer_norm_forward_kernel<T><<<forward_grid(a.rows), row_threads(a.hidden), 0, stream>>>(
+      a.x, a.bias, a.residual, a.weight, a.ln_bias, a.out, a.pre_norm, a.mean, a.rstd, a.rows, a.hidden, a.eps,
+      a.dropout, a.drop);
+  CKPT_EXT_CUDA_LAUNCH_CHECK();
 }
 
-inline void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_norm, const at::Tensor& pre_norm,
-                         const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
-                         const DropoutArgs& dropout, const at::Tensor& grad_pre, const at::Tensor& grad_x,
-                         const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias) {
-  const c10::DeviceGuard guard(pre_norm.device());
-  const int64_t hidden = weight.numel(), rows = pre_norm.numel() / hidden;
-  const int grid = backward_grid(rows);
-  const at::Tensor partial_w = at::zeros({grid, hidden}, pre_norm.options().dtype(at::kFloat));
-  const at::Tensor partial_b = at::zeros({grid, hidden}, pre_norm.options().dtype(at::kFloat));
-  CKPT_EXT_DISPATCH_CUDA_FLOATING(pre_norm.scalar_type(), "ckpt_ext::layer_norm_backward", [&] {
-    layer_norm_backward_kernel<scalar_t><<<grid, row_threads(hidden), 0, current_stream(pre_norm.device())>>>(
-        grad_out.const_data_ptr<scalar_t>(), ptr_or_null<scalar_t>(grad_pre_norm), pre_norm.const_data_ptr<scalar_t>(),
-        weight.const_data_ptr<scalar_t>(), mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
-        grad_pre.mutable_data_ptr<scalar_t>(), grad_x.defined() ? grad_x.mutable_data_ptr<scalar_t>() : nullptr,
-        partial_w.mutable_data_ptr<float>(), partial_b.mutable_data_ptr<float>(), rows, hidden, dropout.philox(),
-        dropout.enabled());
-    CKPT_EXT_CUDA_LAUNCH_CHECK();
-  });
-  grad_weight.copy_(at::sum(partial_w, 0));
-  grad_ln_bias.copy_(at::sum(partial_b, 0));
+// a.partial_w / a.partial_b: zero-filled [grid, hidden] (grid = backward_grid(rows)).
+template <typename T>
+void layer_norm_backward(const rowwise::LayerNormBackwardArgs<T>& a, int grid, cudaStream_t stream) {
+  layer_norm_backward_kernel<T><<<grid, row_threads(a.hidden), 0, stream>>>(
+      a.grad_out, a.grad_pre_norm, a.pre_norm, a.weight, a.mean, a.rstd, a.grad_pre, a.grad_x, a.partial_w,
+      a.partial_b, a.rows, a.hidden, a.dropout, a.drop);
+  CKPT_EXT_CUDA_LAUNCH_CHECK();
 }
 
-inline void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
-                      const at::Tensor& out, const at::Tensor& sum, const at::Tensor& rstd) {
-  const c10::DeviceGuard guard(x.device());
-  const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
-  CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::rms_norm_forward", [&] {
-    rms_norm_forward_kernel<scalar_t><<<forward_grid(rows), row_threads(hidden), 0, current_stream(x.device())>>>(
-        x.const_data_ptr<scalar_t>(), ptr_or_null<scalar_t>(residual), weight.const_data_ptr<scalar_t>(),
-        out.mutable_data_ptr<scalar_t>(), sum.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<float>(), rows,
-        hidden, static_cast<float>(eps));
-    CKPT_EXT_CUDA_LAUNCH_CHECK();
-  });
+template <typename T>
+void rms_norm_forward(const rowwise::RmsNormForwardArgs<T>& a, cudaStream_t stream) {
+  rms_norm_forward_kernel<T><<<forward_grid(a.rows), row_threads(a.hidden), 0, stream>>>(
+      a.x, a.residual, a.weight, a.out, a.sum, a.rstd, a.rows, a.hidden, a.eps);
+  CKPT_EXT_CUDA_LAUNCH_CHECK();
 }
 
-inline void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, const at::Tensor& sum,
-                       const at::Tensor& weight, const at::Tensor& rstd, const at::Tensor& grad_input,
-                       const at::Tensor& grad_weight) {
-  const c10::DeviceGuard guard(sum.device());
-  const int64_t hidden = weight.numel(), rows = sum.numel() / hidden;
-  const int grid = backward_grid(rows);
-  const at::Tensor partial_w = at::zeros({grid, hidden}, sum.options().dtype(at::kFloat));
-  CKPT_EXT_DISPATCH_CUDA_FLOATING(sum.scalar_type(), "ckpt_ext::rms_norm_backward", [&] {
-    rms_norm_backward_kernel<scalar_t><<<grid, row_threads(hidden), 0, current_stream(sum.device())>>>(
-        grad_out.const_data_ptr<scalar_t>(), ptr_or_null<scalar_t>(grad_sum), sum.const_data_ptr<scalar_t>(),
-        weight.const_data_ptr<scalar_t>(), rstd.const_data_ptr<float>(), grad_input.mutable_data_ptr<scalar_t>(),
-        partial_w.mutable_data_ptr<float>(), rows, hidden);
-    CKPT_EXT_CUDA_LAUNCH_CHECK();
-  });
-  grad_weight.copy_(at::sum(partial_w, 0));
+// a.partial_w: zero-filled [grid, hidden] (grid = backward_grid(rows)).
+template <typename T>
+void rms_norm_backward(const rowwise::RmsNormBackwardArgs<T>& a, int grid, cudaStream_t stream) {
+  rms_norm_backward_kernel<T><<<grid, row_threads(a.hidden), 0, stream>>>(
+      a.grad_out, a.grad_sum, a.sum, a.weight, a.rstd, a.grad_input, a.partial_w, a.rows, a.hidden);
+  CKPT_EXT_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace multipass

@@ -6,8 +6,9 @@
 // ITERS "slots" s = it * TPR + t, slot s being columns s*V .. s*V+V-1 with V = 16 bytes / sizeof(T). So every
 // column of the row is owned by exactly one (thread, it, k), each slot is one 16-byte load, and a warp's loads
 // of one `it` are 512 contiguous bytes. Columns past `hidden` load as zero and are never stored.
-// `vec` (host-checked: every pointer 16-byte aligned and hidden % V == 0) selects the 16-byte accesses;
+// VEC (host-checked: every pointer 16-byte aligned and hidden % V == 0) selects the 16-byte accesses;
 // otherwise each slot is read and written element by element with bounds checks (odd hidden, offset views).
+// It is a template parameter, not a flag: a kernel holding both paths needed registers for both (ptxas).
 //
 // Each tensor is read once and written once; row statistics are warp (WPR == 1) or block reductions.
 // Backward keeps each thread's column partial sums of grad_weight / grad_bias in registers across all the
@@ -27,13 +28,32 @@ namespace rowwise {
 
 template <typename T>
 constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte access: 4 (float), 8 (half)
-constexpr int kMaxElemsPerThread = 32;                    // registers: backward holds 4 floats per element
-constexpr int kMaxWarpsPerRow = 8;                        // 256 threads, so 255 registers a thread are allowed
-constexpr int64_t kMaxRegisterHidden = int64_t(kMaxWarpsPerRow) * kWarpSize * kMaxElemsPerThread;
+
+// Register budgets (ptxas; `tools/compile_cuda.py --ptxas-report` prints each instantiation's). A thread
+// holds kElemsPerThread elements of a row while the row fits kWarpsPerRow warps that way, and up to
+// kMaxElemsPerThread for the widest rows. Forward holds the row packed plus the weights: 32 elements fit.
+// Backward holds dy, xhat and two column partials in float per element (about 5 registers each plus ~80):
+// at 32 elements it needs all 255 registers (and spills on some paths), so it takes 16 while a row of up to
+// 8 warps x 16 covers hidden, and 32 only beyond (4097..8192 elements). More warps per row do not help:
+// 512 threads leave 128 registers a thread, fewer than 16 elements need.
+struct ForwardLimits {
+  static constexpr int kElemsPerThread = 32, kMaxElemsPerThread = 32, kWarpsPerRow = 8;
+};
+struct BackwardLimits {
+  static constexpr int kElemsPerThread = 16, kMaxElemsPerThread = 32, kWarpsPerRow = 8;
+};
+// The widest row the register-resident kernels take, forward and backward alike.
+constexpr int64_t kMaxRegisterHidden =
+    int64_t(ForwardLimits::kWarpsPerRow) * kWarpSize * ForwardLimits::kMaxElemsPerThread;
+static_assert(int64_t(BackwardLimits::kWarpsPerRow) * kWarpSize * BackwardLimits::kMaxElemsPerThread ==
+                  kMaxRegisterHidden,
+              "a row that forward holds in registers must fit backward too");
 
 // One row per warp when WPR == 1 (four rows per 128-thread block); one row per block otherwise.
 constexpr int rows_per_cta(int wpr) { return wpr == 1 ? 4 : 1; }
 constexpr int cta_threads(int wpr) { return rows_per_cta(wpr) * wpr * kWarpSize; }
+static_assert(cta_threads(BackwardLimits::kWarpsPerRow) <= 256 && cta_threads(ForwardLimits::kWarpsPerRow) <= 256,
+              "blocks of at most 256 threads, so that a thread may use 255 registers");
 
 template <typename T, int V>
 struct alignas(16) Vec {
@@ -44,10 +64,10 @@ struct alignas(16) Vec {
 template <typename T, int V>
 __device__ __forceinline__ Vec<T, V> load_slot(const T* p, int64_t base, int col, int hidden, bool vec) {
   Vec<T, V> r;
-  if (p != nullptr && vec && col < hidden) return *reinterpret_cast<const Vec<T, V>*>(p + base + col);
+  if (vec && p != nullptr && col < hidden) return *reinterpret_cast<const Vec<T, V>*>(p + base + col);
 #pragma unroll
-  for (int k = 0; k < V; ++k) r.v[k] = (p != nullptr && col + k < hidden) ? p[base + col + k] : T(0.f);
-  return r;
+  for (int k = 0; k < V; ++k) r.v[k] = (!vec && p != nullptr && col + k < hidden) ? p[base + col + k] : T(0.f);
+  return r;  // with vec, a slot is wholly inside the row or wholly past its end (hidden % V == 0)
 }
 
 template <typename T, int V>
@@ -88,8 +108,31 @@ __device__ __forceinline__ void slot_keep(const philox::Dropout& d, uint64_t i0,
     for (int q = 0; q < V / 4; ++q) d.keep4((i0 >> 2) + q, keep + 4 * q);
     return;
   }
+  if (vec) {  // the whole slot is past the row's end
 #pragma unroll
-  for (int k = 0; k < V; ++k) keep[k] = col + k < hidden && d.keep(i0 + k);
+    for (int k = 0; k < V; ++k) keep[k] = false;
+    return;
+  }
+  philox::DropoutCursor cursor(d);  // one Philox call per group of four, not per element
+#pragma unroll
+  for (int k = 0; k < V; ++k) keep[k] = col + k < hidden && cursor.keep(i0 + k);
+}
+
+// Keep flags of this thread's columns of the row starting at element `base`: bit it * V + k for column
+// (it * TPR + t) * V + k (zero past the row's end).
+template <int ITERS, int TPR, int V>
+__device__ __forceinline__ uint32_t row_keep_bits(const philox::Dropout& d, int64_t base, int t, int hidden, bool vec) {
+  static_assert(ITERS * V <= 32, "one bit per element a thread holds");
+  uint32_t bits = 0;
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int col = (it * TPR + t) * V;
+    bool keep[V];
+    slot_keep<V>(d, static_cast<uint64_t>(base + col), col, hidden, vec, keep);
+#pragma unroll
+    for (int k = 0; k < V; ++k) bits |= static_cast<uint32_t>(keep[k]) << (it * V + k);
+  }
+  return bits;
 }
 
 // Sum of N floats over the threads of one row; every thread of the row gets the totals.
@@ -112,10 +155,11 @@ struct LayerNormForwardArgs {
   int hidden;
   float eps;
   philox::Dropout dropout;
-  bool drop, vec;
+  bool drop;
+  bool vec;  // the host's choice of the kernel's VEC
 };
 
-template <typename T, int ITERS, int WPR>
+template <typename T, int ITERS, int WPR, bool VEC>
 __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_forward_kernel(const LayerNormForwardArgs<T> a) {
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[kWarpSize];
@@ -124,9 +168,9 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_forward_kernel(co
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     const int col = (it * TPR + t) * V;
-    w[it] = load_slot<T, V>(a.weight, 0, col, hidden, a.vec);
-    lb[it] = load_slot<T, V>(a.ln_bias, 0, col, hidden, a.vec);
-    b[it] = load_slot<T, V>(a.bias, 0, col, hidden, a.vec);
+    w[it] = load_slot<T, V>(a.weight, 0, col, hidden, VEC);
+    lb[it] = load_slot<T, V>(a.ln_bias, 0, col, hidden, VEC);
+    b[it] = load_slot<T, V>(a.bias, 0, col, hidden, VEC);
   }
   for (int64_t row = int64_t(blockIdx.x) * RPC + threadIdx.x / TPR; row < a.rows; row += int64_t(gridDim.x) * RPC) {
     const int64_t base = row * hidden;
@@ -135,11 +179,11 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_forward_kernel(co
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int col = (it * TPR + t) * V;
-      const Vec<T, V> xs = load_slot<T, V>(a.x, base, col, hidden, a.vec);
-      const Vec<T, V> rs = load_slot<T, V>(a.residual, base, col, hidden, a.vec);
+      const Vec<T, V> xs = load_slot<T, V>(a.x, base, col, hidden, VEC);
+      const Vec<T, V> rs = load_slot<T, V>(a.residual, base, col, hidden, VEC);
       float stored[V];
       bool keep[V];
-      if (a.drop) slot_keep<V>(a.dropout, static_cast<uint64_t>(base + col), col, hidden, a.vec, keep);
+      if (a.drop) slot_keep<V>(a.dropout, static_cast<uint64_t>(base + col), col, hidden, VEC, keep);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         float h = static_cast<float>(xs.v[k]) + static_cast<float>(b[it].v[k]);
@@ -149,7 +193,7 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_forward_kernel(co
         stored[k] = static_cast<float>(v[it].v[k]);
         sum[0] += stored[k];  // zero past the row's end
       }
-      store_slot<T, V>(a.pre_norm, base, col, hidden, a.vec, stored);
+      store_slot<T, V>(a.pre_norm, base, col, hidden, VEC, stored);
     }
     row_sum<WPR>(sum, shared);
     const float mu = sum[0] / static_cast<float>(hidden);
@@ -175,7 +219,7 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_forward_kernel(co
 #pragma unroll
       for (int k = 0; k < V; ++k)
         y[k] = (static_cast<float>(v[it].v[k]) - mu) * rs * static_cast<float>(w[it].v[k]) + static_cast<float>(lb[it].v[k]);
-      store_slot<T, V>(a.out, base, (it * TPR + t) * V, hidden, a.vec, y);
+      store_slot<T, V>(a.out, base, (it * TPR + t) * V, hidden, VEC, y);
     }
   }
 }
@@ -228,10 +272,11 @@ struct LayerNormBackwardArgs {
   int64_t rows;
   int hidden;
   philox::Dropout dropout;
-  bool drop, vec;
+  bool drop;
+  bool vec;  // the host's choice of the kernel's VEC
 };
 
-template <typename T, int ITERS, int WPR>
+template <typename T, int ITERS, int WPR, bool VEC>
 __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(const LayerNormBackwardArgs<T> a) {
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[2 * kWarpSize];
@@ -240,29 +285,33 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(c
   float dw[ITERS][V], db[ITERS][V];  // column partial sums over this thread's rows
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
-    w[it] = load_slot<T, V>(a.weight, 0, (it * TPR + t) * V, hidden, a.vec);
+    w[it] = load_slot<T, V>(a.weight, 0, (it * TPR + t) * V, hidden, VEC);
 #pragma unroll
     for (int k = 0; k < V; ++k) dw[it][k] = db[it][k] = 0.f;
   }
   for (int64_t row = int64_t(blockIdx.x) * RPC + threadIdx.x / TPR; row < a.rows; row += int64_t(gridDim.x) * RPC) {
     const int64_t base = row * hidden;
     const float mu = a.mean[row], rs = a.rstd[row];
-    // The row of grad_out and pre_norm, packed (dy and xhat are recomputed: registers are the limit).
-    Vec<T, V> gs[ITERS], xs[ITERS];
-    float sums[2] = {0.f, 0.f};  // sum(dy), sum(dy * xhat) with dy = grad_out * weight
+    // The dropout mask of grad_x, drawn before the row is loaded: Philox next to the row's values (in the
+    // second pass) needs registers that are not there (ptxas spilled).
+    const uint32_t keep = a.drop && a.grad_x != nullptr ? row_keep_bits<ITERS, TPR, V>(a.dropout, base, t, hidden, VEC) : 0u;
+    // dy = grad_out * weight and xhat of the row, kept for the second pass (the compiler would keep them
+    // anyway rather than recompute them from the loaded rows, which then need no registers of their own).
+    float dy[ITERS][V], xhat[ITERS][V];
+    float sums[2] = {0.f, 0.f};  // sum(dy), sum(dy * xhat)
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int col = (it * TPR + t) * V;
-      gs[it] = load_slot<T, V>(a.grad_out, base, col, hidden, a.vec);
-      xs[it] = load_slot<T, V>(a.pre_norm, base, col, hidden, a.vec);
+      const Vec<T, V> gs = load_slot<T, V>(a.grad_out, base, col, hidden, VEC);
+      const Vec<T, V> xs = load_slot<T, V>(a.pre_norm, base, col, hidden, VEC);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float g = static_cast<float>(gs[it].v[k]);  // zero past the row's end, so are dy and the partials
-        const float xhat = layer_norm_xhat(xs[it].v[k], mu, rs, col + k < hidden);
-        const float dy = g * static_cast<float>(w[it].v[k]);
-        sums[0] += dy;
-        sums[1] += dy * xhat;
-        dw[it][k] += g * xhat;
+        const float g = static_cast<float>(gs.v[k]);  // zero past the row's end, so are dy and the partials
+        xhat[it][k] = layer_norm_xhat(xs.v[k], mu, rs, col + k < hidden);
+        dy[it][k] = g * static_cast<float>(w[it].v[k]);
+        sums[0] += dy[it][k];
+        sums[1] += dy[it][k] * xhat[it][k];
+        dw[it][k] += g * xhat[it][k];
         db[it][k] += g;
       }
     }
@@ -271,29 +320,23 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(c
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int col = (it * TPR + t) * V;
-      const Vec<T, V> gp = load_slot<T, V>(a.grad_pre_norm, base, col, hidden, a.vec);
+      const Vec<T, V> gp = load_slot<T, V>(a.grad_pre_norm, base, col, hidden, VEC);
       float d[V];
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        const float xhat = layer_norm_xhat(xs[it].v[k], mu, rs, col + k < hidden);
-        const float dy = static_cast<float>(gs[it].v[k]) * static_cast<float>(w[it].v[k]);
-        d[k] = rs * (dy - c_mean - xhat * c_xhat) + static_cast<float>(gp.v[k]);
-      }
-      store_slot<T, V>(a.grad_pre, base, col, hidden, a.vec, d);
+      for (int k = 0; k < V; ++k) d[k] = rs * (dy[it][k] - c_mean - xhat[it][k] * c_xhat) + static_cast<float>(gp.v[k]);
+      store_slot<T, V>(a.grad_pre, base, col, hidden, VEC, d);
       if (a.grad_x != nullptr) {
         if (a.drop) {
-          bool keep[V];
-          slot_keep<V>(a.dropout, static_cast<uint64_t>(base + col), col, hidden, a.vec, keep);
 #pragma unroll
-          for (int k = 0; k < V; ++k) d[k] = keep[k] ? d[k] * a.dropout.scale : 0.f;
+          for (int k = 0; k < V; ++k) d[k] = (keep >> (it * V + k)) & 1u ? d[k] * a.dropout.scale : 0.f;
         }
-        store_slot<T, V>(a.grad_x, base, col, hidden, a.vec, d);
+        store_slot<T, V>(a.grad_x, base, col, hidden, VEC, d);
       }
     }
   }
   __shared__ float red[2][RPC > 1 ? RPC * TPR * ITERS * V : 1];
-  write_column_partials<ITERS, WPR, V>(a.partial_w, dw, hidden, a.vec, red[0], 0);
-  write_column_partials<ITERS, WPR, V>(a.partial_b, db, hidden, a.vec, red[1], 1);
+  write_column_partials<ITERS, WPR, V>(a.partial_w, dw, hidden, VEC, red[0], 0);
+  write_column_partials<ITERS, WPR, V>(a.partial_b, db, hidden, VEC, red[1], 1);
 }
 
 template <typename T>
@@ -304,17 +347,17 @@ struct RmsNormForwardArgs {
   int64_t rows;
   int hidden;
   float eps;
-  bool vec;
+  bool vec;  // the host's choice of the kernel's VEC
 };
 
-template <typename T, int ITERS, int WPR>
+template <typename T, int ITERS, int WPR, bool VEC>
 __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_forward_kernel(const RmsNormForwardArgs<T> a) {
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[kWarpSize];
   const int t = threadIdx.x % TPR, hidden = a.hidden;
   Vec<T, V> w[ITERS];
 #pragma unroll
-  for (int it = 0; it < ITERS; ++it) w[it] = load_slot<T, V>(a.weight, 0, (it * TPR + t) * V, hidden, a.vec);
+  for (int it = 0; it < ITERS; ++it) w[it] = load_slot<T, V>(a.weight, 0, (it * TPR + t) * V, hidden, VEC);
   for (int64_t row = int64_t(blockIdx.x) * RPC + threadIdx.x / TPR; row < a.rows; row += int64_t(gridDim.x) * RPC) {
     const int64_t base = row * hidden;
     Vec<T, V> v[ITERS];  // the row of sum, as stored
@@ -322,8 +365,8 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_forward_kernel(cons
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int col = (it * TPR + t) * V;
-      const Vec<T, V> xs = load_slot<T, V>(a.x, base, col, hidden, a.vec);
-      const Vec<T, V> rs = load_slot<T, V>(a.residual, base, col, hidden, a.vec);
+      const Vec<T, V> xs = load_slot<T, V>(a.x, base, col, hidden, VEC);
+      const Vec<T, V> rs = load_slot<T, V>(a.residual, base, col, hidden, VEC);
       float stored[V];
 #pragma unroll
       for (int k = 0; k < V; ++k) {
@@ -331,7 +374,7 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_forward_kernel(cons
         stored[k] = static_cast<float>(v[it].v[k]);
         sum_sq[0] += stored[k] * stored[k];
       }
-      store_slot<T, V>(a.sum, base, col, hidden, a.vec, stored);
+      store_slot<T, V>(a.sum, base, col, hidden, VEC, stored);
     }
     row_sum<WPR>(sum_sq, shared);
     const float rs = 1.f / sqrtf(sum_sq[0] / static_cast<float>(hidden) + a.eps);
@@ -342,7 +385,7 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_forward_kernel(cons
 #pragma unroll
       for (int k = 0; k < V; ++k)  // LlamaRMSNorm: normalise in float, round to T, then scale by the weight
         y[k] = static_cast<float>(w[it].v[k]) * static_cast<float>(static_cast<T>(static_cast<float>(v[it].v[k]) * rs));
-      store_slot<T, V>(a.out, base, (it * TPR + t) * V, hidden, a.vec, y);
+      store_slot<T, V>(a.out, base, (it * TPR + t) * V, hidden, VEC, y);
     }
   }
 }
@@ -355,10 +398,10 @@ struct RmsNormBackwardArgs {
   float* partial_w;  // [gridDim.x, hidden]
   int64_t rows;
   int hidden;
-  bool vec;
+  bool vec;  // the host's choice of the kernel's VEC
 };
 
-template <typename T, int ITERS, int WPR>
+template <typename T, int ITERS, int WPR, bool VEC>
 __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_backward_kernel(const RmsNormBackwardArgs<T> a) {
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[kWarpSize];
@@ -367,7 +410,7 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_backward_kernel(con
   float dw[ITERS][V];
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
-    w[it] = load_slot<T, V>(a.weight, 0, (it * TPR + t) * V, hidden, a.vec);
+    w[it] = load_slot<T, V>(a.weight, 0, (it * TPR + t) * V, hidden, VEC);
 #pragma unroll
     for (int k = 0; k < V; ++k) dw[it][k] = 0.f;
   }
@@ -379,8 +422,8 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_backward_kernel(con
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int col = (it * TPR + t) * V;
-      gs[it] = load_slot<T, V>(a.grad_out, base, col, hidden, a.vec);
-      ss[it] = load_slot<T, V>(a.sum, base, col, hidden, a.vec);
+      gs[it] = load_slot<T, V>(a.grad_out, base, col, hidden, VEC);
+      ss[it] = load_slot<T, V>(a.sum, base, col, hidden, VEC);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const float g = static_cast<float>(gs[it].v[k]);  // zero past the row's end, as is n
@@ -394,7 +437,7 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_backward_kernel(con
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int col = (it * TPR + t) * V;
-      const Vec<T, V> gsum = load_slot<T, V>(a.grad_sum, base, col, hidden, a.vec);
+      const Vec<T, V> gsum = load_slot<T, V>(a.grad_sum, base, col, hidden, VEC);
       float d[V];
 #pragma unroll
       for (int k = 0; k < V; ++k) {
@@ -402,11 +445,11 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_backward_kernel(con
         const float dn = static_cast<float>(gs[it].v[k]) * static_cast<float>(w[it].v[k]);
         d[k] = rs * (dn - n * c_n) + static_cast<float>(gsum.v[k]);
       }
-      store_slot<T, V>(a.grad_input, base, col, hidden, a.vec, d);
+      store_slot<T, V>(a.grad_input, base, col, hidden, VEC, d);
     }
   }
   __shared__ float red[RPC > 1 ? RPC * TPR * ITERS * V : 1];
-  write_column_partials<ITERS, WPR, V>(a.partial_w, dw, hidden, a.vec, red, 0);
+  write_column_partials<ITERS, WPR, V>(a.partial_w, dw, hidden, VEC, red, 0);
 }
 
 // grad[c] = sum over p of partial[p, c] (and the same for a second buffer), in a fixed order; one block
