@@ -21,6 +21,19 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 VOCAB, SEQ, STEPS, BATCH = 61, 12, 3, 4
 
 
+def hf_enable(model, **kwargs):
+    """Hugging Face's switch under either name: activation_checkpointing_enable (newer 5.x) or
+    gradient_checkpointing_enable (5.0-5.17, the GPU image's), whose keyword is gradient_checkpointing_kwargs."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        return model.activation_checkpointing_enable(**kwargs)
+    renamed = {"activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
+    return model.gradient_checkpointing_enable(**{renamed.get(k, k): v for k, v in kwargs.items()})
+
+
+def hf_disable(model):
+    return getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+
+
 def _model():
     torch.manual_seed(0)
     return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
@@ -128,7 +141,7 @@ def test_take_over_without_the_flag_checkpoints_nothing(tmp_path, reference):
 
 def test_hf_flag_first_then_take_over_hands_over(tmp_path, reference, caplog):
     model = _model()
-    model.activation_checkpointing_enable()
+    hf_enable(model)
     with caplog.at_level(logging.INFO, logger="ckpt_ext"):
         ckpt_ext.take_over_hf_checkpointing(model)
     assert "handed over" in caplog.text
@@ -141,7 +154,7 @@ def test_hf_flag_first_then_take_over_hands_over(tmp_path, reference, caplog):
 
 def test_hf_flag_first_then_enable_checkpointing_is_refused():
     model = _model()
-    model.activation_checkpointing_enable()
+    hf_enable(model)
     with pytest.raises(ValueError, match="take_over_hf_checkpointing"):
         ckpt_ext.enable_checkpointing(model)
     assert not ckpt_ext.stack.is_enabled(model)
@@ -152,7 +165,7 @@ def test_flag_set_past_the_take_over_is_refused_at_the_step():
     take-over, so the layer refuses to run checkpointed twice."""
     model = _model().train()
     ckpt_ext.enable_checkpointing(model.transformer)
-    model.activation_checkpointing_enable()
+    hf_enable(model)
     ids = _data()[0]["input_ids"][None]
     with pytest.raises(RuntimeError, match="checkpointed twice"):
         model(input_ids=ids, labels=ids)
@@ -162,12 +175,12 @@ def test_taken_over_switch_disables_and_enables_again():
     model = ckpt_ext.take_over_hf_checkpointing(_model(), every=3)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     assert "1 groups of 3 layer(s)" in ckpt_ext.explain(model)
-    model.activation_checkpointing_disable()
+    hf_disable(model)
     assert "not enabled" in ckpt_ext.explain(model)
-    model.activation_checkpointing_enable()
+    hf_enable(model)
     assert "1 groups of 3 layer(s)" in ckpt_ext.explain(model)
     ckpt_ext.disable_checkpointing(model)  # undoes the take-over too: the switch is Hugging Face's again
-    model.activation_checkpointing_enable()
+    hf_enable(model)
     assert all(m.gradient_checkpointing for m in model.transformer.h)
 
 
@@ -180,7 +193,7 @@ def test_taken_over_switch_disables_and_enables_again():
 def test_taken_over_switch_refuses_what_ckpt_ext_cannot_honour(kwargs, match):
     model = ckpt_ext.take_over_hf_checkpointing(_model())
     with pytest.raises(ValueError, match=match):
-        model.activation_checkpointing_enable(**kwargs)
+        hf_enable(model, **kwargs)
     assert not ckpt_ext.stack.is_enabled(model)
 
 
@@ -196,7 +209,7 @@ def test_take_over_wants_a_hugging_face_model():
 def test_take_over_survives_deepcopy():
     model = ckpt_ext.take_over_hf_checkpointing(_model())
     twin = copy.deepcopy(model)
-    twin.activation_checkpointing_enable()
+    hf_enable(twin)
     assert ckpt_ext.stack.is_enabled(twin) and not ckpt_ext.stack.is_enabled(model)
 
 
@@ -221,7 +234,7 @@ def test_accelerate_loop_with_enable_checkpointing_matches_without():
         if checkpoint == "ckpt_ext":
             ckpt_ext.enable_checkpointing(model)
         elif checkpoint == "hf":
-            model.activation_checkpointing_enable()
+            hf_enable(model)
         accelerator = Accelerator(cpu=True)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         model, opt = accelerator.prepare(model, opt)
