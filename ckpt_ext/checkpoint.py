@@ -29,8 +29,10 @@ _run = _C.checkpoint_run
 _Tensor = torch.Tensor
 # Inputs are saved as torch saves them (outer saved-tensor hooks such as save_on_cpu apply; in-place
 # changes are detected at unpack): torch's binding where it has one (2.13+), else the same in ckpt_ext's C++.
-_make_saved = getattr(torch._C._autograd, "_make_saved_tensor", None) or _C._make_saved_input
-_SavedTensor = getattr(torch._C._autograd, "SavedTensor", None) or _C._SavedInput
+if hasattr(torch._C._autograd, "_make_saved_tensor"):
+    _make_saved, _SavedTensor = torch._C._autograd._make_saved_tensor, torch._C._autograd.SavedTensor
+else:  # torch 2.12 and older: SavedTensor exists (grad_fn._saved_*) but cannot be made from Python
+    _make_saved, _SavedTensor = _C._make_saved_input, _C._SavedInput
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing"]
 

@@ -248,6 +248,10 @@ def test_save_on_cpu_and_counting_hooks_around():
         with torch.autograd.graph.save_on_cpu():
             out2 = ckpt(m, x)
         (out.sum() + out2.sum()).backward()
+        if ckpt is TORCH and not hasattr(torch._C._autograd, "_make_saved_tensor"):
+            # torch before 2.13 saves the inputs through a no-op autograd Function whose empty dummy
+            # input the hooks see too; ckpt_ext saves the same inputs without it.
+            packed = [s for s in packed if s != (0,)]
         return grads(m, x), packed
 
     conform(run)
