@@ -159,9 +159,13 @@ class _Chain:
         self.act = [c.act_bytes for c in costs]
         self.bnd = [c.boundary_bytes for c in costs]
         self.pa, self.pc = [0], [0.0]
+        # layers with any compute, counted: whether a segment is free must not depend on float sums (a
+        # tiny compute after a large one vanishes in the prefix sum)
+        self.paid = [0]
         for c in costs:
             self.pa.append(self.pa[-1] + c.act_bytes)
             self.pc.append(self.pc[-1] + c.compute)
+            self.paid.append(self.paid[-1] + (c.compute != 0))
 
     def bounds(self, limit: Optional[int]) -> List[int]:
         pa, n = self.pa, self.n
@@ -171,12 +175,12 @@ class _Chain:
     def least_held(self, b: int, free_only: bool) -> int:
         """Least bytes held by a plan whose segments each replay <= b (and, with free_only, have no
         compute), recompute unlimited."""
-        pa, pc, act, bnd = self.pa, self.pc, self.act, self.bnd
+        pa, paid, act, bnd = self.pa, self.paid, self.act, self.bnd
         h = [0] * (self.n + 1)
         for j in range(1, self.n + 1):
             v = h[j - 1] + act[j - 1]
             i = j - 1
-            while i >= 0 and pa[j] - pa[i] <= b and not (free_only and pc[j] > pc[i]):
+            while i >= 0 and pa[j] - pa[i] <= b and not (free_only and paid[j] > paid[i]):
                 v = min(v, h[i] + bnd[i])
                 i -= 1
             h[j] = v
@@ -213,7 +217,7 @@ class _UnitsDP:
             segs = []
             for i in range(j - 1, -1, -1):
                 c = chain.pc[j] - chain.pc[i]
-                w = (0 if c == 0 else length) if delta is None else int(c // delta)
+                w = (0 if chain.paid[j] == chain.paid[i] else length) if delta is None else int(c // delta)
                 if w >= length:  # longer segments cost even more units
                     break
                 segs.append((i, w, chain.pa[j] - chain.pa[i]))

@@ -287,3 +287,12 @@ def test_budget_below_least_achievable_raises_at_planning():
         model(torch.randn(64, 32)).sum().backward()
 
 
+
+
+def test_a_tiny_compute_after_a_large_one_is_not_free():
+    # Found by hypothesis: 1.0 + 2.2e-313 == 1.0 in the prefix sums, so the third layer looked free and a
+    # budget that needs no recompute got a plan replaying it. Freeness is counted per layer.
+    costs = [LayerCost(act_bytes=0, boundary_bytes=0, compute=1.0), LayerCost(act_bytes=1, boundary_bytes=0, compute=0.0),
+             LayerCost(act_bytes=1, boundary_bytes=0, compute=2.2250738585e-313)]
+    plan = plan_chain(costs, 2)
+    assert plan.recompute == 0 and brute_force(costs, 2) == 0
