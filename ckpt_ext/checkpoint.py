@@ -11,6 +11,7 @@ This module does what must be Python: the call, the user's contexts (context_fn,
 inputs, and the BatchNorm guard of the replay.
 """
 import functools
+import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -33,6 +34,10 @@ if hasattr(torch._C._autograd, "_make_saved_tensor"):
     _make_saved, _SavedTensor = torch._C._autograd._make_saved_tensor, torch._C._autograd.SavedTensor
 else:  # torch 2.12 and older: SavedTensor exists (grad_fn._saved_*) but cannot be made from Python
     _make_saved, _SavedTensor = _C._make_saved_input, _C._SavedInput
+# torch >= 2.15: checkpoint(respect_saved_tensors_hooks=...) routes the tensors selective checkpointing
+# caches through the user's saved-tensor hooks. Where torch lacks it the keyword is the function's, as there.
+_RESPECT_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_torch_checkpoint.checkpoint).parameters
+_CachingMode = getattr(_torch_checkpoint, "_CachingTorchDispatchMode", None)
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing"]
 
@@ -218,8 +223,7 @@ def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] 
     (only its FSDP units matter now). `outside`: the FSDP unit whose hooks wrap this call, if any."""
     if not torch.is_grad_enabled():  # no_grad and inference_mode: nothing to save (and torch.compile traces it)
         if context_fn is not None:
-            with context_fn()[0]:
-                return function(*args, **kwargs)
+            context_fn()  # called, its contexts not entered, as torch does
         return function(*args, **kwargs)
     return _checkpoint_with_grad(function, args, kwargs, found, outside, preserve_rng_state, determinism_check,
                                  debug, early_stop, context_fn)
@@ -296,6 +300,25 @@ def _is_noop_context_fn(context_fn) -> bool:
     return context_fn is None or context_fn is _torch_checkpoint.noop_context_fn
 
 
+def _respecting_hooks(context_fn: Callable, respect: bool):
+    """context_fn() with respect_saved_tensors_hooks set on selective checkpointing's caching mode, as
+    torch sets it (other contexts cache nothing: the option changes nothing for them)."""
+    forward_context, recompute_context = context_fn()
+    if isinstance(forward_context, _CachingMode):
+        forward_context.respect_saved_tensors_hooks = respect
+    return forward_context, recompute_context
+
+
+def _respect_option(context_fn, kwargs: dict):
+    """torch >= 2.15's respect_saved_tensors_hooks, taken out of kwargs: context_fn, set to apply it."""
+    respect = kwargs.pop("respect_saved_tensors_hooks", None)
+    if respect is not None and not isinstance(respect, bool):
+        raise TypeError(f"respect_saved_tensors_hooks must be None, True or False, got {respect!r}")
+    if respect is None or _is_noop_context_fn(context_fn):
+        return context_fn  # None: torch's default (its caching mode warns when user hooks are around)
+    return functools.partial(_respecting_hooks, context_fn, respect)
+
+
 def checkpoint(function: Callable, *args, use_reentrant: Optional[bool] = None, context_fn=None,
                determinism_check: str = "default", debug: bool = False, early_stop: bool = True,
                preserve_rng_state: bool = True, **kwargs):
@@ -306,7 +329,10 @@ def checkpoint(function: Callable, *args, use_reentrant: Optional[bool] = None, 
     device state) and stops as soon as every saved tensor is recomputed. ``context_fn`` (selective
     checkpointing: ``torch.utils.checkpoint.create_selective_checkpoint_contexts``), ``early_stop``,
     ``set_checkpoint_early_stop``, ``determinism_check`` and ``debug`` behave as in torch; a replay that
-    saves different tensors raises ``torch.utils.checkpoint.CheckpointError``.
+    saves different tensors raises ``torch.utils.checkpoint.CheckpointError``. On torch >= 2.15,
+    ``respect_saved_tensors_hooks`` (None, True or False) also behaves as there: whether the tensors a
+    selective ``context_fn`` caches go through the surrounding saved-tensor hooks; on older torches, as
+    there, it is passed to ``function``.
 
     ``use_reentrant`` is accepted for compatibility and changes nothing: ckpt_ext always behaves like
     torch's non-reentrant mode. See README "Differences from torch.utils.checkpoint".
@@ -315,6 +341,8 @@ def checkpoint(function: Callable, *args, use_reentrant: Optional[bool] = None, 
         raise TypeError(f"ckpt_ext.checkpoint: function must be callable, got {type(function).__name__}")
     if not _is_noop_context_fn(context_fn) and not callable(context_fn):
         raise TypeError(f"context_fn must be callable, got {type(context_fn).__name__}")
+    if _RESPECT_HOOKS and kwargs:
+        context_fn = _respect_option(context_fn, kwargs)
     _check_options(use_reentrant, determinism_check, debug, preserve_rng_state)
     if not isinstance(early_stop, bool):
         raise TypeError(f"early_stop must be True or False, got {early_stop!r}")

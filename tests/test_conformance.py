@@ -6,6 +6,8 @@ calls, exceptions, side effects of replays). The scenarios are this project's ow
 behaviours torch documents and tests (TestCheckpoint, TestNestedCheckpoint, selective checkpointing).
 """
 import functools
+import inspect
+import warnings
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ import ckpt_ext
 
 TORCH = functools.partial(tc.checkpoint, use_reentrant=False)
 CKPT = ckpt_ext.checkpoint
+# torch >= 2.15: checkpoint(respect_saved_tensors_hooks=...)
+RESPECT = "respect_saved_tensors_hooks" in inspect.signature(tc.checkpoint).parameters
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
 
@@ -440,6 +444,91 @@ def test_context_fn_contexts_entered_in_forward_and_replay():
     conform(run)
 
 
+# -------------------------------------------- selective checkpointing under outer saved-tensor hooks
+def _recording_hooks(seen):
+    """Outer hooks that record every tensor packed (shape, value sum) and unpacked; pack returns a copy
+    in a tuple, so a saved tensor that skips the unpack hook cannot be used."""
+    def pack(t):
+        seen.append(("pack", tuple(t.shape), t.detach().double().sum().item()))
+        return (t.detach().clone(),)
+
+    def unpack(packed):
+        seen.append(("unpack", tuple(packed[0].shape)))
+        return packed[0]
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _sac_under_hooks(respect, hooks, outer=None):
+    """SAC (mm saved) under recording outer hooks; `outer`: nest the call in a checkpoint of that kind.
+    Returns gradients, what the hooks saw, and the warnings raised (torch warns for respect=None)."""
+    def run(ckpt):
+        seen = []
+        x, w = data(), data(2)
+        ctx_fn = functools.partial(tc.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+        options = {} if respect == "absent" else {"respect_saved_tensors_hooks": respect}
+
+        def fn(a, b):
+            return torch.mm(a.sin(), b.t()).relu().sum(0)
+
+        def call(a, b):
+            return ckpt(fn, a, b, context_fn=ctx_fn, **options)
+
+        if outer is not None:
+            nested = call
+            call = lambda a, b: (CKPT if outer == "ckpt_ext" else TORCH)(lambda c, d: nested(c.cos(), d).tanh(), a, b)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if hooks:
+                with _recording_hooks(seen):
+                    out = call(x, w)
+            else:
+                out = call(x, w)
+            out.sum().backward()
+        return x.grad, w.grad, seen, [(w.category, str(w.message)) for w in caught]
+
+    return run
+
+
+@pytest.mark.skipif(not RESPECT, reason="torch < 2.15 has no respect_saved_tensors_hooks")
+@pytest.mark.parametrize("hooks", [True, False])
+@pytest.mark.parametrize("respect", ["absent", None, True, False])
+def test_respect_saved_tensors_hooks(respect, hooks):
+    out = conform(_sac_under_hooks(respect, hooks))
+    packed_by_sac = [e for e in out[2] if e[0] == "pack" and e[1] == (4, 4)]  # the mm output
+    assert len(packed_by_sac) == (1 if hooks and respect is True else 0)
+    assert len(out[3]) == (1 if hooks and respect in ("absent", None) else 0)
+
+
+@pytest.mark.skipif(not RESPECT, reason="torch < 2.15 has no respect_saved_tensors_hooks")
+@pytest.mark.parametrize("outer,inner", [("ckpt_ext", "ckpt_ext"), ("torch", "ckpt_ext"), ("ckpt_ext", "torch")])
+@pytest.mark.parametrize("respect", [None, True])
+def test_respect_saved_tensors_hooks_nested(respect, outer, inner):
+    # torch looks past checkpoint-internal hooks (ckpt_ext's included) for the user's, whichever nests.
+    ref = _sac_under_hooks(respect, True, outer="torch")(TORCH)
+    assert_same(_sac_under_hooks(respect, True, outer=outer)(CKPT if inner == "ckpt_ext" else TORCH), ref)
+
+
+@pytest.mark.skipif(not RESPECT, reason="torch < 2.15 has no respect_saved_tensors_hooks")
+def test_respect_saved_tensors_hooks_refuses_a_non_bool():
+    # torch takes any value as its truth; ckpt_ext refuses one that is not None/True/False, as for debug.
+    with pytest.raises(TypeError, match="respect_saved_tensors_hooks must be None, True or False"):
+        CKPT(torch.sin, data(), respect_saved_tensors_hooks=1)
+
+
+@pytest.mark.skipif(RESPECT, reason="torch >= 2.15 takes respect_saved_tensors_hooks itself")
+def test_respect_saved_tensors_hooks_is_the_functions_keyword_before_2_15():
+    def run(ckpt):
+        x = data()
+        out, kw = ckpt(lambda a, **k: (a.sin(), k), x, respect_saved_tensors_hooks=True)
+        out.sum().backward()
+        with pytest.raises(TypeError) as e:
+            ckpt(lambda a: a.sin(), x, respect_saved_tensors_hooks=True)
+        return x.grad, kw, str(e.value).split("() ")[-1]  # the lambda's qualified name differs
+
+    conform(run)
+
+
 # ------------------------------------------------------------------------------ call conventions
 def test_kwargs_non_tensor_outputs_and_returned_inputs():
     def fn(x, y, *, scale, tag):
@@ -472,6 +561,28 @@ def test_no_grad_call_runs_plainly():
         with torch.no_grad():
             out = ckpt(lambda t: t.sin(), x)
         return out, out.requires_grad
+
+    conform(run)
+
+
+def test_no_grad_call_makes_but_does_not_enter_the_contexts():
+    def run(ckpt):
+        log = []
+
+        class Ctx:
+            def __enter__(self):
+                log.append("entered")
+
+            def __exit__(self, *a):
+                log.append("exited")
+
+        def context_fn():
+            log.append("context_fn")
+            return Ctx(), Ctx()
+
+        with torch.no_grad():
+            out = ckpt(lambda t: t.sin(), data(), context_fn=context_fn)
+        return out, log
 
     conform(run)
 

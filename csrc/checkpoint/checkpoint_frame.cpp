@@ -29,6 +29,9 @@ struct PyRefs {
   py::object checkpoint_error;  // torch.utils.checkpoint.CheckpointError
   py::object push_hooks, pop_hooks;
   py::object get_exec_group;  // torch._C._get_graph_exec_group, None on torches without it
+  // torch._C._autograd._top_saved_tensors_default_hooks, where torch looks past checkpoint-internal
+  // hooks for the user's (torch >= 2.15: respect_saved_tensors_hooks); None where torch never does.
+  py::object top_hooks;
 
   static PyRefs& get() {
     static PyRefs* refs = [] {
@@ -38,6 +41,9 @@ struct PyRefs {
       r->push_hooks = autograd.attr("_push_saved_tensors_default_hooks");
       r->pop_hooks = autograd.attr("_pop_saved_tensors_default_hooks");
       r->get_exec_group = py::getattr(py::module_::import("torch._C"), "_get_graph_exec_group", py::none());
+      const bool torch_looks_past = py::hasattr(py::module_::import("torch.utils.checkpoint"),
+                                                "_current_user_saved_tensors_hooks");
+      r->top_hooks = torch_looks_past ? autograd.attr("_top_saved_tensors_default_hooks") : py::none();
       return r;
     }();
     return *refs;
@@ -76,12 +82,99 @@ void push_hooks(const py::object& pack, const py::object& unpack) {
   Py_DECREF(r);
 }
 
-// Pops the replay's saved-tensor hooks however the replay ends.
+// The pack hooks a checkpoint pushes (forward and replay) are marked checkpoint-internal, as torch
+// (>= 2.15) marks its own: torch's _current_user_saved_tensors_hooks looks past such a hook, through its
+// `_user_hooks`, to the user's saved-tensor hooks (selective checkpointing routes the tensors it caches
+// through them: respect_saved_tensors_hooks). A PyCFunction takes no attributes, so the hook is a small
+// callable type: the C function and its `self` (a capsule), plus the user's hooks while it is pushed.
+struct PackHookObject {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* self;
+  PyCFunction fn;
+  PyObject* user_hooks;  // (pack, unpack) or null (None); held only while pushed (see PopHooks)
+};
+
+PyTypeObject pack_hook_type = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject* pack_hook_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* h = reinterpret_cast<PackHookObject*>(self);
+  if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "ckpt_ext.checkpoint: a pack hook takes one tensor");
+    return nullptr;
+  }
+  return h->fn(h->self, args[0]);
+}
+
+void pack_hook_dealloc(PyObject* self) {
+  auto* h = reinterpret_cast<PackHookObject*>(self);
+  Py_XDECREF(h->self);
+  Py_XDECREF(h->user_hooks);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* pack_hook_internal(PyObject*, void*) { Py_RETURN_TRUE; }
+
+PyObject* pack_hook_user_hooks(PyObject* self, void*) {
+  PyObject* u = reinterpret_cast<PackHookObject*>(self)->user_hooks;
+  u = u != nullptr ? u : Py_None;
+  Py_INCREF(u);
+  return u;
+}
+
+PyGetSetDef pack_hook_getset[] = {
+    {"_checkpoint_internal", pack_hook_internal, nullptr, nullptr, nullptr},
+    {"_user_hooks", pack_hook_user_hooks, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+void ready_pack_hook_type() {
+  PyTypeObject& t = pack_hook_type;
+  t.tp_name = "ckpt_ext._C._CheckpointPackHook";
+  t.tp_basicsize = sizeof(PackHookObject);
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+  t.tp_vectorcall_offset = offsetof(PackHookObject, vectorcall);
+  t.tp_call = PyVectorcall_Call;
+  t.tp_dealloc = pack_hook_dealloc;
+  t.tp_getset = pack_hook_getset;
+  if (PyType_Ready(&t) < 0) throw py::error_already_set();
+}
+
+// The (pack, unpack) pair a tensor saved now would use, past checkpoint-internal hooks, as torch's
+// _current_user_saved_tensors_hooks finds it; None where torch never asks.
+py::object user_hooks_now() {
+  const auto& top = PyRefs::get().top_hooks;
+  if (top.is_none()) return py::none();
+  py::object hooks = top(false);
+  while (!hooks.is_none()) {
+    py::object pack = hooks[py::int_(0)];
+    if (Py_TYPE(pack.ptr()) == &pack_hook_type) return pack.attr("_user_hooks");  // resolved when pushed
+    if (!py::bool_(py::getattr(pack, "_checkpoint_internal", py::bool_(false)))) break;
+    hooks = pack.attr("_user_hooks");
+  }
+  return hooks;
+}
+
+// A checkpoint's pack hook: fn(self, tensor), marked checkpoint-internal.
+py::object make_pack_hook(py::handle self, PyCFunction fn) {
+  py::object user_hooks = user_hooks_now();
+  auto* h = PyObject_New(PackHookObject, &pack_hook_type);
+  if (h == nullptr) throw py::error_already_set();
+  h->vectorcall = pack_hook_call;
+  h->self = self.inc_ref().ptr();
+  h->fn = fn;
+  h->user_hooks = user_hooks.is_none() ? nullptr : user_hooks.release().ptr();
+  return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(h));
+}
+
+// Pops a checkpoint's saved-tensor hooks however the forward or the replay ends, and drops the pack
+// hook's reference to the user's hooks (the graph keeps the pack hook where gc cannot see it).
 struct PopHooks {
+  PyObject* pack;
   ~PopHooks() {
     PyObject* r = PyObject_CallNoArgs(PyRefs::get().pop_hooks.ptr());
     if (r == nullptr) PyErr_WriteUnraisable(PyRefs::get().pop_hooks.ptr());
     Py_XDECREF(r);
+    Py_CLEAR(reinterpret_cast<PackHookObject*>(pack)->user_hooks);
   }
 };
 
@@ -113,8 +206,6 @@ PyObject* recompute_pack_c(PyObject* capsule, PyObject* tensor) {
   }
   return nullptr;
 }
-
-PyMethodDef recompute_pack_def = {"ckpt_ext_recompute_pack", recompute_pack_c, METH_O, nullptr};
 
 // The replay's unpack hook: what the pack hook returned (the replay's own graph is never backwarded
 // through, but it may be: torch's Rule 6).
@@ -198,10 +289,9 @@ void Frame::replay(int64_t gid) {
   at::AutoGradMode grad_mode(true);
   py::object capsule = py::reinterpret_steal<py::object>(make_capsule(new RecomputeHook{keep_alive, gid}));
   if (!capsule) throw py::error_already_set();
-  py::object pack = py::reinterpret_steal<py::object>(PyCFunction_New(&recompute_pack_def, capsule.ptr()));
-  if (!pack) throw py::error_already_set();
+  py::object pack = make_pack_hook(capsule, recompute_pack_c);
   push_hooks(pack, identity());
-  PopHooks pop;
+  PopHooks pop{pack.ptr()};
   // Called through the C API: early stop is a Python exception that must not cost C++ throws here.
   PyObject* result = PyObject_CallObject(recompute_.ptr(), nullptr);
   if (result != nullptr) {
@@ -354,7 +444,6 @@ PyObject* forward_unpack_c(PyObject* capsule, PyObject* holder) {
   return nullptr;
 }
 
-PyMethodDef forward_pack_def = {"ckpt_ext_pack", forward_pack_c, METH_O, nullptr};
 PyMethodDef forward_unpack_def = {"ckpt_ext_unpack", forward_unpack_c, METH_O, nullptr};
 
 // checkpoint_run(recompute, describe, name, devices, preserve_rng_state, check_metadata, early_stop,
@@ -377,18 +466,17 @@ py::object checkpoint_run(py::object recompute, py::object describe, std::string
     delete owner;
     throw py::error_already_set();
   }
-  py::object pack = py::reinterpret_steal<py::object>(PyCFunction_New(&forward_pack_def, capsule.ptr()));
-  if (!pack) throw py::error_already_set();
+  py::object pack = make_pack_hook(capsule, forward_pack_c);
   py::object unpack = py::reinterpret_steal<py::object>(PyCFunction_New(&forward_unpack_def, capsule.ptr()));
   if (!unpack) throw py::error_already_set();
   push_hooks(pack, unpack);
   PyObject* out = PyObject_Call(function.ptr(), args.ptr(), kwargs.is_none() ? nullptr : kwargs.ptr());
   if (out == nullptr) {
     py::error_already_set error;  // taken out of the indicator: popping the hooks calls Python
-    { PopHooks pop; }
+    { PopHooks pop{pack.ptr()}; }
     throw error;
   }
-  { PopHooks pop; }
+  { PopHooks pop{pack.ptr()}; }
   raw->forward_done();
   return py::reinterpret_steal<py::object>(out);
 }
@@ -413,6 +501,7 @@ void bind_checkpoint(py::module_& m) {
   m.def("_make_saved_input", [](const at::Tensor& t, bool /*is_output*/) { return std::make_unique<SavedInput>(t); },
         py::arg("tensor"), py::kw_only(), py::arg("is_output") = false);
   stop_type = py::register_exception<StopRecomputation>(m, "_StopRecomputation").ptr();
+  ready_pack_hook_type();
   holder_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&holder_spec));
   if (holder_type == nullptr) throw py::error_already_set();
   m.attr("_CheckpointHolder") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(holder_type));
