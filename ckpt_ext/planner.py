@@ -19,6 +19,7 @@ schedule. Both are pure functions of the costs, tested against brute force.
 """
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -144,11 +145,14 @@ def _finish(costs, segments, budget) -> Plan:
 # answer. Passes refine delta until it holds (true(P^) - delta*U(P^) < delta*n, so it does once
 # delta*n <= 1% of OPT): a coarse pass finds the scale, the next usually certifies. Computes that are
 # integers summing to few units are counted exactly (delta = 1, nothing rounded): the plan is then
-# optimal, which the brute-force tests check. Plans without recompute are found first and exactly
+# optimal, which the brute-force tests check. Units stop refining at 1e-12 of the total compute (what
+# float sums resolve): a plan whose recompute is below that is within it of the optimum, absolutely.
+# Plans without recompute are found first and exactly
 # (segments of zero compute only), so a budget that needs no recompute gets none.
 # ------------------------------------------------------------------------------------------------
 _CERTIFIED = 1.01    # the plan's recompute is at most this times the least possible
 _COARSE_UNITS = 20   # units per layer in the first pass (which only finds the scale)
+_RESOLUTION = 1e-12  # the finest unit, relative to the total compute (float sums resolve no finer)
 _INF = 1 << 62
 
 
@@ -313,15 +317,20 @@ def _plan_within(chain: _Chain, budget: int) -> Plan:
     n, total = chain.n, chain.pc[-1]
     if all(float(c).is_integer() for c in chain.pc) and total <= 100 * n:
         return _plan_with(chain, bounds, budget, 1.0, int(total) + 1)[0]  # exact
-    scale, delta = total, total / (_COARSE_UNITS * n)
+    floor = max(_RESOLUTION * total, sys.float_info.min)  # no unit finer (and none subnormal: 1 / it overflows)
+    scale, delta = total, max(total / (_COARSE_UNITS * n), floor)
     while True:
         plan, units = _plan_with(chain, bounds, budget, delta, int(scale // delta) + 1)
         if plan.recompute <= _CERTIFIED * delta * units:
             return plan
+        if delta <= floor:
+            # Recompute this small is below what sums of these computes resolve (a 1e-313 layer next to
+            # a 1.5 one): the plan is within delta * segments of the optimum, absolutely.
+            return plan
         # aim at delta * (segments) <= 0.9% of the recompute found (an upper bound of the optimum)
         segments = max(1, sum(1 for *_, c in plan.segments if c))
         scale = min(scale, plan.recompute)
-        delta = min(delta / 2, 0.009 * scale / segments)
+        delta = max(min(delta / 2, 0.009 * scale / segments), floor)
 
 
 def plan_chain(costs: Sequence[LayerCost], budget: Optional[int]) -> Plan:
