@@ -298,12 +298,12 @@ def test_a_tiny_compute_after_a_large_one_is_not_free():
     assert plan.recompute == 0 and brute_force(costs, 2) == 0
 
 
-@pytest.mark.parametrize("computes", [(0.0, 1.5, 2.2250738585e-313), (0.0, 5e-324)], ids=["tiny-after-large", "subnormal-total"])
-def test_recompute_below_float_resolution_is_planned_not_overflowed(computes):
+@pytest.mark.parametrize("layers", [((1, 0.0), (0, 1.5), (1, 2.2250738585e-313)), ((1, 0.0), (1, 5e-324))],
+                         ids=["tiny-after-large", "subnormal-total"])
+def test_recompute_below_float_resolution_is_planned_not_overflowed(layers):
     # Found by hypothesis: certifying 1% of a 2.2e-313 recompute refined the unit until 1.5 / unit overflowed;
     # a total of 5e-324 gave a unit of 0.
-    costs = [LayerCost(act_bytes=1 - (i == 1 and len(computes) == 3), boundary_bytes=0, compute=c)
-             for i, c in enumerate(computes)]
+    costs = [LayerCost(act_bytes=a, boundary_bytes=0, compute=c) for a, c in layers]
     budget = min(p.need_bytes for p in all_plans(costs))
     plan = plan_chain(costs, budget)
     assert plan.need_bytes <= budget and plan.recompute <= 1.01 * brute_force(costs, budget) + 1e-12
