@@ -2,7 +2,7 @@
 import functools
 import sys
 import types
-from typing import Any, Callable, Iterable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -121,22 +121,6 @@ def _discover(function: Callable, plan_leaves: Sequence[Any], input_ids: set) ->
 # nothing) and again inside the replay's own backward, where the gathered parameters' gradients are
 # captured by the node rather than accumulated for FSDP, so FSDP would reduce nothing.
 # --------------------------------------------------------------------------------------------------
-def _fsdp_units_in(modules: Iterable[nn.Module]) -> List[nn.Module]:
-    """The FSDP units among `modules` and their submodules, in order."""
-    fsdp_unit = _fsdp_unit_class()
-    if fsdp_unit is None:
-        return []
-    units: List[nn.Module] = []
-    seen = set()
-    for mod in modules:
-        for m in mod.modules():
-            if id(m) not in seen:
-                seen.add(id(m))
-                if isinstance(m, fsdp_unit):
-                    units.append(m)
-    return units
-
-
 def _check_fsdp_units(name: str, units: Sequence[nn.Module], outside: Optional[nn.Module] = None):
     """Raises when a checkpointed function would run an FSDP unit inside the checkpoint. `outside`: the
     unit whose hooks already wrap this call (checkpoint(unit, ...), enable_checkpointing's layers)."""

@@ -219,8 +219,8 @@ def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] 
                 outside: Optional[nn.Module] = None, preserve_rng_state: bool = True,
                 determinism_check: str = "default", debug: bool = False, early_stop: bool = True,
                 context_fn: Optional[Callable] = None):
-    """checkpoint() without argument checks. `found`: what the function uses, when the caller knows it
-    (only its FSDP units matter now). `outside`: the FSDP unit whose hooks wrap this call, if any."""
+    """checkpoint() without argument checks. `found`: what the function uses (its BatchNorm modules), when
+    the caller knows it, having checked its FSDP units. `outside`: the FSDP unit whose hooks wrap this call."""
     if not torch.is_grad_enabled():  # no_grad and inference_mode: nothing to save (and torch.compile traces it)
         if context_fn is not None:
             context_fn()  # called, its contexts not entered, as torch does
@@ -256,8 +256,8 @@ def _checkpoint_with_grad(function, args: tuple, kwargs: dict, found: Optional[_
                           preserve_rng_state: bool, determinism_check: str, debug: bool, early_stop: bool,
                           context_fn: Optional[Callable]):
     """_checkpoint with grad enabled (one graph break under torch.compile)."""
-    if _fsdp_unit_class() is not None:  # FSDP imported: refuse units run inside (see _discovery)
-        units = found.fsdp_units if found is not None else _discover(function, args, set()).fsdp_units
+    if found is None and _fsdp_unit_class() is not None:  # FSDP imported: refuse units run inside (_discovery)
+        units = _discover(function, args, set()).fsdp_units
         if units:
             _check_fsdp_units(_function_name(function), units, outside)
     if _compiler._stream_capturing():
@@ -410,5 +410,6 @@ def _checkpoint_segments(functions, segment_size: int, end: int, input, options:
             found = _Found()
             for f in functions[start:start + segment_size]:
                 _collect(f, found, 0)
+            _check_fsdp_units(_function_name(run), found.fsdp_units)
         input = _checkpoint(run, (input,), {}, found=found, **options)
     return input

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ._compiler import eager_under_compile
-from ._discovery import _ATOMS, _add_module, _check_fsdp_units, _Found, _fsdp_units_in
+from ._discovery import _ATOMS, _add_module, _check_fsdp_units, _Found, _fsdp_unit_class
 from .checkpoint import _checkpoint
 from .fused import run_segment
 from .hf.cache import drop_cache
@@ -114,17 +114,22 @@ class _Group:
 
     def checkpointed(self, layer_args: Tuple, layer_kwargs: Dict):
         """Runs the group checkpointed: fused layers (ckpt_ext.fuse) as one C++ SegmentFunction, other
-        layers through ckpt_ext.checkpoint."""
-        units = _fsdp_units_in(self.layers)
-        if units:
-            self._check_fsdp(units)
+        layers through ckpt_ext.checkpoint. FSDP units are checked here, once, for both."""
+        found = self._uses() if _fsdp_unit_class() is not None else None
+        if found is not None and found.fsdp_units:
+            self._check_fsdp(found.fsdp_units)
         out = run_segment(self.layers, layer_args, layer_kwargs)
         if out is not NotImplemented:
             return out
+        return _checkpoint(self.run, (layer_args, layer_kwargs), {}, found=found if found is not None else self._uses(),
+                           outside=self.layers[0])
+
+    def _uses(self) -> _Found:
+        """What the group's layers use: their BatchNorm modules and FSDP units (see _discovery)."""
         found = _Found()
         for layer in self.layers:
             _add_module(layer, found)
-        return _checkpoint(self.run, (layer_args, layer_kwargs), {}, found=found, outside=self.layers[0])
+        return found
 
     def _check_fsdp(self, units: List[nn.Module]):
         """The first layer's FSDP hooks wrap the group's call (the layer's forward is what is wrapped);

@@ -13,38 +13,23 @@ from .peft import base_of
 
 _C = load()
 
+def _slots(*modules: Tuple[str, ...]) -> Dict[str, str]:
+    """{slot: parameter path} from (slot prefix, module path[, parameter, ...]) entries: a module's slots are
+    <prefix>_weight and <prefix>_bias unless its parameters are named (an RMSNorm has a weight only)."""
+    return {f"{prefix}_{p}": f"{path}.{p}" for prefix, path, *params in modules for p in params or ("weight", "bias")}
+
+
 # Where each C++ weight slot lives in the Hugging Face layer (parameter paths), written in C++'s slot
 # order; slot_paths checks names and order against C++'s list.
 HF_PARAMETERS: Dict[str, Dict[str, str]] = {
-    "bert": {
-        "q_weight": "attention.self.query.weight", "q_bias": "attention.self.query.bias",
-        "k_weight": "attention.self.key.weight", "k_bias": "attention.self.key.bias",
-        "v_weight": "attention.self.value.weight", "v_bias": "attention.self.value.bias",
-        "attn_out_weight": "attention.output.dense.weight", "attn_out_bias": "attention.output.dense.bias",
-        "ln1_weight": "attention.output.LayerNorm.weight", "ln1_bias": "attention.output.LayerNorm.bias",
-        "inter_weight": "intermediate.dense.weight", "inter_bias": "intermediate.dense.bias",
-        "out_weight": "output.dense.weight", "out_bias": "output.dense.bias",
-        "ln2_weight": "output.LayerNorm.weight", "ln2_bias": "output.LayerNorm.bias",
-    },
-    "gpt2": {
-        "ln1_weight": "ln_1.weight", "ln1_bias": "ln_1.bias",
-        "attn_weight": "attn.c_attn.weight", "attn_bias": "attn.c_attn.bias",
-        "attn_proj_weight": "attn.c_proj.weight", "attn_proj_bias": "attn.c_proj.bias",
-        "ln2_weight": "ln_2.weight", "ln2_bias": "ln_2.bias",
-        "fc_weight": "mlp.c_fc.weight", "fc_bias": "mlp.c_fc.bias",
-        "mlp_proj_weight": "mlp.c_proj.weight", "mlp_proj_bias": "mlp.c_proj.bias",
-    },
-    "llama": {
-        "ln1_weight": "input_layernorm.weight",
-        "q_weight": "self_attn.q_proj.weight", "q_bias": "self_attn.q_proj.bias",
-        "k_weight": "self_attn.k_proj.weight", "k_bias": "self_attn.k_proj.bias",
-        "v_weight": "self_attn.v_proj.weight", "v_bias": "self_attn.v_proj.bias",
-        "o_weight": "self_attn.o_proj.weight", "o_bias": "self_attn.o_proj.bias",
-        "ln2_weight": "post_attention_layernorm.weight",
-        "gate_weight": "mlp.gate_proj.weight", "gate_bias": "mlp.gate_proj.bias",
-        "up_weight": "mlp.up_proj.weight", "up_bias": "mlp.up_proj.bias",
-        "down_weight": "mlp.down_proj.weight", "down_bias": "mlp.down_proj.bias",
-    },
+    "bert": _slots(("q", "attention.self.query"), ("k", "attention.self.key"), ("v", "attention.self.value"),
+                   ("attn_out", "attention.output.dense"), ("ln1", "attention.output.LayerNorm"),
+                   ("inter", "intermediate.dense"), ("out", "output.dense"), ("ln2", "output.LayerNorm")),
+    "gpt2": _slots(("ln1", "ln_1"), ("attn", "attn.c_attn"), ("attn_proj", "attn.c_proj"), ("ln2", "ln_2"),
+                   ("fc", "mlp.c_fc"), ("mlp_proj", "mlp.c_proj")),
+    "llama": _slots(("ln1", "input_layernorm", "weight"), ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"),
+                    ("v", "self_attn.v_proj"), ("o", "self_attn.o_proj"), ("ln2", "post_attention_layernorm", "weight"),
+                    ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj")),
 }
 
 

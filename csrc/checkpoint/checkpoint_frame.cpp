@@ -43,7 +43,7 @@ struct PyRefs {
       r->get_exec_group = py::getattr(py::module_::import("torch._C"), "_get_graph_exec_group", py::none());
       const bool torch_looks_past = py::hasattr(py::module_::import("torch.utils.checkpoint"),
                                                 "_current_user_saved_tensors_hooks");
-      r->top_hooks = torch_looks_past ? autograd.attr("_top_saved_tensors_default_hooks") : py::none();
+      r->top_hooks = torch_looks_past ? py::object(autograd.attr("_top_saved_tensors_default_hooks")) : py::none();
       return r;
     }();
     return *refs;

@@ -111,11 +111,7 @@ LayerOutput last_linear_tail(const LayerSpec& s, const std::vector<Tensor>& w, c
   }
   // Under no_grad into out_slot, or with an adapter: the GEMM (and adapter term) then the fused
   // bias-dropout-residual op, differentiated by autograd when grad mode is on.
-  const Tensor wt = like(lin.weight, act);
-  const Tensor y = like(plus_lora(lin.conv1d ? conv1d_nobias(act, wt)
-                                             : act.reshape({-1, act.size(-1)}).mm(wt.t()).view(h1.sizes()),
-                                  lora),
-                        h1);
+  const Tensor y = like(plus_lora(matmul_2d(act, lin).view(h1.sizes()), lora), h1);
   if (out_slot.defined()) {
     ops::bias_dropout_add_into(y, opt(lin.bias), h1, lin.p, rng.seed, lin.offset, out_slot);
     r.out = out_slot;
