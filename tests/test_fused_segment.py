@@ -13,7 +13,7 @@ from ckpt_ext import FusedTransformerLayer
 transformers = pytest.importorskip("transformers")
 from helpers.devices import DEVICES  # noqa: E402
 from helpers.hf_models import (B, H, S, close, embeds_call,  # noqa: E402
-                               fused_copy, inputs_for, layers_of, make_model)
+                               fused_copy, hf_enable, inputs_for, layers_of, make_model)
 from helpers.fused import _checkpointed_pair, _seed  # noqa: E402,F401  (an autouse fixture)
 
 
@@ -135,7 +135,7 @@ def test_replay_skips_the_last_linear(family):
 def test_hugging_face_gradient_checkpointing_uses_the_segment_function():
     model, _ = _checkpointed_pair("gpt2", every=1, layers=2)
     hf_ck = copy.deepcopy(model)
-    (getattr(hf_ck, "activation_checkpointing_enable", None) or hf_ck.gradient_checkpointing_enable)()
+    hf_enable(hf_ck)
     assert all(m.gradient_checkpointing for m in hf_ck.h)
     kw = inputs_for("gpt2", padding=True)
     torch.manual_seed(2)

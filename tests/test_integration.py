@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import ckpt_ext
+from helpers.hf_models import hf_disable, hf_enable
 
 transformers = pytest.importorskip("transformers")
 from transformers import (BertConfig, BertModel, GPT2Config, GPT2Model, LlamaConfig,  # noqa: E402
@@ -44,13 +45,9 @@ MODELS = {"bert": _bert, "roberta": _roberta, "gpt2": _gpt2, "llama": _llama}
 def hf_checkpointing(model, enable):
     """Hugging Face's own checkpointing (torch.utils.checkpoint, non-reentrant), under its 5.x name."""
     if enable:
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_enable(model, activation_checkpointing_kwargs={"use_reentrant": False})
     else:
-        fn = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-        fn()
+        hf_disable(model)
 
 
 def _step(model, ids, mask, seed=1234):

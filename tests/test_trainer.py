@@ -13,25 +13,13 @@ import pytest
 import torch
 
 import ckpt_ext
+from helpers.hf_models import hf_disable, hf_enable
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # Trainer needs it
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 VOCAB, SEQ, STEPS, BATCH = 61, 12, 3, 4
-
-
-def hf_enable(model, **kwargs):
-    """Hugging Face's switch under either name: activation_checkpointing_enable (newer 5.x) or
-    gradient_checkpointing_enable (5.0-5.17, the GPU image's), whose keyword is gradient_checkpointing_kwargs."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        return model.activation_checkpointing_enable(**kwargs)
-    renamed = {"activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
-    return model.gradient_checkpointing_enable(**{renamed.get(k, k): v for k, v in kwargs.items()})
-
-
-def hf_disable(model):
-    return getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
 
 
 def _model():

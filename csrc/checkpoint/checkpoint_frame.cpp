@@ -489,7 +489,7 @@ namespace {
 // hooks (save_on_cpu) apply, and unpacking a tensor modified in place since raises autograd's error.
 // torch 2.13+ binds the same as torch._C._autograd._make_saved_tensor; this serves older torches.
 struct SavedInput {
-  explicit SavedInput(const at::Tensor& t) : saved(t, /*is_output=*/false) {}
+  SavedInput(const at::Tensor& t, bool is_output) : saved(t, is_output) {}
   at::Tensor unpack() const { return saved.unpack(); }
   torch::autograd::SavedVariable saved;
 };
@@ -498,8 +498,10 @@ struct SavedInput {
 
 void bind_checkpoint(py::module_& m) {
   py::class_<SavedInput>(m, "_SavedInput").def("unpack", &SavedInput::unpack);
-  m.def("_make_saved_input", [](const at::Tensor& t, bool /*is_output*/) { return std::make_unique<SavedInput>(t); },
-        py::arg("tensor"), py::kw_only(), py::arg("is_output") = false);
+  m.def(
+      "_make_saved_input",
+      [](const at::Tensor& t, bool is_output) { return std::make_unique<SavedInput>(t, is_output); },
+      py::arg("tensor"), py::kw_only(), py::arg("is_output"));
   stop_type = py::register_exception<StopRecomputation>(m, "_StopRecomputation").ptr();
   ready_pack_hook_type();
   holder_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&holder_spec));

@@ -57,6 +57,19 @@ def make_model(family, dropout=0.0, layers=2, attn="sdpa", **overrides):
 FAMILIES = ["bert", "roberta", "gpt2", "llama", "llama-gqa"]
 
 
+def hf_enable(model, **kwargs):
+    """Hugging Face's checkpointing switch under either name: activation_checkpointing_enable (newer 5.x) or
+    gradient_checkpointing_enable (5.0-5.17, the GPU image's), whose keyword is gradient_checkpointing_kwargs."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        return model.activation_checkpointing_enable(**kwargs)
+    renamed = {"activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
+    return model.gradient_checkpointing_enable(**{renamed.get(k, k): v for k, v in kwargs.items()})
+
+
+def hf_disable(model):
+    return getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+
+
 def layers_of(model):
     for attr in ("encoder.layer", "h", "layers"):
         try:
