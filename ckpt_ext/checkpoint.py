@@ -7,8 +7,9 @@ backward replays the function (C++: under the forward's (seed, offset) RNG, auto
 with hooks that fill the holders, stopping as soon as all are filled, and checks that the replay saved
 what the forward saved. Gradients flow through the real graph.
 
-This module does what must be Python: the call, the user's contexts (context_fn, debug), keeping the
-inputs, and the BatchNorm guard of the replay.
+This module does what must be Python: the call's options, the user's contexts (context_fn, debug), the
+BatchNorm guard of a replay, and what the C++ frame asks of it off its common path (names for errors,
+devices in nested arguments, the BatchNorm modules a closure uses).
 """
 import functools
 import inspect
@@ -28,12 +29,6 @@ from ._extension import load
 _C = load()
 _run = _C.checkpoint_run
 _Tensor = torch.Tensor
-# Inputs are saved as torch saves them (outer saved-tensor hooks such as save_on_cpu apply; in-place
-# changes are detected at unpack): torch's binding where it has one (2.13+), else the same in ckpt_ext's C++.
-if hasattr(torch._C._autograd, "_make_saved_tensor"):
-    _make_saved, _SavedTensor = torch._C._autograd._make_saved_tensor, torch._C._autograd.SavedTensor
-else:  # torch 2.12 and older: SavedTensor exists (grad_fn._saved_*) but cannot be made from Python
-    _make_saved, _SavedTensor = _C._make_saved_input, _C._SavedInput
 # torch >= 2.15: checkpoint(respect_saved_tensors_hooks=...) routes the tensors selective checkpointing
 # caches through the user's saved-tensor hooks. Where torch lacks it the keyword is the function's, as there.
 _RESPECT_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_torch_checkpoint.checkpoint).parameters
@@ -94,9 +89,8 @@ def _describe(fwd: List[str], rep: List[str]) -> str:
 # The replay: what the C++ frame calls on the first unpack of a backward.
 # --------------------------------------------------------------------------------------------------
 def _batchnorms_of(fn, args) -> List[_BatchNorm]:
-    """The training BatchNorm modules with running statistics that `fn` uses (see _discovery)."""
-    if isinstance(fn, nn.Module):
-        return [m for m in fn.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    """The training BatchNorm modules with running statistics that `fn`, not a module, uses (see _discovery);
+    the C++ frame walks a module's own submodules itself."""
     return _discover(fn, args, set()).batchnorms
 
 
@@ -125,41 +119,23 @@ class _BatchNormGuard:
         return False
 
 
-class _Replay:
-    __slots__ = ("fn", "saved", "kwargs", "context", "batchnorms")
+def _replay_guarded(fn, args: tuple, kwargs: Optional[dict], context, batchnorms: List[_BatchNorm]):
+    """The replay (called by the C++ frame) when it has a recompute context or BatchNorm statistics to put
+    back; without either the frame calls the function itself."""
+    kwargs = kwargs or {}
+    if batchnorms:
+        with _BatchNormGuard(batchnorms):
+            return _in_context(context, fn, *args, **kwargs)
+    return _in_context(context, fn, *args, **kwargs)
 
-    def __init__(self, fn, saved, kwargs, context, batchnorms):
-        self.fn = fn
-        self.saved = saved  # the positional arguments, tensors as SavedTensor
-        self.kwargs = kwargs
-        self.context = context  # context_fn's recompute context, or None
-        self.batchnorms = batchnorms  # known by the caller (enable_checkpointing), or None: found at replay
 
-    def __call__(self):
-        # Early stop (_StopRecomputation) and errors pass straight to the C++ frame, which adds note()'s
-        # note to an error: no Python exception handling on the replay path.
-        args = [a.unpack() if type(a) is _SavedTensor else a for a in self.saved]
-        bns = self.batchnorms if self.batchnorms is not None else _batchnorms_of(self.fn, args)
-        if bns:
-            with _BatchNormGuard(bns):
-                self._run(args)
-        else:
-            self._run(args)
-
-    def note(self, e: BaseException):
-        """Called by the frame with an error the replay raised (KeyboardInterrupt too: the note tells
-        where it landed). The traceback shows the function's own frames under loss.backward(); say why."""
-        if hasattr(e, "add_note"):  # Python 3.11+
-            e.add_note(f"(raised while ckpt_ext replayed the checkpointed function `{_function_name(self.fn)}` "
-                       "during backward: a checkpointed function runs again in backward, with "
-                       "ckpt_ext.is_recomputing() True)")
-
-    def _run(self, args):
-        if self.context is None:
-            self.fn(*args, **self.kwargs)
-        else:
-            with self.context:
-                self.fn(*args, **self.kwargs)
+def _replay_note(fn, e: BaseException):
+    """Called by the frame with an error the replay raised (KeyboardInterrupt too: the note tells where it
+    landed). The traceback shows the function's own frames under loss.backward(); say why."""
+    if hasattr(e, "add_note"):  # Python 3.11+
+        e.add_note(f"(raised while ckpt_ext replayed the checkpointed function `{_function_name(fn)}` "
+                   "during backward: a checkpointed function runs again in backward, with "
+                   "ckpt_ext.is_recomputing() True)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -200,19 +176,10 @@ def _check_options(use_reentrant, determinism_check, debug, preserve_rng_state):
         raise TypeError(f"preserve_rng_state must be True or False, got {preserve_rng_state!r}")
 
 
-def _devices(args: tuple, kwargs: dict) -> List[torch.device]:
-    """The non-CPU devices of the call's tensors (their generators are snapshotted), as torch does."""
-    devices = []
-    for a in args:
-        if isinstance(a, _Tensor):
-            if not a.is_cpu:
-                devices.append(a.device)
-        elif isinstance(a, (list, tuple, dict)):
-            break
-    else:
-        if not kwargs:
-            return devices
-    return [t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, _Tensor) and not t.is_cpu]
+def _devices(args: tuple, kwargs: Optional[dict]) -> List[torch.device]:
+    """The non-CPU devices of the call's tensors anywhere in its arguments (their generators are snapshotted),
+    as torch finds them. The C++ frame scans flat positional arguments itself and calls this otherwise."""
+    return [t.device for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, _Tensor) and not t.is_cpu]
 
 
 def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] = None,
@@ -229,20 +196,8 @@ def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] 
                                  debug, early_stop, context_fn)
 
 
-def _save_inputs(args: tuple):
-    """The positional arguments as the replay gets them (tensors as torch's SavedTensor) and the versions
-    of the tensors among them. One pass: this runs once per checkpointed call."""
-    saved, versions = [], []
-    for a in args:
-        if isinstance(a, _Tensor):
-            versions.append(a._version)
-            saved.append(_make_saved(a, is_output=False))
-        else:
-            saved.append(a)
-    return saved, versions
-
-
 def _check_inputs_unchanged(function, args: tuple, versions: List[int]):
+    """Called by the C++ frame when a tensor argument's version changed during the forward: says which."""
     for i, (a, v) in enumerate(zip((a for a in args if isinstance(a, _Tensor)), versions)):
         if a._version != v:
             raise RuntimeError(
@@ -279,19 +234,17 @@ def _checkpoint_with_grad(function, args: tuple, kwargs: dict, found: Optional[_
         describe = functools.partial(_describe, *logs)
     elif context_fn is not None:
         forward_context, recompute_context = context_fn()
-    saved, versions = _save_inputs(args)
-    replay = _Replay(function, saved, kwargs, recompute_context, found.batchnorms if found is not None else None)
     call = function if forward_context is None else functools.partial(_in_context, forward_context, function)
-    # One C++ call: the frame (RNG/autocast snapshot), the saved-tensor hooks around the function.
-    out = _run(replay, describe, _function_name(function), _devices(args, kwargs), preserve_rng_state,
-               _DETERMINISM[determinism_check], early_stop, call, args if type(args) is tuple else tuple(args),
-               kwargs or None)
-    if versions and versions != [a._version for a in args if isinstance(a, _Tensor)]:
-        _check_inputs_unchanged(function, args, versions)
-    return out
+    # One C++ call: the inputs saved as autograd saves tensors, the frame (RNG/autocast snapshot), the
+    # saved-tensor hooks around the function, the inputs checked unchanged after it.
+    return _run(function, call, args if type(args) is tuple else tuple(args), kwargs or None, recompute_context,
+                found.batchnorms if found is not None else None, describe, preserve_rng_state,
+                _DETERMINISM[determinism_check], early_stop)
 
 
 def _in_context(context, function, *args, **kwargs):
+    if context is None:
+        return function(*args, **kwargs)
     with context:
         return function(*args, **kwargs)
 

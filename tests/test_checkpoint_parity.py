@@ -5,7 +5,6 @@ With dropout on, ckpt_ext must be bit-identical to no checkpointing under the sa
 runs the same operators, and the replay draws the forward's random numbers.
 """
 import functools
-import importlib
 import warnings
 
 import pytest
@@ -350,14 +349,8 @@ def test_double_backward_matches():
 # --------------------------------------------------------------------------------------------------
 # In-place modification
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("saved_tensor", [True, False], ids=["SavedTensor", "torch-without-SavedTensor"])
 @pytest.mark.parametrize("input_requires_grad", [True, False])
-def test_saved_input_modified_before_backward_raises(input_requires_grad, saved_tensor, monkeypatch):
-    # Torches before 2.13 have no SavedTensor binding: ckpt_ext's C++ saves the inputs there.
-    if not saved_tensor:
-        module = importlib.import_module("ckpt_ext.checkpoint")
-        monkeypatch.setattr(module, "_make_saved", ckpt_ext._C._make_saved_input)
-        monkeypatch.setattr(module, "_SavedTensor", ckpt_ext._C._SavedInput)
+def test_saved_input_modified_before_backward_raises(input_requires_grad):
     block = make_block(p=0.0, seed=12)
     x, = leaf_inputs((BATCH, DIM), seed=12)
     h = x * 1.0 if input_requires_grad else x.detach().clone()

@@ -1,11 +1,13 @@
 #include "checkpoint_frame.h"
 
 #include <ATen/SequenceNumber.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <pybind11/eval.h>
 
+#include <algorithm>
 #include <atomic>
 #include <sstream>
 
@@ -50,17 +52,114 @@ struct PyRefs {
   }
 };
 
+// ckpt_ext/checkpoint.py's helpers for what is rare or must be Python (names for errors, nested
+// containers, BatchNorm discovery in closures, contexts), and the types the replay checks.
+struct PyHelpers {
+  py::object module_type;     // torch.nn.Module
+  py::object batchnorm_type;  // torch.nn.modules.batchnorm._BatchNorm
+  py::object function_name, devices, batchnorms_of, replay_guarded, replay_note, inputs_changed;
+
+  static PyHelpers& get() {
+    static PyHelpers* helpers = [] {
+      auto* h = new PyHelpers();
+      h->module_type = py::module_::import("torch.nn").attr("Module");
+      h->batchnorm_type = py::module_::import("torch.nn.modules.batchnorm").attr("_BatchNorm");
+      auto m = py::module_::import("ckpt_ext.checkpoint");
+      h->function_name = m.attr("_function_name");
+      h->devices = m.attr("_devices");
+      h->batchnorms_of = m.attr("_batchnorms_of");
+      h->replay_guarded = m.attr("_replay_guarded");
+      h->replay_note = m.attr("_replay_note");
+      h->inputs_changed = m.attr("_check_inputs_unchanged");
+      return h;
+    }();
+    return *helpers;
+  }
+};
+
+bool attr_true(PyObject* obj, const char* name) {
+  PyObject* v = PyObject_GetAttrString(obj, name);
+  if (v == nullptr) throw py::error_already_set();
+  const int t = PyObject_IsTrue(v);
+  Py_DECREF(v);
+  if (t < 0) throw py::error_already_set();
+  return t == 1;
+}
+
+// The training BatchNorm modules with running statistics in `module` (module.modules() order), walked in
+// C++: this runs on every replay of a checkpointed module (Python's modules() costs ~5 µs for two).
+py::list batchnorms_in_module(PyObject* module) {
+  const auto& h = PyHelpers::get();
+  py::list found;
+  std::vector<PyObject*> stack{module};  // borrowed: each is held by its parent's _modules
+  std::vector<PyObject*> seen;
+  while (!stack.empty()) {
+    PyObject* m = stack.back();
+    stack.pop_back();
+    if (std::find(seen.begin(), seen.end(), m) != seen.end()) continue;
+    seen.push_back(m);
+    const int is_bn = PyObject_IsInstance(m, h.batchnorm_type.ptr());
+    if (is_bn < 0) throw py::error_already_set();
+    if (is_bn && attr_true(m, "training") && attr_true(m, "track_running_stats")) found.append(m);
+    py::object children = py::reinterpret_steal<py::object>(PyObject_GetAttrString(m, "_modules"));
+    if (!children) throw py::error_already_set();
+    if (!PyDict_Check(children.ptr())) continue;
+    const size_t first = stack.size();
+    PyObject *key, *child;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(children.ptr(), &pos, &key, &child))
+      if (child != Py_None) stack.push_back(child);
+    std::reverse(stack.begin() + static_cast<std::ptrdiff_t>(first), stack.end());  // pre-order, as modules()
+  }
+  return found;
+}
+
+// The C++ exception being handled, as the Python error of a C function returning null: a Python error
+// (pybind11's or torch's, raised by Python code torch called, e.g. an outer saved-tensor hook) as it was.
+void set_python_error() {
+  try {
+    throw;
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (torch::PyTorchError& e) {
+    PyErr_SetString(e.python_type(), e.what());
+  } catch (python_error& e) {
+    e.restore();  // already set unless persisted
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "ckpt_ext.checkpoint: a Python error was lost");
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+}
+
 [[noreturn]] void raise_checkpoint_error(const std::string& msg) {
   PyErr_SetString(PyRefs::get().checkpoint_error.ptr(), msg.c_str());
   throw py::error_already_set();
+}
+
+// torch's GraphExecGroup (torch.autograd.graph: one replay for several backward calls run as one
+// group), read from the autograd TLS where torch keeps it there (no Python call per unpack), else through
+// torch._C._get_graph_exec_group, else none.
+template <typename State>
+auto exec_group_in_tls(const State& state, int) -> decltype(state.get_graph_exec_group(), std::optional<int64_t>()) {
+  const auto& group = state.get_graph_exec_group();
+  if (!group.has_value()) return std::optional<int64_t>(-1);
+  return static_cast<int64_t>(reinterpret_cast<intptr_t>(group->ptr(&group->pyinterpreter())));
+}
+template <typename State>
+std::optional<int64_t> exec_group_in_tls(const State&, long) {
+  return std::nullopt;  // this torch keeps it elsewhere, if anywhere
 }
 
 // The backward a replay belongs to: torch's GraphExecGroup if one is active, else the graph task;
 // outside any backward (grad_fn._saved_* inspection) every unpack is its own task, as in torch.
 int64_t current_gid() {
   static std::atomic<int64_t> outside{-2};
-  const auto& get_group = PyRefs::get().get_exec_group;
-  if (!get_group.is_none()) {
+  const std::optional<int64_t> tls_group = exec_group_in_tls(c10::AutogradState::get_tls_state(), 0);
+  if (tls_group.has_value()) {
+    if (*tls_group != -1) return *tls_group;
+  } else if (const auto& get_group = PyRefs::get().get_exec_group; !get_group.is_none()) {
     py::object group = get_group();
     if (!group.is_none()) return static_cast<int64_t>(reinterpret_cast<intptr_t>(group.ptr()));
   }
@@ -171,9 +270,12 @@ py::object make_pack_hook(py::handle self, PyCFunction fn) {
 struct PopHooks {
   PyObject* pack;
   ~PopHooks() {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);  // an error on its way out stays set, untouched
     PyObject* r = PyObject_CallNoArgs(PyRefs::get().pop_hooks.ptr());
     if (r == nullptr) PyErr_WriteUnraisable(PyRefs::get().pop_hooks.ptr());
     Py_XDECREF(r);
+    PyErr_Restore(type, value, traceback);
     Py_CLEAR(reinterpret_cast<PackHookObject*>(pack)->user_hooks);
   }
 };
@@ -199,10 +301,8 @@ PyObject* recompute_pack_c(PyObject* capsule, PyObject* tensor) {
   if (hook == nullptr) return nullptr;
   try {
     return hook->frame->recompute_pack(hook->gid, THPVariable_Unpack(tensor)).release().ptr();
-  } catch (py::error_already_set& e) {
-    e.restore();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    set_python_error();
   }
   return nullptr;
 }
@@ -222,11 +322,10 @@ Holder::Entry* Holder::find(int64_t gid) {
   return nullptr;
 }
 
-Frame::Frame(py::object recompute, py::object describe, std::string name, const std::vector<c10::Device>& devices,
+Frame::Frame(ReplayCall call, py::object describe, const std::vector<c10::Device>& devices,
              const FrameOptions& options)
-    : recompute_(std::move(recompute)),
+    : call_(std::move(call)),
       describe_(std::move(describe)),
-      name_(std::move(name)),
       options_(options),
       snapshot_(ExecutionSnapshot::capture(devices, options.preserve_rng_state)) {
   frames_created.fetch_add(1, std::memory_order_relaxed);
@@ -235,11 +334,24 @@ Frame::Frame(py::object recompute, py::object describe, std::string name, const 
 Frame::~Frame() {
   if (Py_IsInitialized()) {
     py::gil_scoped_acquire gil;  // the last reference may go on an autograd thread
-    recompute_ = py::object();
+    call_ = ReplayCall();
     describe_ = py::object();
   } else {  // interpreter gone: leak rather than touch it
-    recompute_.release();
+    call_.function.release();
+    for (auto& o : call_.objects) o.release();
+    call_.kwargs.release();
+    call_.context.release();
+    call_.batchnorms.release();
+    new std::vector<torch::autograd::SavedVariable>(std::move(call_.tensors));  // may hold Python hooks
     describe_.release();
+  }
+}
+
+std::string Frame::name() const {
+  try {
+    return PyHelpers::get().function_name(call_.function).cast<std::string>();
+  } catch (py::error_already_set&) {
+    return "<function>";
   }
 }
 
@@ -273,7 +385,7 @@ at::Tensor Frame::unpack(const std::shared_ptr<Holder>& h) {
     check_replay(gid);
   }
   Holder::Entry* e = h->find(gid);
-  TORCH_INTERNAL_ASSERT(e != nullptr, "ckpt_ext.checkpoint: a saved tensor of `", name_, "` was not recomputed");
+  TORCH_INTERNAL_ASSERT(e != nullptr, "ckpt_ext.checkpoint: a saved tensor of `", name(), "` was not recomputed");
   if (e->consumed) {
     raise_checkpoint_error(
         "ckpt_ext.checkpoint (torch.utils.checkpoint semantics): Unpack is being triggered for a tensor that was "
@@ -293,23 +405,65 @@ void Frame::replay(int64_t gid) {
   push_hooks(pack, identity());
   PopHooks pop{pack.ptr()};
   // Called through the C API: early stop is a Python exception that must not cost C++ throws here.
-  PyObject* result = PyObject_CallObject(recompute_.ptr(), nullptr);
+  PyObject* result = call_replay();
   if (result != nullptr) {
     Py_DECREF(result);
   } else if (PyErr_ExceptionMatches(stop_type)) {
     PyErr_Clear();
   } else {
-    // Any other error: the recompute object adds its note (Python), then it propagates.
+    // Any other error: a note says where it was raised (Python), then it propagates.
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
     PyErr_NormalizeException(&type, &value, &traceback);
     if (traceback != nullptr) PyException_SetTraceback(value, traceback);
-    PyObject* noted = PyObject_CallMethod(recompute_.ptr(), "note", "O", value);
-    if (noted == nullptr) PyErr_WriteUnraisable(recompute_.ptr());
+    PyObject* noted = PyObject_CallFunctionObjArgs(PyHelpers::get().replay_note.ptr(), call_.function.ptr(), value,
+                                                   nullptr);
+    if (noted == nullptr) PyErr_WriteUnraisable(call_.function.ptr());
     Py_XDECREF(noted);
     PyErr_Restore(type, value, traceback);
     throw py::error_already_set();
   }
+}
+
+PyObject* Frame::call_replay() {
+  // The arguments, tensors unpacked as autograd unpacks a saved tensor (its error if one was modified).
+  const Py_ssize_t n = static_cast<Py_ssize_t>(call_.objects.size());
+  py::object args = py::reinterpret_steal<py::object>(PyTuple_New(n));
+  if (!args) return nullptr;
+  size_t k = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* a = call_.objects[static_cast<size_t>(i)].ptr();
+    if (a != nullptr) {
+      Py_INCREF(a);
+    } else {
+      try {
+        a = THPVariable_Wrap(call_.tensors[k++].unpack());
+      } catch (...) {
+        set_python_error();  // autograd's in-place error, or an outer unpack hook's
+        return nullptr;
+      }
+      if (a == nullptr) return nullptr;
+    }
+    PyTuple_SET_ITEM(args.ptr(), i, a);
+  }
+  PyObject* fn = call_.function.ptr();
+  PyObject* kwargs = call_.kwargs.is_none() ? nullptr : call_.kwargs.ptr();
+  const auto& h = PyHelpers::get();
+  py::object bns = call_.batchnorms;
+  if (bns.is_none()) {
+    const int is_module = PyObject_IsInstance(fn, h.module_type.ptr());
+    if (is_module < 0) return nullptr;
+    try {
+      bns = is_module ? py::object(batchnorms_in_module(fn)) : h.batchnorms_of(call_.function, args);
+    } catch (py::error_already_set& e) {
+      e.restore();
+      return nullptr;
+    }
+  }
+  if (call_.context.is_none() && PyList_Check(bns.ptr()) && PyList_GET_SIZE(bns.ptr()) == 0)
+    return PyObject_Call(fn, args.ptr(), kwargs);
+  return PyObject_CallFunctionObjArgs(h.replay_guarded.ptr(), fn, args.ptr(), kwargs ? kwargs : Py_None,
+                                      call_.context.ptr(), bns.ptr(), nullptr);
 }
 
 py::object Frame::recompute_pack(int64_t gid, const at::Tensor& x) {
@@ -372,7 +526,7 @@ void Frame::fail(const std::string& what) const {
   } else {
     detail = "\nPass debug=True to ckpt_ext.checkpoint to see the operators run in forward and in the replay.";
   }
-  raise_checkpoint_error("ckpt_ext.checkpoint: the replay of `" + name_ + "` differs from its forward: " + what +
+  raise_checkpoint_error("ckpt_ext.checkpoint: the replay of `" + name() + "` differs from its forward: " + what +
                          ".\nThe checkpointed function must compute the same tensors when called again with the same "
                          "inputs and RNG state (no dependence on global state that changes between forward and "
                          "backward). determinism_check=\"none\" disables the metadata check." + detail);
@@ -419,10 +573,8 @@ PyObject* forward_pack_c(PyObject* capsule, PyObject* tensor) {
     if (obj == nullptr) return nullptr;
     new (&obj->holder) std::shared_ptr<Holder>(frame->pack(THPVariable_Unpack(tensor)));
     return reinterpret_cast<PyObject*>(obj);
-  } catch (py::error_already_set& e) {
-    e.restore();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    set_python_error();
   }
   return nullptr;
 }
@@ -436,29 +588,88 @@ PyObject* forward_unpack_c(PyObject* capsule, PyObject* holder) {
   }
   try {
     return THPVariable_Wrap(frame->unpack(reinterpret_cast<HolderObject*>(holder)->holder));
-  } catch (py::error_already_set& e) {
-    e.restore();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    set_python_error();
   }
   return nullptr;
 }
 
 PyMethodDef forward_unpack_def = {"ckpt_ext_unpack", forward_unpack_c, METH_O, nullptr};
 
-// checkpoint_run(recompute, describe, name, devices, preserve_rng_state, check_metadata, early_stop,
-// function, args, kwargs): one checkpointed forward -- frame, hooks pushed, function(*args, **kwargs),
-// hooks popped -- in one call from Python.
-py::object checkpoint_run(py::object recompute, py::object describe, std::string name, const py::list& device_list,
-                          bool preserve_rng_state, bool check_metadata,
-                          bool early_stop, const py::object& function, const py::tuple& args, const py::object& kwargs) {
+// A checkpoint's positional arguments as the replay gets them, and the _version of each tensor among them
+// when it was saved (checked after the forward).
+struct SavedInputs {
+  ReplayCall call;
+  std::vector<uint32_t> versions;
+  bool nested = false;  // a list, tuple or dict among the arguments: tensors may be inside (devices)
+};
+
+SavedInputs save_inputs(PyObject* function, PyObject* args, PyObject* kwargs, PyObject* context, PyObject* batchnorms) {
+  SavedInputs s;
+  s.call.function = py::reinterpret_borrow<py::object>(function);
+  s.call.kwargs = py::reinterpret_borrow<py::object>(kwargs);
+  s.call.context = py::reinterpret_borrow<py::object>(context);
+  s.call.batchnorms = py::reinterpret_borrow<py::object>(batchnorms);
+  const Py_ssize_t n = PyTuple_GET_SIZE(args);
+  s.call.objects.resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* a = PyTuple_GET_ITEM(args, i);
+    if (THPVariable_Check(a)) {
+      const at::Tensor& t = THPVariable_Unpack(a);
+      s.versions.push_back(t._version());
+      // As autograd saves a tensor: outer saved-tensor hooks (save_on_cpu) apply here, before the
+      // checkpoint's own are pushed.
+      s.call.tensors.emplace_back(t, /*is_output=*/false);
+    } else {
+      s.call.objects[static_cast<size_t>(i)] = py::reinterpret_borrow<py::object>(a);
+      s.nested = s.nested || PyList_Check(a) || PyTuple_Check(a) || PyDict_Check(a);
+    }
+  }
+  return s;
+}
+
+// The non-CPU devices of the call's tensors (their generators are snapshotted), as torch finds them.
+std::vector<c10::Device> devices_of(PyObject* args, PyObject* kwargs, bool nested) {
+  if (nested || kwargs != Py_None) {  // tensors may be anywhere in the pytree: Python's pytree walk
+    py::object found = PyHelpers::get().devices(py::handle(args), py::handle(kwargs));
+    return found.cast<std::vector<c10::Device>>();
+  }
+  std::vector<c10::Device> devices;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
+    PyObject* a = PyTuple_GET_ITEM(args, i);
+    if (THPVariable_Check(a)) {
+      const at::Tensor& t = THPVariable_Unpack(a);
+      if (!t.is_cpu()) devices.push_back(t.device());
+    }
+  }
+  return devices;
+}
+
+bool truth(PyObject* o) {
+  const int t = PyObject_IsTrue(o);
+  if (t < 0) throw py::error_already_set();
+  return t == 1;
+}
+
+// checkpoint_run(function, call, args, kwargs, recompute_context, batchnorms, describe, preserve_rng_state,
+// check_metadata, early_stop): one checkpointed forward -- inputs saved, frame (RNG/autocast snapshot),
+// hooks pushed, call(*args, **kwargs), hooks popped, inputs checked unchanged -- in one call from Python.
+// `call` is `function`, or `function` inside the forward context; the replay calls `function` on the saved
+// arguments under `recompute_context` (None: none). batchnorms: a list, or None (found at replay).
+// A METH_FASTCALL function: it runs once per checkpointed call.
+PyObject* checkpoint_run_impl(PyObject* const* argv) {
+  PyObject *function = argv[0], *call = argv[1], *args = argv[2], *kwargs = argv[3];
+  if (!PyTuple_Check(args) || (kwargs != Py_None && !PyDict_Check(kwargs))) {
+    PyErr_SetString(PyExc_TypeError, "checkpoint_run: args must be a tuple and kwargs a dict or None");
+    return nullptr;
+  }
   FrameOptions o;
-  o.preserve_rng_state = preserve_rng_state;
-  o.check_metadata = check_metadata;
-  o.early_stop = early_stop;
-  std::vector<c10::Device> devices;  // usually none (CPU tensors): no list conversion then
-  if (!device_list.empty()) devices = device_list.cast<std::vector<c10::Device>>();
-  auto frame = std::make_shared<Frame>(std::move(recompute), std::move(describe), std::move(name), devices, o);
+  o.preserve_rng_state = truth(argv[7]);
+  o.check_metadata = truth(argv[8]);
+  o.early_stop = truth(argv[9]);
+  SavedInputs inputs = save_inputs(function, args, kwargs, argv[4], argv[5]);
+  const std::vector<c10::Device> devices = devices_of(args, kwargs, inputs.nested);
+  auto frame = std::make_shared<Frame>(std::move(inputs.call), py::reinterpret_borrow<py::object>(argv[6]), devices, o);
   Frame* raw = frame.get();
   auto* owner = new std::shared_ptr<Frame>(std::move(frame));
   py::object capsule = py::reinterpret_steal<py::object>(PyCapsule_New(owner, kFrameCapsule, free_frame));
@@ -470,47 +681,61 @@ py::object checkpoint_run(py::object recompute, py::object describe, std::string
   py::object unpack = py::reinterpret_steal<py::object>(PyCFunction_New(&forward_unpack_def, capsule.ptr()));
   if (!unpack) throw py::error_already_set();
   push_hooks(pack, unpack);
-  PyObject* out = PyObject_Call(function.ptr(), args.ptr(), kwargs.is_none() ? nullptr : kwargs.ptr());
+  PyObject* out = PyObject_Call(call, args, kwargs == Py_None ? nullptr : kwargs);
   if (out == nullptr) {
     py::error_already_set error;  // taken out of the indicator: popping the hooks calls Python
     { PopHooks pop{pack.ptr()}; }
     throw error;
   }
+  py::object result = py::reinterpret_steal<py::object>(out);
   { PopHooks pop{pack.ptr()}; }
   raw->forward_done();
-  return py::reinterpret_steal<py::object>(out);
+  if (!inputs.versions.empty()) {
+    size_t k = 0;
+    bool changed = false;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
+      PyObject* a = PyTuple_GET_ITEM(args, i);
+      if (THPVariable_Check(a)) changed = changed || THPVariable_Unpack(a)._version() != inputs.versions[k++];
+    }
+    if (changed) {  // Python names the argument, and raises
+      py::list versions;
+      for (uint32_t v : inputs.versions) versions.append(v);
+      PyHelpers::get().inputs_changed(py::handle(function), py::handle(args), versions);
+    }
+  }
+  return result.release().ptr();
 }
 
-}  // namespace
+PyObject* checkpoint_run(PyObject*, PyObject* const* argv, Py_ssize_t nargs) {
+  if (nargs != 10) {
+    PyErr_Format(PyExc_TypeError, "checkpoint_run takes 10 positional arguments (%zd given)", nargs);
+    return nullptr;
+  }
+  try {
+    return checkpoint_run_impl(argv);
+  } catch (...) {
+    set_python_error();
+  }
+  return nullptr;
+}
 
-namespace {
-
-// A checkpoint's tensor argument kept for the replay as autograd keeps a saved tensor: outer saved-tensor
-// hooks (save_on_cpu) apply, and unpacking a tensor modified in place since raises autograd's error.
-// torch 2.13+ binds the same as torch._C._autograd._make_saved_tensor; this serves older torches.
-struct SavedInput {
-  SavedInput(const at::Tensor& t, bool is_output) : saved(t, is_output) {}
-  at::Tensor unpack() const { return saved.unpack(); }
-  torch::autograd::SavedVariable saved;
-};
+PyMethodDef checkpoint_run_def = {
+    "checkpoint_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(checkpoint_run)), METH_FASTCALL,
+    "checkpoint_run(function, call, args, kwargs, recompute_context, batchnorms, describe, preserve_rng_state, "
+    "check_metadata, early_stop): one checkpointed forward"};
 
 }  // namespace
 
 void bind_checkpoint(py::module_& m) {
-  py::class_<SavedInput>(m, "_SavedInput").def("unpack", &SavedInput::unpack);
-  m.def(
-      "_make_saved_input",
-      [](const at::Tensor& t, bool is_output) { return std::make_unique<SavedInput>(t, is_output); },
-      py::arg("tensor"), py::kw_only(), py::arg("is_output"));
   stop_type = py::register_exception<StopRecomputation>(m, "_StopRecomputation").ptr();
   ready_pack_hook_type();
   holder_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&holder_spec));
   if (holder_type == nullptr) throw py::error_already_set();
   m.attr("_CheckpointHolder") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(holder_type));
   m.def("checkpoint_frames_created", [] { return frames_created.load(); });
-  m.def("checkpoint_run", &checkpoint_run, py::arg("recompute"), py::arg("describe"), py::arg("name"),
-        py::arg("devices"), py::arg("preserve_rng_state"), py::arg("check_metadata"), py::arg("early_stop"),
-        py::arg("function"), py::arg("args"), py::arg("kwargs"));
+  PyObject* run = PyCFunction_New(&checkpoint_run_def, nullptr);
+  if (run == nullptr) throw py::error_already_set();
+  m.add_object("checkpoint_run", py::reinterpret_steal<py::object>(run));
 }
 
 }  // namespace ckpt_ext

@@ -9,6 +9,7 @@
 // flow through the real graph: parameter hooks fire once, grad_fn is the real op, outputs are separate.
 #pragma once
 
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/extension.h>
 
 #include "../replay/replay_context.h"
@@ -37,12 +38,24 @@ struct FrameOptions {
   bool early_stop = true;
 };
 
+// What the replay calls: function(*args, **kwargs) under the recompute context, with the training
+// BatchNorm modules' running statistics put back afterwards. The tensor arguments are kept as autograd
+// keeps a saved tensor (SavedVariable): outer saved-tensor hooks apply, and one modified in place since
+// the forward makes the replay raise autograd's error.
+struct ReplayCall {
+  pybind11::object function;
+  std::vector<pybind11::object> objects;  // the positional arguments; null where a tensor is saved
+  std::vector<torch::autograd::SavedVariable> tensors;  // the tensor arguments, in order
+  pybind11::object kwargs;      // dict or None
+  pybind11::object context;     // context_fn's recompute context, or None
+  pybind11::object batchnorms;  // known by the caller (enable_checkpointing), or None: found at replay
+};
+
 class Frame : public std::enable_shared_from_this<Frame> {
  public:
-  // recompute(): runs the function again (Python; the caller's recompute context, BatchNorm guard).
   // describe(): debug detail appended to determinism errors, or None.
-  Frame(pybind11::object recompute, pybind11::object describe, std::string name,
-        const std::vector<c10::Device>& devices, const FrameOptions& options);
+  Frame(ReplayCall call, pybind11::object describe, const std::vector<c10::Device>& devices,
+        const FrameOptions& options);
   ~Frame();
 
   std::shared_ptr<Holder> pack(const at::Tensor& x);  // forward hook
@@ -60,12 +73,13 @@ class Frame : public std::enable_shared_from_this<Frame> {
   };
   GraphTaskState& state(int64_t gid);
   void replay(int64_t gid);
+  PyObject* call_replay();  // the function on its saved arguments; new reference, or null with an error set
   void check_replay(int64_t gid);
   [[noreturn]] void fail(const std::string& what) const;
+  std::string name() const;  // the function's name, for errors (Python's _function_name)
 
-  pybind11::object recompute_;
+  ReplayCall call_;
   pybind11::object describe_;
-  std::string name_;
   FrameOptions options_;
   ExecutionSnapshot snapshot_;
   std::vector<std::weak_ptr<Holder>> holders_;
