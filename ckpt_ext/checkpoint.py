@@ -177,9 +177,11 @@ def _check_options(use_reentrant, determinism_check, debug, preserve_rng_state):
 
 
 def _devices(args: tuple, kwargs: Optional[dict]) -> List[torch.device]:
-    """The non-CPU devices of the call's tensors anywhere in its arguments (their generators are snapshotted),
-    as torch finds them. The C++ frame scans flat positional arguments itself and calls this otherwise."""
-    return [t.device for t in pytree.tree_leaves((args, kwargs or {})) if isinstance(t, _Tensor) and not t.is_cpu]
+    """The devices of the call's tensors anywhere in its arguments whose generators are snapshotted: all but
+    CPU (always) and meta (none), as torch's get_device_states. The C++ frame walks plain lists, tuples and
+    dicts itself and calls this where another pytree node may hold tensors."""
+    return [t.device for t in pytree.tree_leaves((args, kwargs or {}))
+            if isinstance(t, _Tensor) and not t.is_cpu and not t.is_meta]
 
 
 def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] = None,
@@ -188,12 +190,17 @@ def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] 
                 context_fn: Optional[Callable] = None):
     """checkpoint() without argument checks. `found`: what the function uses (its BatchNorm modules), when
     the caller knows it, having checked its FSDP units. `outside`: the FSDP unit whose hooks wrap this call."""
-    if not torch.is_grad_enabled():  # no_grad and inference_mode: nothing to save (and torch.compile traces it)
-        if context_fn is not None:
-            context_fn()  # called, its contexts not entered, as torch does
-        return function(*args, **kwargs)
+    if not torch.is_grad_enabled():
+        return _checkpoint_without_grad(function, args, kwargs, context_fn)
     return _checkpoint_with_grad(function, args, kwargs, found, outside, preserve_rng_state, determinism_check,
                                  debug, early_stop, context_fn)
+
+
+def _checkpoint_without_grad(function, args: tuple, kwargs: dict, context_fn: Optional[Callable]):
+    """no_grad and inference_mode: nothing to save (and torch.compile traces it)."""
+    if context_fn is not None:
+        context_fn()  # called, its contexts not entered, as torch does
+    return function(*args, **kwargs)
 
 
 def _check_inputs_unchanged(function, args: tuple, versions: List[int]):
@@ -299,12 +306,17 @@ def checkpoint(function: Callable, *args, use_reentrant: Optional[bool] = None, 
     _check_options(use_reentrant, determinism_check, debug, preserve_rng_state)
     if not isinstance(early_stop, bool):
         raise TypeError(f"early_stop must be True or False, got {early_stop!r}")
-    options = dict(preserve_rng_state=preserve_rng_state, determinism_check=determinism_check, debug=debug,
-                   early_stop=early_stop, context_fn=None if _is_noop_context_fn(context_fn) else context_fn)
+    if context_fn is _torch_checkpoint.noop_context_fn:
+        context_fn = None
     fsdp_unit = _fsdp_unit_class()
     if fsdp_unit is not None and isinstance(function, fsdp_unit):
+        options = dict(preserve_rng_state=preserve_rng_state, determinism_check=determinism_check, debug=debug,
+                       early_stop=early_stop, context_fn=context_fn)
         return _checkpoint_fsdp_unit(function, args, kwargs, options)
-    return _checkpoint(function, args, kwargs, **options)
+    if not torch.is_grad_enabled():
+        return _checkpoint_without_grad(function, args, kwargs, context_fn)
+    return _checkpoint_with_grad(function, args, kwargs, None, None, preserve_rng_state, determinism_check, debug,
+                                 early_stop, context_fn)
 
 
 def _run_range(functions: Sequence[Callable], start: int, end: int):

@@ -1,6 +1,8 @@
 #include "checkpoint_frame.h"
 
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/SequenceNumber.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -29,7 +31,6 @@ PyObject* stop_type = nullptr;  // ckpt_ext._C._StopRecomputation, set by bind_c
 // interpreter may be gone when static destructors run).
 struct PyRefs {
   py::object checkpoint_error;  // torch.utils.checkpoint.CheckpointError
-  py::object push_hooks, pop_hooks;
   py::object get_exec_group;  // torch._C._get_graph_exec_group, None on torches without it
   // torch._C._autograd._top_saved_tensors_default_hooks, where torch looks past checkpoint-internal
   // hooks for the user's (torch >= 2.15: respect_saved_tensors_hooks); None where torch never does.
@@ -40,8 +41,6 @@ struct PyRefs {
       auto* r = new PyRefs();
       r->checkpoint_error = py::module_::import("torch.utils.checkpoint").attr("CheckpointError");
       auto autograd = py::module_::import("torch._C._autograd");
-      r->push_hooks = autograd.attr("_push_saved_tensors_default_hooks");
-      r->pop_hooks = autograd.attr("_pop_saved_tensors_default_hooks");
       r->get_exec_group = py::getattr(py::module_::import("torch._C"), "_get_graph_exec_group", py::none());
       const bool torch_looks_past = py::hasattr(py::module_::import("torch.utils.checkpoint"),
                                                 "_current_user_saved_tensors_hooks");
@@ -57,6 +56,7 @@ struct PyRefs {
 struct PyHelpers {
   py::object module_type;     // torch.nn.Module
   py::object batchnorm_type;  // torch.nn.modules.batchnorm._BatchNorm
+  py::object pytree_nodes;    // torch.utils._pytree.SUPPORTED_NODES: the types pytree flattens
   py::object function_name, devices, batchnorms_of, replay_guarded, replay_note, inputs_changed;
 
   static PyHelpers& get() {
@@ -64,6 +64,7 @@ struct PyHelpers {
       auto* h = new PyHelpers();
       h->module_type = py::module_::import("torch.nn").attr("Module");
       h->batchnorm_type = py::module_::import("torch.nn.modules.batchnorm").attr("_BatchNorm");
+      h->pytree_nodes = py::module_::import("torch.utils._pytree").attr("SUPPORTED_NODES");
       auto m = py::module_::import("ckpt_ext.checkpoint");
       h->function_name = m.attr("_function_name");
       h->devices = m.attr("_devices");
@@ -173,12 +174,15 @@ std::string describe_meta(c10::IntArrayRef sizes, at::ScalarType dtype, c10::Dev
   return os.str();
 }
 
-// torch's saved_tensors_hooks bindings, called through the C API (pybind11's call builds its argument
-// tuple through a generic collector; this runs on every checkpointed call and every replay).
+// Pushes saved-tensor hooks as torch.autograd.graph.saved_tensors_hooks does (its binding,
+// torch::autograd::PyDefaultSavedVariableHooks::push_hooks, is what this repeats: ATen's TLS stack, the
+// objects owned as SafePyObjects), without a Python call: this runs on every checkpointed call and every
+// replay. Throws c10::Error with torch's message where saved-tensor hooks are disabled.
 void push_hooks(const py::object& pack, const py::object& unpack) {
-  PyObject* r = PyObject_CallFunctionObjArgs(PyRefs::get().push_hooks.ptr(), pack.ptr(), unpack.ptr(), nullptr);
-  if (r == nullptr) throw py::error_already_set();
-  Py_DECREF(r);
+  at::SavedTensorDefaultHooks::lazy_initialize();
+  c10::impl::PyInterpreter* interpreter = getPyInterpreter();
+  at::SavedTensorDefaultHooks::push_hooks(c10::SafePyObject(pack.inc_ref().ptr(), interpreter),
+                                          c10::SafePyObject(unpack.inc_ref().ptr(), interpreter));
 }
 
 // The pack hooks a checkpoint pushes (forward and replay) are marked checkpoint-internal, as torch
@@ -272,9 +276,13 @@ struct PopHooks {
   ~PopHooks() {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);  // an error on its way out stays set, untouched
-    PyObject* r = PyObject_CallNoArgs(PyRefs::get().pop_hooks.ptr());
-    if (r == nullptr) PyErr_WriteUnraisable(PyRefs::get().pop_hooks.ptr());
-    Py_XDECREF(r);
+    try {
+      at::SavedTensorDefaultHooks::pop_hooks();  // the pair is released here (the GIL is held)
+    } catch (const std::exception& e) {
+      PyErr_WarnFormat(PyExc_RuntimeWarning, 1, "ckpt_ext.checkpoint: popping its saved-tensor hooks failed: %s",
+                       e.what());
+      if (PyErr_Occurred()) PyErr_WriteUnraisable(nullptr);
+    }
     PyErr_Restore(type, value, traceback);
     Py_CLEAR(reinterpret_cast<PackHookObject*>(pack)->user_hooks);
   }
@@ -358,7 +366,7 @@ std::string Frame::name() const {
 std::shared_ptr<Holder> Frame::pack(const at::Tensor& x) {
   auto h = std::make_shared<Holder>();
   holders_.push_back(h);
-  if (options_.check_metadata) metas_.push_back({x.sizes().vec(), x.scalar_type(), x.device()});
+  if (options_.check_metadata) metas_.push_back({c10::SmallVector<int64_t, 5>(x.sizes().begin(), x.sizes().end()), x.scalar_type(), x.device()});
   sequence_at_last_pack_ = at::sequence_number::peek();
   return h;
 }
@@ -501,7 +509,7 @@ void Frame::check_replay(int64_t gid) {
          "\nNumber of tensors saved during recomputation: " + std::to_string(count));
   }
   if (!options_.check_metadata) return;
-  std::ostringstream diff;
+  std::optional<std::ostringstream> diff;  // made only on a mismatch: constructing a stream costs ~1 µs
   for (size_t i = 0; i < holders_.size(); ++i) {
     auto h = holders_[i].lock();
     if (!h) continue;
@@ -509,14 +517,15 @@ void Frame::check_replay(int64_t gid) {
     TORCH_INTERNAL_ASSERT(e != nullptr && !e->consumed);
     const Meta& m = metas_[i];
     const at::Tensor& t = e->tensor;
-    if (t.sizes() != c10::IntArrayRef(m.sizes) || t.scalar_type() != m.dtype || t.device() != m.device) {
-      diff << "\ntensor at position " << i << ":\n  saved metadata: " << describe_meta(m.sizes, m.dtype, m.device)
-           << "\n  recomputed metadata: " << describe_meta(t.sizes(), t.scalar_type(), t.device());
+    const c10::IntArrayRef sizes(m.sizes.data(), m.sizes.size());
+    if (t.sizes() != sizes || t.scalar_type() != m.dtype || t.device() != m.device) {
+      if (!diff) diff.emplace();
+      *diff << "\ntensor at position " << i << ":\n  saved metadata: " << describe_meta(sizes, m.dtype, m.device)
+            << "\n  recomputed metadata: " << describe_meta(t.sizes(), t.scalar_type(), t.device());
     }
   }
-  const std::string d = diff.str();
-  if (!d.empty()) fail("recomputed values for the following tensors have different metadata than during the forward "
-                       "pass:" + d);
+  if (diff) fail("recomputed values for the following tensors have different metadata than during the forward "
+                 "pass:" + diff->str());
 }
 
 void Frame::fail(const std::string& what) const {
@@ -601,7 +610,6 @@ PyMethodDef forward_unpack_def = {"ckpt_ext_unpack", forward_unpack_c, METH_O, n
 struct SavedInputs {
   ReplayCall call;
   std::vector<uint32_t> versions;
-  bool nested = false;  // a list, tuple or dict among the arguments: tensors may be inside (devices)
 };
 
 SavedInputs save_inputs(PyObject* function, PyObject* args, PyObject* kwargs, PyObject* context, PyObject* batchnorms) {
@@ -622,27 +630,50 @@ SavedInputs save_inputs(PyObject* function, PyObject* args, PyObject* kwargs, Py
       s.call.tensors.emplace_back(t, /*is_output=*/false);
     } else {
       s.call.objects[static_cast<size_t>(i)] = py::reinterpret_borrow<py::object>(a);
-      s.nested = s.nested || PyList_Check(a) || PyTuple_Check(a) || PyDict_Check(a);
     }
   }
   return s;
 }
 
-// The non-CPU devices of the call's tensors (their generators are snapshotted), as torch finds them.
-std::vector<c10::Device> devices_of(PyObject* args, PyObject* kwargs, bool nested) {
-  if (nested || kwargs != Py_None) {  // tensors may be anywhere in the pytree: Python's pytree walk
-    py::object found = PyHelpers::get().devices(py::handle(args), py::handle(kwargs));
-    return found.cast<std::vector<c10::Device>>();
+// Adds the non-CPU devices of the tensors in `obj`, walking plain lists, tuples and dicts as torch's pytree
+// does; false (nothing decided) where another pytree node may hide tensors (a namedtuple, an OrderedDict, a
+// registered type such as a Hugging Face ModelOutput): the caller asks pytree then.
+bool add_devices(PyObject* obj, PyObject* pytree_nodes, std::vector<c10::Device>& devices, int depth) {
+  if (THPVariable_Check(obj)) {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.is_cpu() && !t.is_meta()) devices.push_back(t.device());  // as torch: meta has no generator
+    return true;
   }
+  if (depth > 32) return false;
+  if (PyTuple_CheckExact(obj) || PyList_CheckExact(obj)) {
+    PyObject* seq = obj;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; ++i)
+      if (!add_devices(PySequence_Fast_GET_ITEM(seq, i), pytree_nodes, devices, depth + 1)) return false;
+    return true;
+  }
+  if (PyDict_CheckExact(obj)) {
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(obj, &pos, &key, &value))
+      if (!add_devices(value, pytree_nodes, devices, depth + 1)) return false;
+    return true;
+  }
+  if (PyTuple_Check(obj) || PyList_Check(obj) || PyDict_Check(obj)) return false;  // subclasses: pytree decides
+  const int node = PyDict_Contains(pytree_nodes, reinterpret_cast<PyObject*>(Py_TYPE(obj)));
+  if (node < 0) throw py::error_already_set();
+  return node == 0;  // a leaf unless its type is a registered pytree node
+}
+
+// The devices of the call's tensors, positional and keyword, anywhere in their pytrees, whose generators
+// are snapshotted: all but CPU (its generator is always) and meta (none), as torch's get_device_states.
+std::vector<c10::Device> devices_of(PyObject* args, PyObject* kwargs) {
   std::vector<c10::Device> devices;
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
-    PyObject* a = PyTuple_GET_ITEM(args, i);
-    if (THPVariable_Check(a)) {
-      const at::Tensor& t = THPVariable_Unpack(a);
-      if (!t.is_cpu()) devices.push_back(t.device());
-    }
-  }
-  return devices;
+  PyObject* nodes = PyHelpers::get().pytree_nodes.ptr();
+  if (add_devices(args, nodes, devices, 0) && (kwargs == Py_None || add_devices(kwargs, nodes, devices, 0)))
+    return devices;
+  py::object found = PyHelpers::get().devices(py::handle(args), py::handle(kwargs));
+  return found.cast<std::vector<c10::Device>>();
 }
 
 bool truth(PyObject* o) {
@@ -668,7 +699,7 @@ PyObject* checkpoint_run_impl(PyObject* const* argv) {
   o.check_metadata = truth(argv[8]);
   o.early_stop = truth(argv[9]);
   SavedInputs inputs = save_inputs(function, args, kwargs, argv[4], argv[5]);
-  const std::vector<c10::Device> devices = devices_of(args, kwargs, inputs.nested);
+  const std::vector<c10::Device> devices = devices_of(args, kwargs);
   auto frame = std::make_shared<Frame>(std::move(inputs.call), py::reinterpret_borrow<py::object>(argv[6]), devices, o);
   Frame* raw = frame.get();
   auto* owner = new std::shared_ptr<Frame>(std::move(frame));

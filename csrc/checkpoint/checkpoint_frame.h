@@ -14,6 +14,8 @@
 
 #include "../replay/replay_context.h"
 
+#include <c10/util/SmallVector.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -84,7 +86,7 @@ class Frame : public std::enable_shared_from_this<Frame> {
   ExecutionSnapshot snapshot_;
   std::vector<std::weak_ptr<Holder>> holders_;
   struct Meta {
-    std::vector<int64_t> sizes;
+    c10::SmallVector<int64_t, 5> sizes;  // no allocation for up to 5 dimensions
     at::ScalarType dtype;
     c10::Device device;
   };
