@@ -185,15 +185,19 @@ def _devices(args: tuple, kwargs: Optional[dict]) -> List[torch.device]:
 
 
 def _checkpoint(function, args: tuple, kwargs: dict, *, found: Optional[_Found] = None,
-                outside: Optional[nn.Module] = None, preserve_rng_state: bool = True,
-                determinism_check: str = "default", debug: bool = False, early_stop: bool = True,
-                context_fn: Optional[Callable] = None):
+                modules: Optional[Sequence[nn.Module]] = None, outside: Optional[nn.Module] = None,
+                preserve_rng_state: bool = True, determinism_check: str = "default", debug: bool = False,
+                early_stop: bool = True, context_fn: Optional[Callable] = None):
     """checkpoint() without argument checks. `found`: what the function uses (its BatchNorm modules), when
-    the caller knows it, having checked its FSDP units. `outside`: the FSDP unit whose hooks wrap this call."""
+    the caller knows it, having checked its FSDP units. `modules`: the modules the function runs, when the
+    caller knows them (their BatchNorms are searched at replay; no FSDP unit may be among them unless
+    checked). `outside`: the FSDP unit whose hooks wrap this call."""
     if not torch.is_grad_enabled():
         return _checkpoint_without_grad(function, args, kwargs, context_fn)
-    return _checkpoint_with_grad(function, args, kwargs, found, outside, preserve_rng_state, determinism_check,
-                                 debug, early_stop, context_fn)
+    if found is not None:
+        modules = found.batchnorms
+    return _checkpoint_with_grad(function, args, kwargs, found is not None, modules, outside, preserve_rng_state,
+                                 determinism_check, debug, early_stop, context_fn)
 
 
 def _checkpoint_without_grad(function, args: tuple, kwargs: dict, context_fn: Optional[Callable]):
@@ -214,11 +218,12 @@ def _check_inputs_unchanged(function, args: tuple, versions: List[int]):
 
 
 @eager_under_compile
-def _checkpoint_with_grad(function, args: tuple, kwargs: dict, found: Optional[_Found], outside: Optional[nn.Module],
+def _checkpoint_with_grad(function, args: tuple, kwargs: dict, fsdp_checked: bool,
+                          modules: Optional[Sequence[nn.Module]], outside: Optional[nn.Module],
                           preserve_rng_state: bool, determinism_check: str, debug: bool, early_stop: bool,
                           context_fn: Optional[Callable]):
     """_checkpoint with grad enabled (one graph break under torch.compile)."""
-    if found is None and _fsdp_unit_class() is not None:  # FSDP imported: refuse units run inside (_discovery)
+    if not fsdp_checked and _fsdp_unit_class() is not None:  # FSDP imported: refuse units run inside (_discovery)
         units = _discover(function, args, set()).fsdp_units
         if units:
             _check_fsdp_units(_function_name(function), units, outside)
@@ -245,7 +250,7 @@ def _checkpoint_with_grad(function, args: tuple, kwargs: dict, found: Optional[_
     # One C++ call: the inputs saved as autograd saves tensors, the frame (RNG/autocast snapshot), the
     # saved-tensor hooks around the function, the inputs checked unchanged after it.
     return _run(function, call, args if type(args) is tuple else tuple(args), kwargs or None, recompute_context,
-                found.batchnorms if found is not None else None, describe, preserve_rng_state,
+                modules, describe, preserve_rng_state,
                 _DETERMINISM[determinism_check], early_stop)
 
 
@@ -315,8 +320,8 @@ def checkpoint(function: Callable, *args, use_reentrant: Optional[bool] = None, 
         return _checkpoint_fsdp_unit(function, args, kwargs, options)
     if not torch.is_grad_enabled():
         return _checkpoint_without_grad(function, args, kwargs, context_fn)
-    return _checkpoint_with_grad(function, args, kwargs, None, None, preserve_rng_state, determinism_check, debug,
-                                 early_stop, context_fn)
+    return _checkpoint_with_grad(function, args, kwargs, False, None, None, preserve_rng_state, determinism_check,
+                                 debug, early_stop, context_fn)
 
 
 def _run_range(functions: Sequence[Callable], start: int, end: int):

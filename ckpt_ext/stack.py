@@ -115,14 +115,16 @@ class _Group:
     def checkpointed(self, layer_args: Tuple, layer_kwargs: Dict):
         """Runs the group checkpointed: fused layers (ckpt_ext.fuse) as one C++ SegmentFunction, other
         layers through ckpt_ext.checkpoint. FSDP units are checked here, once, for both."""
-        found = self._uses() if _fsdp_unit_class() is not None else None
+        found = self._uses() if _fsdp_unit_class() is not None else None  # no per-call walk without FSDP
         if found is not None and found.fsdp_units:
             self._check_fsdp(found.fsdp_units)
         out = run_segment(self.layers, layer_args, layer_kwargs)
         if out is not NotImplemented:
             return out
-        return _checkpoint(self.run, (layer_args, layer_kwargs), {}, found=found if found is not None else self._uses(),
-                           outside=self.layers[0])
+        if found is not None:
+            return _checkpoint(self.run, (layer_args, layer_kwargs), {}, found=found, outside=self.layers[0])
+        # The replay searches the layers for BatchNorm statistics to put back (C++, at replay).
+        return _checkpoint(self.run, (layer_args, layer_kwargs), {}, modules=self.layers, outside=self.layers[0])
 
     def _uses(self) -> _Found:
         """What the group's layers use: their BatchNorm modules and FSDP units (see _discovery)."""

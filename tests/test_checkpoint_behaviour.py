@@ -159,7 +159,81 @@ def _bn_nets():
     return plain, copy.deepcopy(plain)
 
 
-def test_batchnorm_running_stats_match(no_warnings):
+class _BatchNormLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.bn = nn.BatchNorm1d(DIM)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return self.drop(torch.relu(self.bn(self.fc(x))))
+
+
+class _BatchNormStack(nn.Module):
+    """Three BatchNorm layers as a layer stack (enable_checkpointing's path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_BatchNormLayer() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+# How the BatchNorm modules reach the replay: the checkpointed module itself (walked in C++), a closure or
+# bound method (Python discovery), the layers enable_checkpointing groups, checkpoint_sequential's segments.
+_BN_PATHS = {
+    "module": lambda net: (net, lambda t: ckpt(net, t)),
+    "closure": lambda net: (net, lambda t: ckpt(lambda u: net(u), t)),
+    "bound-method": lambda net: (net, lambda t: ckpt(net.forward, t)),
+    "sequential": lambda net: (net, lambda t: torch_checkpoint_sequential_like(net, t)),
+}
+
+
+def torch_checkpoint_sequential_like(net, t):
+    return ckpt_ext.checkpoint_sequential([net.fc, net.bn, nn.ReLU(), net.drop, net.out], 2, t)
+
+
+def _sequential_reference(net, t):
+    return net.out(net.drop(torch.relu(net.bn(net.fc(t)))))
+
+
+@pytest.mark.parametrize("path", list(_BN_PATHS))
+def test_batchnorm_running_stats_match(path, no_warnings):
+    plain, ours = _bn_nets()
+    net, call = _BN_PATHS[path](ours)
+    reference = _sequential_reference if path == "sequential" else (lambda m, t: m(t))
+    x, = leaf_inputs((BATCH, DIM), seed=17)
+    for step in range(2):
+        ref = run_step(lambda t: reference(plain, t), [x], params=dict(plain.named_parameters()), seed=step)
+        got = run_step(call, [x], params=dict(ours.named_parameters()), seed=step)
+        assert_grads_close(ref, got, exact=path != "sequential")
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            assert torch.equal(getattr(ours.bn, name), getattr(plain.bn, name)), (step, name)
+    assert ours.bn.num_batches_tracked.item() == 2
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_batchnorm_running_stats_match_in_enabled_stack(every, no_warnings):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(21)
+        plain = _BatchNormStack()
+    ours = copy.deepcopy(plain)
+    ckpt_ext.enable_checkpointing(ours, layers=list(ours.layers), every=every)
+    x, = leaf_inputs((BATCH, DIM), seed=21)
+    for step in range(2):
+        ref = run_step(plain, [x], seed=step)
+        got = run_step(ours, [x], params=dict(ours.named_parameters()), seed=step)
+        assert_grads_close(ref, got, exact=True)
+        for p_layer, o_layer in zip(plain.layers, ours.layers):
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                assert torch.equal(getattr(o_layer.bn, name), getattr(p_layer.bn, name)), (step, name)
+
+
+def test_batchnorm_running_stats_match_module_path_exactly(no_warnings):
     plain, ours = _bn_nets()
     x, = leaf_inputs((BATCH, DIM), seed=17)
     for step in range(2):

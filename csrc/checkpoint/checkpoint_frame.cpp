@@ -87,12 +87,12 @@ bool attr_true(PyObject* obj, const char* name) {
   return t == 1;
 }
 
-// The training BatchNorm modules with running statistics in `module` (module.modules() order), walked in
-// C++: this runs on every replay of a checkpointed module (Python's modules() costs ~5 µs for two).
-py::list batchnorms_in_module(PyObject* module) {
+// The training BatchNorm modules with running statistics in `roots` and their submodules (modules() order),
+// walked in C++: this runs on every replay (Python's modules() costs ~5 µs for a module of two).
+py::list batchnorms_in(const std::vector<PyObject*>& roots) {
   const auto& h = PyHelpers::get();
   py::list found;
-  std::vector<PyObject*> stack{module};  // borrowed: each is held by its parent's _modules
+  std::vector<PyObject*> stack(roots.rbegin(), roots.rend());  // borrowed: held by the frame or a parent
   std::vector<PyObject*> seen;
   while (!stack.empty()) {
     PyObject* m = stack.back();
@@ -349,7 +349,7 @@ Frame::~Frame() {
     for (auto& o : call_.objects) o.release();
     call_.kwargs.release();
     call_.context.release();
-    call_.batchnorms.release();
+    call_.modules.release();
     new std::vector<torch::autograd::SavedVariable>(std::move(call_.tensors));  // may hold Python hooks
     describe_.release();
   }
@@ -457,16 +457,20 @@ PyObject* Frame::call_replay() {
   PyObject* fn = call_.function.ptr();
   PyObject* kwargs = call_.kwargs.is_none() ? nullptr : call_.kwargs.ptr();
   const auto& h = PyHelpers::get();
-  py::object bns = call_.batchnorms;
-  if (bns.is_none()) {
-    const int is_module = PyObject_IsInstance(fn, h.module_type.ptr());
-    if (is_module < 0) return nullptr;
-    try {
-      bns = is_module ? py::object(batchnorms_in_module(fn)) : h.batchnorms_of(call_.function, args);
-    } catch (py::error_already_set& e) {
-      e.restore();
-      return nullptr;
+  py::object bns;
+  try {
+    if (!call_.modules.is_none()) {  // the caller named the modules the function runs
+      std::vector<PyObject*> roots;
+      for (py::handle m : call_.modules) roots.push_back(m.ptr());
+      bns = batchnorms_in(roots);
+    } else {
+      const int is_module = PyObject_IsInstance(fn, h.module_type.ptr());
+      if (is_module < 0) return nullptr;
+      bns = is_module ? py::object(batchnorms_in({fn})) : h.batchnorms_of(call_.function, args);
     }
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
   }
   if (call_.context.is_none() && PyList_Check(bns.ptr()) && PyList_GET_SIZE(bns.ptr()) == 0)
     return PyObject_Call(fn, args.ptr(), kwargs);
@@ -612,12 +616,16 @@ struct SavedInputs {
   std::vector<uint32_t> versions;
 };
 
-SavedInputs save_inputs(PyObject* function, PyObject* args, PyObject* kwargs, PyObject* context, PyObject* batchnorms) {
+SavedInputs save_inputs(PyObject* function, PyObject* args, PyObject* kwargs, PyObject* context, PyObject* modules) {
   SavedInputs s;
   s.call.function = py::reinterpret_borrow<py::object>(function);
   s.call.kwargs = py::reinterpret_borrow<py::object>(kwargs);
   s.call.context = py::reinterpret_borrow<py::object>(context);
-  s.call.batchnorms = py::reinterpret_borrow<py::object>(batchnorms);
+  if (modules != Py_None && !PyList_Check(modules) && !PyTuple_Check(modules)) {
+    PyErr_SetString(PyExc_TypeError, "checkpoint_run: modules must be a list, a tuple or None");
+    throw py::error_already_set();
+  }
+  s.call.modules = py::reinterpret_borrow<py::object>(modules);
   const Py_ssize_t n = PyTuple_GET_SIZE(args);
   s.call.objects.resize(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
@@ -682,11 +690,13 @@ bool truth(PyObject* o) {
   return t == 1;
 }
 
-// checkpoint_run(function, call, args, kwargs, recompute_context, batchnorms, describe, preserve_rng_state,
+// checkpoint_run(function, call, args, kwargs, recompute_context, modules, describe, preserve_rng_state,
 // check_metadata, early_stop): one checkpointed forward -- inputs saved, frame (RNG/autocast snapshot),
 // hooks pushed, call(*args, **kwargs), hooks popped, inputs checked unchanged -- in one call from Python.
 // `call` is `function`, or `function` inside the forward context; the replay calls `function` on the saved
-// arguments under `recompute_context` (None: none). batchnorms: a list, or None (found at replay).
+// arguments under `recompute_context` (None: none). modules: the modules the function runs (a list or
+// tuple), whose training BatchNorms' statistics the replay puts back, searched at replay; None: the function
+// itself if it is a module, else what discovery finds in it.
 // A METH_FASTCALL function: it runs once per checkpointed call.
 PyObject* checkpoint_run_impl(PyObject* const* argv) {
   PyObject *function = argv[0], *call = argv[1], *args = argv[2], *kwargs = argv[3];
@@ -752,7 +762,7 @@ PyObject* checkpoint_run(PyObject*, PyObject* const* argv, Py_ssize_t nargs) {
 
 PyMethodDef checkpoint_run_def = {
     "checkpoint_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(checkpoint_run)), METH_FASTCALL,
-    "checkpoint_run(function, call, args, kwargs, recompute_context, batchnorms, describe, preserve_rng_state, "
+    "checkpoint_run(function, call, args, kwargs, recompute_context, modules, describe, preserve_rng_state, "
     "check_metadata, early_stop): one checkpointed forward"};
 
 }  // namespace

@@ -50,7 +50,7 @@ struct ReplayCall {
   std::vector<torch::autograd::SavedVariable> tensors;  // the tensor arguments, in order
   pybind11::object kwargs;      // dict or None
   pybind11::object context;     // context_fn's recompute context, or None
-  pybind11::object batchnorms;  // known by the caller (enable_checkpointing), or None: found at replay
+  pybind11::object modules;     // the modules it runs (their BatchNorms are searched at replay), or None
 };
 
 class Frame : public std::enable_shared_from_this<Frame> {
