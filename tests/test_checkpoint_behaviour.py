@@ -145,7 +145,7 @@ class BatchNormNet(nn.Module):
         self.out = nn.Linear(11, 5)
         self.fail_in_replay = fail_in_replay
 
-    def forward(self, x):
+    def forward(self, x, scale=None):
         h = self.bn(self.fc(x))
         if self.fail_in_replay and ckpt_ext.is_recomputing():
             raise RuntimeError("replay failed after BatchNorm")
@@ -190,7 +190,17 @@ _BN_PATHS = {
     "closure": lambda net: (net, lambda t: ckpt(lambda u: net(u), t)),
     "bound-method": lambda net: (net, lambda t: ckpt(net.forward, t)),
     "sequential": lambda net: (net, lambda t: torch_checkpoint_sequential_like(net, t)),
+    # Hugging Face's layers: partial(super().__call__, **kwargs) (the frame finds the module in C++)
+    "bound-call": lambda net: (net, lambda t: ckpt(net.__call__, t)),
+    "partial-call": lambda net: (net, lambda t: ckpt(functools.partial(net.__call__, scale=None), t)),
+    # A module passed as an argument of a partial: the module called is not the one with the BatchNorm.
+    "partial-module-argument": lambda net: (net, lambda t: ckpt(functools.partial(_Apply().__call__, net), t)),
 }
+
+
+class _Apply(nn.Module):
+    def forward(self, module, x, scale=None):
+        return module(x)
 
 
 def torch_checkpoint_sequential_like(net, t):

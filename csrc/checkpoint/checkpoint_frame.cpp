@@ -57,6 +57,8 @@ struct PyHelpers {
   py::object module_type;     // torch.nn.Module
   py::object batchnorm_type;  // torch.nn.modules.batchnorm._BatchNorm
   py::object pytree_nodes;    // torch.utils._pytree.SUPPORTED_NODES: the types pytree flattens
+  py::object module_call, module_call_impl;  // nn.Module.__call__ and _call_impl (plain functions)
+  py::object partial_type;                   // functools.partial
   py::object function_name, devices, batchnorms_of, replay_guarded, replay_note, inputs_changed;
 
   static PyHelpers& get() {
@@ -65,6 +67,9 @@ struct PyHelpers {
       h->module_type = py::module_::import("torch.nn").attr("Module");
       h->batchnorm_type = py::module_::import("torch.nn.modules.batchnorm").attr("_BatchNorm");
       h->pytree_nodes = py::module_::import("torch.utils._pytree").attr("SUPPORTED_NODES");
+      h->module_call = h->module_type.attr("__call__");
+      h->module_call_impl = h->module_type.attr("_call_impl");
+      h->partial_type = py::module_::import("functools").attr("partial");
       auto m = py::module_::import("ckpt_ext.checkpoint");
       h->function_name = m.attr("_function_name");
       h->devices = m.attr("_devices");
@@ -132,6 +137,50 @@ void set_python_error() {
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
   }
+}
+
+// Arguments that discovery (ckpt_ext/_discovery.py) would find no module in: tensors and plain values,
+// in tuples and lists.
+bool inert(PyObject* obj, int depth) {
+  if (obj == Py_None || THPVariable_Check(obj) || PyBool_Check(obj) || PyLong_CheckExact(obj) ||
+      PyFloat_CheckExact(obj) || PyUnicode_CheckExact(obj))
+    return true;
+  if (depth < 3 && (PyTuple_CheckExact(obj) || PyList_CheckExact(obj))) {
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(obj); ++i)
+      if (!inert(PySequence_Fast_GET_ITEM(obj, i), depth + 1)) return false;
+    return true;
+  }
+  return false;
+}
+
+// The module a checkpointed callable calls, where that is all it does: the module itself, its own
+// __call__ (nn.Module's, bound), or either in functools.partial with inert arguments -- Hugging Face's
+// layers call the checkpoint function with partial(super().__call__, **kwargs). Borrowed; null for any
+// other callable (Python's discovery walks its closure and globals then).
+PyObject* called_module(PyObject* fn) {
+  const auto& h = PyHelpers::get();
+  for (int depth = 0; depth < 4; ++depth) {
+    const int is_module = PyObject_IsInstance(fn, h.module_type.ptr());
+    if (is_module < 0) throw py::error_already_set();
+    if (is_module) return fn;
+    if (PyMethod_Check(fn)) {
+      PyObject* self = PyMethod_GET_SELF(fn);
+      PyObject* func = PyMethod_GET_FUNCTION(fn);
+      if (func != h.module_call.ptr() && func != h.module_call_impl.ptr()) return nullptr;
+      fn = self;
+      continue;
+    }
+    if (Py_TYPE(fn) != reinterpret_cast<PyTypeObject*>(h.partial_type.ptr())) return nullptr;
+    py::handle partial(fn);
+    py::object args = partial.attr("args"), keywords = partial.attr("keywords");
+    if (!inert(args.ptr(), 0)) return nullptr;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(keywords.ptr(), &pos, &key, &value))
+      if (!inert(value, 0)) return nullptr;
+    fn = partial.attr("func").ptr();  // held by the partial
+  }
+  return nullptr;
 }
 
 [[noreturn]] void raise_checkpoint_error(const std::string& msg) {
@@ -464,9 +513,8 @@ PyObject* Frame::call_replay() {
       for (py::handle m : call_.modules) roots.push_back(m.ptr());
       bns = batchnorms_in(roots);
     } else {
-      const int is_module = PyObject_IsInstance(fn, h.module_type.ptr());
-      if (is_module < 0) return nullptr;
-      bns = is_module ? py::object(batchnorms_in({fn})) : h.batchnorms_of(call_.function, args);
+      PyObject* module = called_module(fn);
+      bns = module != nullptr ? py::object(batchnorms_in({module})) : h.batchnorms_of(call_.function, args);
     }
   } catch (py::error_already_set& e) {
     e.restore();
