@@ -165,7 +165,7 @@ def _checkpoint_fsdp_unit(unit: nn.Module, args: tuple, kwargs: dict, options: D
 _DETERMINISM = {"default": True, "none": False}
 
 
-def _check_options(use_reentrant, determinism_check, debug, preserve_rng_state):
+def _check_options(use_reentrant, determinism_check, debug, preserve_rng_state, early_stop=True, context_fn=None):
     if use_reentrant is not None and not isinstance(use_reentrant, bool):
         raise TypeError(f"use_reentrant must be None, True or False, got {use_reentrant!r}")
     if determinism_check not in _DETERMINISM:
@@ -174,6 +174,10 @@ def _check_options(use_reentrant, determinism_check, debug, preserve_rng_state):
         raise TypeError(f"debug must be True or False, got {debug!r}")
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"preserve_rng_state must be True or False, got {preserve_rng_state!r}")
+    if not isinstance(early_stop, bool):
+        raise TypeError(f"early_stop must be True or False, got {early_stop!r}")
+    if not _is_noop_context_fn(context_fn) and not callable(context_fn):
+        raise TypeError(f"context_fn must be callable, got {type(context_fn).__name__}")
 
 
 def _devices(args: tuple, kwargs: Optional[dict]) -> List[torch.device]:
@@ -274,9 +278,8 @@ def _respecting_hooks(context_fn: Callable, respect: bool):
     return forward_context, recompute_context
 
 
-def _respect_option(context_fn, kwargs: dict):
-    """torch >= 2.15's respect_saved_tensors_hooks, taken out of kwargs: context_fn, set to apply it."""
-    respect = kwargs.pop("respect_saved_tensors_hooks", None)
+def _respect_option(context_fn, respect):
+    """torch >= 2.15's respect_saved_tensors_hooks: context_fn, set to apply it."""
     if respect is not None and not isinstance(respect, bool):
         raise TypeError(f"respect_saved_tensors_hooks must be None, True or False, got {respect!r}")
     if respect is None or _is_noop_context_fn(context_fn):
@@ -284,7 +287,7 @@ def _respect_option(context_fn, kwargs: dict):
     return functools.partial(_respecting_hooks, context_fn, respect)
 
 
-def checkpoint(function: Callable, *args, use_reentrant: Optional[bool] = None, context_fn=None,
+def checkpoint(function: Optional[Callable] = None, *args, use_reentrant: Optional[bool] = None, context_fn=None,
                determinism_check: str = "default", debug: bool = False, early_stop: bool = True,
                preserve_rng_state: bool = True, **kwargs):
     """Drop-in for ``torch.utils.checkpoint.checkpoint`` in its non-reentrant mode.
@@ -299,18 +302,32 @@ def checkpoint(function: Callable, *args, use_reentrant: Optional[bool] = None, 
     selective ``context_fn`` caches go through the surrounding saved-tensor hooks; on older torches, as
     there, it is passed to ``function``.
 
+    Called with options only, ``checkpoint(use_reentrant=False)`` returns a decorator, as torch 2.15's
+    does: ``@ckpt_ext.checkpoint(use_reentrant=False)`` on a function or method checkpoints every call.
+
     ``use_reentrant`` is accepted for compatibility and changes nothing: ckpt_ext always behaves like
     torch's non-reentrant mode. See README "Differences from torch.utils.checkpoint".
     """
+    respect = kwargs.pop("respect_saved_tensors_hooks", None) if _RESPECT_HOOKS and kwargs else None
+    if function is None and not args:
+        if kwargs:
+            raise ValueError("ckpt_ext.checkpoint: unexpected keyword arguments for the decorator form "
+                             f"checkpoint(**options): {', '.join(kwargs)}")
+        _check_options(use_reentrant, determinism_check, debug, preserve_rng_state, early_stop, context_fn)
+        return functools.partial(_Checkpointed, options=(use_reentrant, context_fn, determinism_check, debug,
+                                                         early_stop, preserve_rng_state, respect))
+    return _checkpoint_call(function, args, kwargs, use_reentrant, context_fn, determinism_check, debug, early_stop,
+                            preserve_rng_state, respect)
+
+
+def _checkpoint_call(function, args: tuple, kwargs: dict, use_reentrant, context_fn, determinism_check: str,
+                     debug: bool, early_stop: bool, preserve_rng_state: bool, respect: Optional[bool]):
+    """checkpoint(function, *args, **kwargs) with its options apart from the function's keywords."""
     if not callable(function):
         raise TypeError(f"ckpt_ext.checkpoint: function must be callable, got {type(function).__name__}")
-    if not _is_noop_context_fn(context_fn) and not callable(context_fn):
-        raise TypeError(f"context_fn must be callable, got {type(context_fn).__name__}")
-    if _RESPECT_HOOKS and kwargs:
-        context_fn = _respect_option(context_fn, kwargs)
-    _check_options(use_reentrant, determinism_check, debug, preserve_rng_state)
-    if not isinstance(early_stop, bool):
-        raise TypeError(f"early_stop must be True or False, got {early_stop!r}")
+    _check_options(use_reentrant, determinism_check, debug, preserve_rng_state, early_stop, context_fn)
+    if respect is not None:
+        context_fn = _respect_option(context_fn, respect)
     if context_fn is _torch_checkpoint.noop_context_fn:
         context_fn = None
     fsdp_unit = _fsdp_unit_class()
@@ -322,6 +339,27 @@ def checkpoint(function: Callable, *args, use_reentrant: Optional[bool] = None, 
         return _checkpoint_without_grad(function, args, kwargs, context_fn)
     return _checkpoint_with_grad(function, args, kwargs, False, None, None, preserve_rng_state, determinism_check,
                                  debug, early_stop, context_fn)
+
+
+class _Checkpointed:
+    """What ``@checkpoint(**options)`` makes of a function: the function, checkpointed on every call. As a
+    method decorator it binds to the instance it is read from (torch 2.15's _CheckpointedFunction)."""
+
+    def __init__(self, function: Callable, *, options: tuple):
+        if not callable(function):
+            raise TypeError(f"ckpt_ext.checkpoint(...) decorates a callable, got {type(function).__name__}")
+        self.function = function
+        self.options = options
+        functools.update_wrapper(self, function, updated=())
+
+    def __call__(self, *args, **kwargs):
+        return _checkpoint_call(self.function, args, kwargs, *self.options)
+
+    def __get__(self, instance, owner=None):
+        bind = getattr(self.function, "__get__", None)
+        if instance is None or bind is None:
+            return self
+        return type(self)(bind(instance, owner), options=self.options)
 
 
 def _run_range(functions: Sequence[Callable], start: int, end: int):

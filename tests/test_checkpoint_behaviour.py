@@ -444,6 +444,59 @@ def test_use_reentrant_accepted_silently(use_reentrant, no_warnings):
     assert_grads_close(twice, seq, exact=True)
 
 
+def test_decorator_form_checkpoints_every_call(no_warnings):
+    # torch 2.15's @checkpoint(use_reentrant=False) (offered on every torch): the function's own keywords
+    # stay the function's, even where they are named like an option.
+    block = make_block(p=0.2, seed=26)
+    params = dict(block.named_parameters())
+    x, = leaf_inputs((BATCH, DIM), seed=26)
+
+    def scaled(t, debug=1.0):
+        return block(t) * debug
+
+    decorated = ckpt_ext.checkpoint(use_reentrant=False, determinism_check="none")(scaled)
+    assert decorated.__name__ == "scaled" and decorated.__wrapped__ is scaled
+    plain = run_step(lambda t: scaled(t, debug=3.0), [x], params=params, seed=3)
+    before = ckpt_ext._C.checkpoint_frames_created()
+    ours = run_step(lambda t: decorated(t, debug=3.0), [x], params=params, seed=3)
+    assert ckpt_ext._C.checkpoint_frames_created() == before + 1
+    assert_grads_close(plain, ours, exact=True)
+
+
+def test_decorator_form_on_a_method_binds_the_instance(no_warnings):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = make_block(p=0.2, seed=27)
+
+        @ckpt_ext.checkpoint(use_reentrant=False)
+        def run(self, t):
+            return self.block(t)
+
+        def forward(self, t):
+            return self.run(t)
+
+    net = Net()
+    x, = leaf_inputs((BATCH, DIM), seed=27)
+    plain = run_step(net.block, [x], params=dict(net.block.named_parameters()), seed=4)
+    before = ckpt_ext._C.checkpoint_frames_created()
+    ours = run_step(net, [x], params=dict(net.block.named_parameters()), seed=4)
+    assert ckpt_ext._C.checkpoint_frames_created() == before + 1
+    assert_grads_close(plain, ours, exact=True)
+    assert isinstance(Net.__dict__["run"], ckpt_ext.checkpoint(use_reentrant=False).func)
+
+
+def test_decorator_form_rejects_bad_options_at_once():
+    with pytest.raises(ValueError, match="unexpected keyword arguments.*mystery"):
+        ckpt_ext.checkpoint(use_reentrant=False, mystery=1)
+    with pytest.raises(ValueError, match="determinism_check must be one of"):
+        ckpt_ext.checkpoint(determinism_check="sometimes")
+    with pytest.raises(TypeError, match="decorates a callable"):
+        ckpt_ext.checkpoint(use_reentrant=False)(42)
+    with pytest.raises(TypeError, match="function must be callable"):
+        ckpt_ext.checkpoint(None, torch.randn(2))
+
+
 def test_parameters_held_out_of_sight_are_checkpointed_and_trained(no_warnings):
     # The real autograd graph carries every parameter's gradient: nothing has to be discovered.
     class Holder:
