@@ -12,6 +12,10 @@
 #   bash tools/gpu_session.sh build suite-max   # the same with --batch max
 #   bash tools/gpu_session.sh build suite-lora  # peft LoRA (r=16, alpha 32, dropout 0.05), bf16: BERT-large,
 #                                               # GPT-2 medium, Llama; peft (+ HF ckpt, + ckpt_ext) vs fuse (+ ckpt)
+#   bash tools/gpu_session.sh build yardsticks  # the issues' yardsticks, ../shared/gpu/side_by_side.py (BERT-large
+#                                               # b32 bf16 and autocast, GPT-2 b16, Llama b4) and kernel_bandwidth.py.
+#     They live outside the repository: first `mkdir -p .yardsticks && cp ../shared/gpu/*.py .yardsticks/` here
+#     (.yardsticks/ is ignored) and name ".yardsticks" in the device call's carry.
 #
 # build: the image exports CC/CXX/CUDAHOSTCXX=/opt/gcc/bin/..., a wrapper that links libstdc++ statically into
 # _C.so (C++ error paths then crash in codecvt; setup.py refuses such a compiler), so the system compilers are
@@ -70,6 +74,22 @@ for step in "$@"; do
         "$PY" benchmarks/suite.py --model "$model" --batch "$batches" --mode bf16 --lora --repeat 10 --no-progress --out "$OUT" \
           --variants none,hf-torch-nonreentrant,ckpt_ext,fused,ckpt_ext-fused 2>&1 | tee "$OUT/suite-lora-$model.log" | tail -25 || status=1
       done ;;
+    yardsticks)
+      dir=""
+      for d in "${YARDSTICKS:-}" .yardsticks shared/gpu ../shared/gpu; do
+        if [ -n "$d" ] && [ -f "$d/side_by_side.py" ]; then dir=$d; break; fi
+      done
+      if [ -z "$dir" ]; then
+        echo "yardsticks: side_by_side.py not found; copy ../shared/gpu/*.py into .yardsticks/ and carry it"; status=1
+      else
+        for spec in "bert 32 bf16" "bert 32 autocast" "gpt2 16 bf16" "llama 4 bf16"; do
+          read -r model batch mode <<< "$spec"
+          env=""; [ "$model" != bert ] && env="MODEL=$model"
+          (cd "$dir" && env $env "$PY" side_by_side.py "$batch" "$mode") 2>&1 \
+            | tee "$OUT/side_by_side-$model-b$batch-$mode.log" | tail -15 || status=1
+        done
+        (cd "$dir" && "$PY" kernel_bandwidth.py) 2>&1 | tee "$OUT/kernel_bandwidth.log" | tail -30 || status=1
+      fi ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "gpu_session: $step took $(( $(date +%s) - start )) s (status so far: $status)" | tee -a "$OUT/session.log"
