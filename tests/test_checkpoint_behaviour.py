@@ -309,6 +309,19 @@ def test_exception_in_forward_propagates_and_hooks_popped():
     _next_step_is_right(stack)
 
 
+def test_saved_tensor_hooks_disabled_raises_torchs_error():
+    # The frame pushes its hooks on ATen's stack itself: where torch disables saved-tensor hooks, the
+    # error is torch's own (its message, RuntimeError), nothing is left pushed, and the next call works.
+    x = torch.randn(BATCH, DIM, requires_grad=True)
+    with torch.autograd.graph.disable_saved_tensors_hooks("saved-tensor hooks are off here"):
+        with pytest.raises(RuntimeError, match="^saved-tensor hooks are off here$"):
+            ckpt(lambda t: t.sin(), x)
+        with pytest.raises(RuntimeError, match="^saved-tensor hooks are off here$"):
+            torch_checkpoint.checkpoint(lambda t: t.sin(), x, use_reentrant=False)
+    _saved_tensor_hooks_popped()
+    _next_step_is_right(make_stack(2, p=0.2, seed=32))
+
+
 def test_exception_in_replay_propagates_and_state_recovers():
     stack = make_stack(3, p=0.2, seed=20)
 
