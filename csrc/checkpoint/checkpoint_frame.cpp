@@ -120,22 +120,18 @@ py::list batchnorms_in(const std::vector<PyObject*>& roots) {
   return found;
 }
 
-// The C++ exception being handled, as the Python error of a C function returning null: a Python error
-// (pybind11's or torch's, raised by Python code torch called, e.g. an outer saved-tensor hook) as it was.
+// The C++ exception being handled, as the Python error of a C function returning null, translated as
+// torch translates its own (a Python error raised by code torch called, e.g. an outer saved-tensor hook,
+// as it was; c10::IndexError as IndexError, ...).
 void set_python_error() {
   try {
     throw;
   } catch (py::error_already_set& e) {
     e.restore();
-  } catch (torch::PyTorchError& e) {
-    PyErr_SetString(e.python_type(), e.what());
-  } catch (python_error& e) {
-    e.restore();  // already set unless persisted
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "ckpt_ext.checkpoint: a Python error was lost");
-  } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (const std::exception&) {
+    torch::translate_exception_to_python(std::current_exception());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "ckpt_ext.checkpoint: an unknown C++ exception");
   }
 }
 
