@@ -1,6 +1,7 @@
 """ckpt_ext.checkpoint's behaviour beyond parity: the determinism check, calls that need no graph,
 is_recomputing, BatchNorm statistics, exceptions, threads, checkpoint_sequential, autocast and the
 options, each against no checkpointing or torch.utils.checkpoint (non-reentrant)."""
+import contextlib
 import copy
 import functools
 import threading
@@ -581,3 +582,35 @@ def test_early_stop_skips_only_a_tail_with_differentiable_ops(tail_op, no_warnin
         calls.clear()
         ckpt_ext.checkpoint(_tail_fn(calls, tail_op), x).sum().backward()
         assert calls[3:] == ["start", "after-tanh", "end"]
+
+
+@pytest.mark.skipif(not hasattr(torch_checkpoint, "GraphExecGroup"), reason="torch without GraphExecGroup")
+@pytest.mark.parametrize("grouped", [True, False])
+def test_graph_exec_group_replays_once_for_its_backward_calls(grouped, no_warnings):
+    # Under one torch.utils.checkpoint.GraphExecGroup, backward calls over disjoint parts of a checkpointed
+    # region share one replay (the frame reads the group from the autograd TLS); without it, each backward
+    # replays. Counted against torch's own checkpoint.
+    def run(checkpoint_fn):
+        calls = []
+        w1 = torch.randn(DIM, DIM, requires_grad=True)
+        w2 = torch.randn(DIM, DIM, requires_grad=True)
+
+        def two_branches(t):
+            calls.append(1)
+            return (t @ w1).tanh(), (t @ w2).sin()
+
+        x = torch.randn(BATCH, DIM)
+        a, b = checkpoint_fn(two_branches, x)
+        context = torch_checkpoint.GraphExecGroup() if grouped else contextlib.nullcontext()
+        with context:
+            g1, = torch.autograd.grad(a.sum(), w1)
+            g2, = torch.autograd.grad(b.sum(), w2)
+        return len(calls), g1, g2
+
+    torch.manual_seed(5)
+    theirs = run(functools.partial(torch_checkpoint.checkpoint, use_reentrant=False))
+    torch.manual_seed(5)
+    ours = run(ckpt)
+    assert ours[0] == theirs[0] == (2 if grouped else 3)
+    for o, t in zip(ours[1:], theirs[1:]):
+        torch.testing.assert_close(o, t, rtol=0, atol=0)
