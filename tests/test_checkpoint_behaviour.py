@@ -614,3 +614,16 @@ def test_graph_exec_group_replays_once_for_its_backward_calls(grouped, no_warnin
     assert ours[0] == theirs[0] == (2 if grouped else 3)
     for o, t in zip(ours[1:], theirs[1:]):
         torch.testing.assert_close(o, t, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not hasattr(torch_checkpoint, "GraphExecGroup"), reason="torch without GraphExecGroup")
+def test_graph_exec_group_refuses_overlapping_backward_calls(no_warnings):
+    # Two backward calls under one GraphExecGroup that need the same saved tensor raise torch's error (its
+    # message, which code matches on), as torch's test_checkpoint_graph_execution_group checks.
+    for checkpoint_fn in (functools.partial(torch_checkpoint.checkpoint, use_reentrant=False), ckpt):
+        x = torch.randn(BATCH, DIM, requires_grad=True)
+        out = checkpoint_fn(lambda t: t.sin().exp(), x)
+        with pytest.raises(torch_checkpoint.CheckpointError, match="Performing two backward calls that overlap"):
+            with torch_checkpoint.GraphExecGroup():
+                torch.autograd.grad(out.sum(), x, retain_graph=True)
+                torch.autograd.grad(out.sum(), x)

@@ -226,6 +226,84 @@ def test_nested_checkpoints(early_stop):
     conform(run)
 
 
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ATen operators that reach a kernel (an op that early stop skips does not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_early_stop_skips_the_op_whose_inputs_were_the_last_save(early_stop):
+    # An op saves its inputs before it runs: early stop at that save skips it (torch's
+    # test_nested_checkpoint_set_early_stop_no_recompution_needed).
+    def run(ckpt):
+        calls = []
+
+        def fn(x):
+            calls.append(1)
+            return x.sin()
+
+        a = torch.tensor(1.0, requires_grad=True)
+        with _OpCounter() as counter:
+            with tc.set_checkpoint_early_stop(early_stop):
+                out = ckpt(fn, a)
+            out.backward()
+        return a.grad, len(calls), counter.ops.count("sin")
+
+    (_, calls, sins) = conform(run)
+    assert calls == 2 and sins == (1 if early_stop else 2)
+
+
+@pytest.mark.parametrize("tail", ["gemm", "gemm+residual", "tanh", "layer_norm", "dropout", "custom_function"])
+def test_replay_runs_no_op_that_torchs_skips(tail):
+    # Whatever ends the function (a GEMM whose inputs are its last save, an op saving its output, outputs without
+    # grad such as LayerNorm's statistics or dropout's mask, a custom Function), the replay runs the same ops.
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * 2 + 0 * x
+
+    def fn(x):
+        fc1, fc2, ln = m
+        h = F.gelu(fc1(x))
+        if tail == "gemm":
+            return fc2(h)
+        if tail == "gemm+residual":
+            return x + fc2(h)
+        if tail == "tanh":
+            return torch.tanh(fc2(h))
+        if tail == "layer_norm":
+            return ln(fc2(h))
+        if tail == "dropout":
+            return F.dropout(fc2(h), 0.5)
+        return Double.apply(fc2(h))
+
+    m = []
+
+    def run(ckpt):
+        torch.manual_seed(0)
+        m[:] = [nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8)]
+        x = data()
+        out = ckpt(fn, x)
+        with _OpCounter() as counter:
+            out.sum().backward()
+        return grads(nn.ModuleList(m), x), counter.ops
+
+    conform(run)
+
+
 def test_two_backwards_over_a_retained_graph():
     def run(ckpt):
         calls = []
@@ -323,6 +401,56 @@ def test_nondeterministic_replay_raises_checkpoint_error(change):
         with pytest.raises(tc.CheckpointError):
             out.sum().backward()
         return state["n"]
+
+    conform(run)
+
+
+def _nondeterministic(first, then):
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return (first if len(calls) == 1 else then)(x)
+
+    return fn
+
+
+def _save_2(x):
+    return x.sin().exp()
+
+
+def _save_3(x):
+    return x.sin().exp().sin()
+
+
+@pytest.mark.parametrize("first, then, early_stop, message", [
+    (_save_3, _save_2, True, "A different number of tensors was saved"),
+    (_save_2, _save_3, False, "trying to save more tensors during recomputation"),
+    (_save_2, _save_3, True, None),  # early stop: the replay stops where the forward's saves end
+    (_save_2, lambda x: x.sin() * torch.tensor([1.0, 2.0]), True,
+     "Recomputed values for the following tensors have different metadata"),
+])
+def test_nondeterministic_replay_messages_are_torchs(first, then, early_stop, message):
+    # torch's test_checkpoint_detects_non_determinism: code and tests match on torch's sentences.
+    def run(ckpt):
+        a = data()[0, :1].detach().requires_grad_()
+        out = ckpt(_nondeterministic(first, then), a, early_stop=early_stop)
+        if message is None:
+            out.backward()
+            return a.grad
+        with pytest.raises(tc.CheckpointError, match=message):
+            out.backward()
+        return None
+
+    conform(run)
+
+
+def test_debug_message_names_debug():
+    def run(ckpt):
+        out = ckpt(_nondeterministic(_save_2, lambda x: x.sin() * torch.tensor([1.0, 2.0])),
+                   torch.randn(1, requires_grad=True), debug=True)
+        with pytest.raises(tc.CheckpointError, match="because you passed `debug=True`"):
+            out.backward()
 
     conform(run)
 

@@ -77,6 +77,7 @@ class Frame : public std::enable_shared_from_this<Frame> {
   void replay(int64_t gid);
   PyObject* call_replay();  // the function on its saved arguments; new reference, or null with an error set
   void check_replay(int64_t gid);
+  [[noreturn]] void fail_more_saved() const;
   [[noreturn]] void fail(const std::string& what) const;
   std::string name() const;  // the function's name, for errors (Python's _function_name)
 
@@ -93,9 +94,10 @@ class Frame : public std::enable_shared_from_this<Frame> {
   std::vector<Meta> metas_;
   std::vector<GraphTaskState> tasks_;
   bool forward_completed_ = false;
-  // Early stop raises through torch's C++ frames (~20 µs on CPU). It is only worth it when the forward
-  // ran differentiable ops after its last saved tensor; a replay whose tail has none runs to its end.
+  // Early stop raises through torch's C++ frames; a replay that would do nothing after the last save runs
+  // to its end instead (see forward_done).
   uint64_t sequence_at_last_pack_ = 0;  // at::sequence_number after the forward's last pack
+  bool last_pack_after_op_ = false;     // the last pack saved an output of the op that had just run
   bool stop_at_last_pack_ = true;       // decided by forward_done()
   bool ignore_mismatch_ = false;  // the replay of a backward run inside the forward went past it
 };
