@@ -157,9 +157,15 @@ _INF = 1 << 62
 
 
 class _Chain:
-    def __init__(self, costs: Sequence[LayerCost]):
+    def __init__(self, costs: Sequence[LayerCost], chained: Optional[Sequence[bool]] = None):
         self.costs = list(costs)
         self.n = len(costs)
+        # first[j]: the first layer a segment ending before layer j may start at -- a segment (one
+        # checkpointed call running its layers in turn) only spans layers each called on the output of the
+        # one before (chained[k]: layer k is; None: every layer is)
+        self.first = [0] * (self.n + 1)
+        for j in range(2, self.n + 1):
+            self.first[j] = self.first[j - 1] if chained is None or chained[j - 1] else j - 1
         self.act = [c.act_bytes for c in costs]
         self.bnd = [c.boundary_bytes for c in costs]
         self.pa, self.pc = [0], [0.0]
@@ -173,7 +179,7 @@ class _Chain:
 
     def bounds(self, limit: Optional[int]) -> List[int]:
         pa, n = self.pa, self.n
-        return sorted(w for w in {pa[j] - pa[i] for i in range(n) for j in range(i + 1, n + 1)} | {0}
+        return sorted(w for w in {pa[j] - pa[i] for j in range(1, n + 1) for i in range(self.first[j], j)} | {0}
                       if limit is None or w <= limit)
 
     def least_held(self, b: int, free_only: bool) -> int:
@@ -184,7 +190,7 @@ class _Chain:
         for j in range(1, self.n + 1):
             v = h[j - 1] + act[j - 1]
             i = j - 1
-            while i >= 0 and pa[j] - pa[i] <= b and not (free_only and paid[j] > paid[i]):
+            while i >= self.first[j] and pa[j] - pa[i] <= b and not (free_only and paid[j] > paid[i]):
                 v = min(v, h[i] + bnd[i])
                 i -= 1
             h[j] = v
@@ -219,7 +225,7 @@ class _UnitsDP:
         self.segments = []
         for j in range(chain.n + 1):
             segs = []
-            for i in range(j - 1, -1, -1):
+            for i in range(j - 1, chain.first[j] - 1, -1):
                 c = chain.pc[j] - chain.pc[i]
                 w = (0 if chain.paid[j] == chain.paid[i] else length) if delta is None else int(c // delta)
                 if w >= length:  # longer segments cost even more units
@@ -333,13 +339,16 @@ def _plan_within(chain: _Chain, budget: int) -> Plan:
         delta = max(min(delta / 2, 0.009 * scale / segments), floor)
 
 
-def plan_chain(costs: Sequence[LayerCost], budget: Optional[int]) -> Plan:
+def plan_chain(costs: Sequence[LayerCost], budget: Optional[int], chained: Optional[Sequence[bool]] = None) -> Plan:
     """The plan of least recompute whose need fits `budget` (ties: least need). The recompute is within
     1% of the least possible (certified; see the comment above), exact when computes are small integers
     or no recompute is needed. budget=None gives a plan of least need (exact) with the least recompute
-    among those. Raises ValueError when no plan fits, stating the minimum."""
+    among those. Raises ValueError when no plan fits, stating the minimum. chained[k] (k >= 1) says
+    whether layer k is called on layer k-1's output; a segment groups only such layers (None: all are)."""
     _check_costs(costs)
-    chain = _Chain(costs)
+    if chained is not None and len(chained) != len(costs):
+        raise ValueError(f"chained has {len(chained)} entries for {len(costs)} layers")
+    chain = _Chain(costs, chained)
     least = chain.least_need()
     if budget is not None and least > budget:
         raise ValueError(f"the memory budget {fmt_bytes(budget)} is below the least achievable for this model "

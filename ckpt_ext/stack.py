@@ -153,8 +153,19 @@ class _Group:
         """Runs every layer of the group (unwrapped), feeding each output's hidden state to the next."""
         first, rest = self.layers[0], self.layers[1:]
         out = type(first).forward(first, *layer_args, **layer_kwargs)
-        for layer in rest:
-            out = type(layer).forward(layer, _hidden_of(out), *layer_args[1:], **layer_kwargs)
+        for k, layer in enumerate(rest, 1):
+            try:
+                out = type(layer).forward(layer, _hidden_of(out), *layer_args[1:], **layer_kwargs)
+            except Exception as e:
+                if self.planner is None and hasattr(e, "add_note"):
+                    e.add_note(
+                        f"ckpt_ext.enable_checkpointing(every={len(self.layers)}): layers {self.index}-"
+                        f"{self.index + len(self.layers) - 1} run as one group, each on the output of the one "
+                        f"before; layer {self.index + k} ({type(layer).__name__}) failed on it. A model that "
+                        "transforms the hidden state between its layers (a projection) cannot have them grouped: "
+                        "use every=1, or budget= (the planner groups only layers called on the output of the one "
+                        "before).")
+                raise
         return out
 
 
@@ -229,6 +240,8 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     if group.layers[0] is self:
         args, kwargs = drop_cache(self, args, kwargs)
         out = group.checkpointed(args, kwargs)
+        if planner is not None and planner.plan is None:
+            planner.passed_on(self, _hidden_of(out))  # measuring: which layer takes which one's output
         if len(group.layers) > 1:
             group.pending = _Pending(out, 1, args, kwargs)
         return out

@@ -2,6 +2,7 @@
 with ckpt_ext.planner, and plans again when a larger input comes (stack.py installs the groups)."""
 import logging
 import time
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -17,8 +18,10 @@ logger = logging.getLogger("ckpt_ext")
 class StackPlanner:
     """enable_checkpointing(budget=...) on one layer stack. The first training step checkpoints every
     layer and probes each one first (its saved-tensor bytes, input bytes and forward time, measured on
-    a throw-away run with the RNG forked, so the step's results are unchanged); the plan is made as
-    soon as every layer is measured and installed when the next step starts."""
+    a throw-away run with the RNG forked, so the step's results are unchanged) and whether it is called
+    on the output of the layer before (only such layers are grouped: a model may transform the hidden
+    state between its layers); the plan is made as soon as every layer is measured and installed when
+    the next step starts."""
 
     def __init__(self, name: str, layers: List[nn.Module], budget: int, attach: Callable):
         self.name = name
@@ -27,6 +30,8 @@ class StackPlanner:
         self.budget = budget
         self.index = {id(m): i for i, m in enumerate(layers)}
         self.costs: List[Optional[LayerCost]] = [None] * len(layers)
+        self.chained: List[bool] = [True] * len(layers)  # layer i is called on layer i-1's output
+        self.outputs: List[Optional[weakref.ref]] = [None] * len(layers)  # while measuring: what each passed on
         self.plan: Optional[Plan] = None
         self.installed = False
         self.shape = None  # input shape the plan was made for
@@ -52,6 +57,11 @@ class StackPlanner:
         self.plan, self.shape, self.installed = None, None, False
         self.install_probe_groups()
 
+    def passed_on(self, layer: nn.Module, hidden):
+        """While measuring: the hidden state `layer` returned (the next layer is chained to it if called on it)."""
+        i = self.index[id(layer)]
+        self.outputs[i] = weakref.ref(hidden) if isinstance(hidden, torch.Tensor) else None
+
     def install_probe_groups(self):
         """Every layer checkpointed alone (and probed), until a plan is made."""
         self.attach(self, [(i, i + 1, True) for i in range(len(self.layers))])
@@ -65,6 +75,8 @@ class StackPlanner:
         if self.costs[i] is not None:
             return
         hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        before = self.outputs[i - 1]() if i > 0 and self.outputs[i - 1] is not None else None
+        self.chained[i] = i == 0 or (hidden is not None and hidden is before)
         device = hidden.device if hidden is not None else torch.device("cpu")
         params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
         storages: Dict[int, torch.UntypedStorage] = {}
@@ -97,8 +109,9 @@ class StackPlanner:
         if i == 0:
             self.shape = _shape_of(args)
         if all(c is not None for c in self.costs):
+            self.outputs = [None] * len(self.layers)
             try:
-                self.plan = plan_chain(self.costs, self.budget)
+                self.plan = plan_chain(self.costs, self.budget, self.chained)
                 self.plans[self.shape] = self.plan
                 while len(self.plans) > _MAX_PLANS:
                     del self.plans[next(iter(self.plans))]

@@ -307,3 +307,87 @@ def test_recompute_below_float_resolution_is_planned_not_overflowed(layers):
     budget = min(p.need_bytes for p in all_plans(costs))
     plan = plan_chain(costs, budget)
     assert plan.need_bytes <= budget and plan.recompute <= 1.01 * brute_force(costs, budget) + 1e-12
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(costs=st.lists(layer, min_size=2, max_size=6), frac=st.floats(0.0, 1.2), data=st.data())
+def test_plans_group_only_chained_layers(costs, frac, data):
+    # chained[k]: layer k is called on layer k-1's output. No checkpointed segment spans a break, and the
+    # plan is the best of those that do not (brute force).
+    chained = [True] + data.draw(st.lists(st.booleans(), min_size=len(costs) - 1, max_size=len(costs) - 1))
+
+    def allowed(p):
+        return all(chained[k] for s, e, ckpt in p.segments if ckpt for k in range(s + 1, e))
+
+    plans = [p for p in all_plans(costs) if allowed(p)]
+    least = min(p.need_bytes for p in plans)
+    total = sum(c.act_bytes for c in costs)
+    budget = int(least + frac * max(0, total - least))
+    plan = plan_chain(costs, budget, chained)
+    assert allowed(plan) and plan.need_bytes <= budget
+    assert plan.recompute == min(p.recompute for p in plans if p.need_bytes <= budget)
+    assert plan_chain(costs, None, chained).need_bytes == least
+
+
+class ProjectedNet(nn.Module):
+    """Narrow blocks (grouping them pays) with a projection before layer 3: not called on layer 2's output."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(d, 8) for _ in range(8))
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(self.proj(x) if i == 3 else x)
+        return x
+
+
+def _planner_of(model):
+    return next(m.__dict__["_ckpt_ext_group"].planner for m in model.modules() if "_ckpt_ext_group" in m.__dict__)
+
+
+def test_budget_on_a_stack_with_work_between_layers_groups_only_chained_layers():
+    torch.manual_seed(0)
+    model = ProjectedNet().train()
+    x = torch.randn(64, 32)
+    ref_out, ref_grads, full = _grads(model, x, seed=1)
+    ckpt_ext.enable_checkpointing(model, budget=full)
+    _grads(model, x, seed=1)  # measures
+    measured = _planner_of(model)
+    assert measured.chained == [True] * 3 + [False] + [True] * 4
+    # The least achievable budget groups layers; unaware of the projection it would group across it.
+    assert any(s < 3 < e for s, e, ckpt in plan_chain(measured.costs, None).segments if ckpt)
+    least = plan_chain(measured.costs, None, measured.chained).need_bytes
+    ckpt_ext.enable_checkpointing(model, budget=least)
+    for _ in range(2):  # measure and plan, then run the plan
+        out, grads, held = _grads(model, x, seed=1)
+        assert torch.equal(out, ref_out) and all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads)
+    segments = [(s, e) for s, e, ckpt in _planner_of(model).plan.segments if ckpt]
+    assert any(e - s > 1 for s, e in segments) and not any(s < 3 < e for s, e in segments), segments
+    assert held <= least
+    ckpt_ext.disable_checkpointing(model)
+
+
+def test_every_on_a_stack_that_is_not_a_chain_says_so():
+    torch.manual_seed(0)
+
+    class Widening(nn.Module):  # a projection to another width between the blocks
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 16), nn.Linear(8, 16)])
+            self.proj = nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.layers[1](self.proj(self.layers[0](x)))
+
+    model = Widening().train()
+    ckpt_ext.enable_checkpointing(model, every=2)
+    with pytest.raises(RuntimeError, match="mat1 and mat2") as info:
+        model(torch.randn(4, 8))
+    assert "every=1" in "\n".join(getattr(info.value, "__notes__", [])) and "budget=" in "\n".join(info.value.__notes__)
+    ckpt_ext.disable_checkpointing(model)
+    ckpt_ext.enable_checkpointing(model, budget="1GiB")
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+    ckpt_ext.disable_checkpointing(model)
