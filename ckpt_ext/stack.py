@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from . import _entry_points
 from ._compiler import eager_under_compile
 from ._discovery import _ATOMS, _add_module, _check_fsdp_units, _Found, _fsdp_unit_class
 from .checkpoint import _checkpoint
@@ -441,3 +442,7 @@ def _detach_groups(model: nn.Module):
         if _ATTR in m.__dict__:
             del m.__dict__[_ATTR]
             m.__dict__.pop("forward", None)
+
+
+_entry_points.register(enable_checkpointing=enable_checkpointing, is_enabled=is_enabled,
+                      check_options=_check_options, detach_groups=_detach_groups)

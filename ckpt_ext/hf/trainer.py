@@ -18,7 +18,7 @@ __all__ = ["take_over_hf_checkpointing", "hf_checkpointing_on", "install_take_ov
            "refuse_hf_checkpointing_on", "layer_hf_checkpointed", "double_checkpointing_error"]
 
 logger = logging.getLogger("ckpt_ext")
-# ckpt_ext.stack imports this module, so this one imports stack inside the functions that call it.
+# ckpt_ext.stack imports this module; what this one calls back in stack, stack registers in _entry_points.
 
 _OPTIONS = "_ckpt_ext_hf_options"  # instance attribute: the enable_checkpointing options the flag means
 _ENABLE = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
@@ -86,7 +86,7 @@ def take_over_hf_checkpointing(model: nn.Module, every: Optional[int] = None,
     The switch's ``use_reentrant`` is accepted and has no effect (ckpt_ext needs no input that requires
     grad); ``every_n_layers`` other than 1, ``offload=True`` and other checkpoint arguments raise
     ``ValueError`` (give ckpt_ext's ``every=``/``budget=`` here instead)."""
-    from ..stack import _check_options, enable_checkpointing
+    from .._entry_points import check_options as _check_options, enable_checkpointing
     if not isinstance(model, nn.Module):
         raise TypeError(f"take_over_hf_checkpointing expects an nn.Module, got {type(model).__name__}")
     if not is_hf_model(model):
@@ -140,7 +140,7 @@ def _check_hf_arguments(kwargs: Optional[dict], every_n_layers: int, offload: bo
 def _enable(model: nn.Module, activation_checkpointing_kwargs: Optional[dict] = None, every_n_layers: int = 1,
             offload: bool = False, *, gradient_checkpointing_kwargs: Optional[dict] = None):
     """Hugging Face's enable, taken over (both names: the kwargs arrive under either)."""
-    from ..stack import enable_checkpointing, is_enabled
+    from .._entry_points import enable_checkpointing, is_enabled
     _check_hf_arguments(activation_checkpointing_kwargs or gradient_checkpointing_kwargs, every_n_layers, offload)
     if is_enabled(model):
         logger.info("ckpt_ext: %s is checkpointed by ckpt_ext already; Hugging Face's checkpointing switch is "
@@ -150,5 +150,5 @@ def _enable(model: nn.Module, activation_checkpointing_kwargs: Optional[dict] = 
 
 
 def _disable(model: nn.Module):
-    from ..stack import _detach_groups
+    from .._entry_points import detach_groups as _detach_groups
     _detach_groups(model)  # the take-over stays: enabling again means ckpt_ext again
