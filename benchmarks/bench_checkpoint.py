@@ -1,9 +1,11 @@
 """Side-by-side benchmark of checkpointing tools (``make bench``).
 
 Variants: no checkpointing, torch.utils.checkpoint (non-reentrant and reentrant), ckpt_ext.checkpoint.
-Two workloads on the best device present (CUDA if available, else CPU):
+Three workloads on the best device present (CUDA if available, else CPU):
   * per-call cost: a stack of many tiny blocks, every block checkpointed -- what a checkpointed call
     costs beyond the computation it replays;
+  * blocks that end in a GEMM (fc2(gelu(fc1(x))), and the same plus a residual add), every block
+    checkpointed: the replay's early stop must skip the last GEMM as torch's does (step time vs torch);
   * a small BERT encoder (Hugging Face, random weights): median step time and the bytes held from
     forward to backward (saved tensors plus the ckpt_ext pool; on CUDA also peak allocated/reserved).
 Timings are medians over interleaved rounds (each round runs every variant once), with 20th/80th
@@ -71,6 +73,49 @@ def bench_per_call(device, n_blocks, width, rounds):
     return rows
 
 
+class GemmEnded(nn.Module):
+    def __init__(self, d, residual):
+        super().__init__()
+        self.fc1, self.fc2, self.residual = nn.Linear(d, d), nn.Linear(d, d), residual
+
+    def forward(self, x):
+        y = self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        return x + y if self.residual else y
+
+
+def bench_gemm_ended(device, n_blocks, width, rows, rounds):
+    """Step time of n_blocks GemmEnded blocks, each checkpointed, without and with a residual add."""
+    out = []
+    for residual in (False, True):
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(GemmEnded(width, residual) for _ in range(n_blocks)).to(device)
+        x = torch.randn(rows, width, device=device, requires_grad=True)
+
+        variants = {k: v for k, v in VARIANTS.items() if "(reentrant)" not in k}
+        cpu_times = {k: [] for k in variants}
+
+        def step(name, ckpt):
+            def run():
+                t0 = time.process_time()
+                h = x
+                for b in blocks:
+                    h = b(h) if ckpt is None else ckpt(b, h)
+                h.sum().backward()
+                cpu_times[name].append(time.process_time() - t0)
+            return run
+
+        warmup = 3
+        stats, _ = interleaved({k: step(k, v) for k, v in variants.items()}, device, rounds, warmup=warmup)
+        torch_name = "torch.utils.checkpoint (non-reentrant)"
+        cpu = {k: statistics.median(v[warmup:]) for k, v in cpu_times.items()}
+        ref = stats[torch_name]["median"]
+        out.append({"residual": residual, "rows": [
+            {"variant": k, "step_s": s, "vs_torch": s["median"] / ref, "cpu_s": cpu[k],
+             "vs_torch_cpu": cpu[k] / cpu[torch_name],
+             "flags": noise_flags(s, stats["none"], recomputes=k != "none")} for k, s in stats.items()]})
+    return out
+
+
 def bench_bert(device, layers, hidden, heads, seq, batch, rounds, dtype):
     from transformers import BertConfig, BertModel
 
@@ -110,7 +155,7 @@ def bench_bert(device, layers, hidden, heads, seq, batch, rounds, dtype):
 
 
 # ---------------------------------------------------------------------------------------------- output
-def to_markdown(info, per_call, per_call_cfg, bert, bert_cfg):
+def to_markdown(info, per_call, per_call_cfg, bert, bert_cfg, gemm, gemm_cfg):
     lines = [f"# ckpt_ext engine benchmark — {info['device_name']} ({info['device']})", "",
              env_line(info), "",
              f"## Per-call cost: {per_call_cfg['blocks']} tiny blocks (Linear {per_call_cfg['width']} + tanh, batch 4), "
@@ -125,24 +170,33 @@ def to_markdown(info, per_call, per_call_cfg, bert, bert_cfg):
         ratio_cpu = f"{r['per_call_cpu_us'] / ref_cpu:.2f}x" if r["variant"] != "none" and ref_cpu > 0 else "-"
         lines.append(f"| {r['variant']} | {ms(r['step_s'])} | {r['per_call_us']:.1f} | {ratio} "
                      f"| {r['per_call_cpu_us']:.1f} | {ratio_cpu} | {'; '.join(r['flags'])} |")
-    lines += ["", f"## BERT encoder: {bert_cfg['layers']} layers, hidden {bert_cfg['hidden']}, {bert_cfg['heads']} heads, "
-              f"seq {bert_cfg['seq']}, batch {bert_cfg['batch']}, {bert_cfg['dtype']}", ""]
-    cuda = info["device"].startswith("cuda")
-    if cuda:
-        lines += ["| variant | step ms, median (p20-p80) | vs none | held fwd→bwd MiB | peak allocated MiB | peak reserved MiB "
-                  "| flags |", "|---|---|---|---|---|---|---|"]
-    else:
-        lines += ["| variant | step ms, median (p20-p80) | vs none | held fwd→bwd MiB (saved + pool) | flags |",
-                  "|---|---|---|---|---|"]
-    base = bert[0]["step_s"]["median"]
-    for r in bert:
-        row = f"| {r['variant']} | {ms(r['step_s'])} | {r['step_s']['median'] / base:.2f}x | "
+    for case in gemm:
+        lines += ["", f"## {gemm_cfg['blocks']} blocks ending in a GEMM: fc2(gelu(fc1(x))){' + x' if case['residual'] else ''}, "
+                  f"Linear {gemm_cfg['width']}x{gemm_cfg['width']}, {gemm_cfg['rows']} rows, float32, every block checkpointed", "",
+                  "| variant | step ms, median (p20-p80) | vs torch non-reentrant | step CPU time ms | vs torch (CPU time) "
+                  "| flags |", "|---|---|---|---|---|---|"]
+        for r in case["rows"]:
+            lines.append(f"| {r['variant']} | {ms(r['step_s'])} | {r['vs_torch']:.3f}x | {r['cpu_s'] * 1e3:.2f} "
+                         f"| {r['vs_torch_cpu']:.3f}x | {'; '.join(r['flags'])} |")
+    if bert:
+        lines += ["", f"## BERT encoder: {bert_cfg['layers']} layers, hidden {bert_cfg['hidden']}, {bert_cfg['heads']} heads, "
+                  f"seq {bert_cfg['seq']}, batch {bert_cfg['batch']}, {bert_cfg['dtype']}", ""]
+        cuda = info["device"].startswith("cuda")
         if cuda:
-            row += f"{mib(r['held_bytes'])} | {mib(r['peak_allocated'])} | {mib(r['peak_reserved'])} |"
+            lines += ["| variant | step ms, median (p20-p80) | vs none | held fwd→bwd MiB | peak allocated MiB | peak reserved MiB "
+                      "| flags |", "|---|---|---|---|---|---|---|"]
         else:
-            row += f"{mib(r['held_bytes'])} ({mib(r['saved_bytes'])} + {mib(r['pool_bytes'])}) |"
-        row += f" {'; '.join(r['flags'])} |"
-        lines.append(row)
+            lines += ["| variant | step ms, median (p20-p80) | vs none | held fwd→bwd MiB (saved + pool) | flags |",
+                      "|---|---|---|---|---|"]
+        base = bert[0]["step_s"]["median"]
+        for r in bert:
+            row = f"| {r['variant']} | {ms(r['step_s'])} | {r['step_s']['median'] / base:.2f}x | "
+            if cuda:
+                row += f"{mib(r['held_bytes'])} | {mib(r['peak_allocated'])} | {mib(r['peak_reserved'])} |"
+            else:
+                row += f"{mib(r['held_bytes'])} ({mib(r['saved_bytes'])} + {mib(r['pool_bytes'])}) |"
+            row += f" {'; '.join(r['flags'])} |"
+            lines.append(row)
     lines += ["", "per-call overhead = (step time of the variant − step time without checkpointing) / blocks; the CPU "
               "time columns use the process's CPU time instead of wall time (not inflated by other processes; on "
               "CUDA it misses time the host waits for the device).",
@@ -158,6 +212,11 @@ def main(argv=None):
     p.add_argument("--blocks", type=int, default=64)
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default: 60 CPU / 100 CUDA for per-call)")
+    p.add_argument("--gemm-blocks", type=int, default=8)
+    p.add_argument("--gemm-width", type=int, default=512)
+    p.add_argument("--gemm-rows", type=int, default=None, help="rows of the GEMM-ended blocks' input (default: 256 CPU, 4096 CUDA)")
+    p.add_argument("--gemm-rounds", type=int, default=None, help="timed rounds of the GEMM-ended blocks (default: 30)")
+    p.add_argument("--skip-bert", action="store_true", help="leave out the BERT encoder workload")
     p.add_argument("--bert-layers", type=int, default=None)
     p.add_argument("--bert-hidden", type=int, default=None)
     p.add_argument("--bert-seq", type=int, default=None)
@@ -177,13 +236,18 @@ def main(argv=None):
     info = env_info(device)
     print(f"per-call benchmark: {args.blocks} blocks, {rounds} rounds on {device} ...", file=sys.stderr)
     per_call = bench_per_call(device, args.blocks, args.width, rounds)
-    print(f"BERT benchmark: {bert_cfg} ...", file=sys.stderr)
-    bert = bench_bert(device, bert_cfg["layers"], bert_cfg["hidden"], bert_cfg["heads"], bert_cfg["seq"],
-                      bert_cfg["batch"], max(5, rounds // 6), getattr(torch, bert_cfg["dtype"]))
-    md = to_markdown(finish_env(info), per_call, per_call_cfg, bert, bert_cfg)
+    gemm_cfg = {"blocks": args.gemm_blocks, "width": args.gemm_width, "rows": args.gemm_rows or (4096 if cuda else 256)}
+    print(f"GEMM-ended blocks: {gemm_cfg} ...", file=sys.stderr)
+    gemm = bench_gemm_ended(device, gemm_cfg["blocks"], gemm_cfg["width"], gemm_cfg["rows"], args.gemm_rounds or 30)
+    bert = []
+    if not args.skip_bert:
+        print(f"BERT benchmark: {bert_cfg} ...", file=sys.stderr)
+        bert = bench_bert(device, bert_cfg["layers"], bert_cfg["hidden"], bert_cfg["heads"], bert_cfg["seq"],
+                          bert_cfg["batch"], max(5, rounds // 6), getattr(torch, bert_cfg["dtype"]))
+    md = to_markdown(finish_env(info), per_call, per_call_cfg, bert, bert_cfg, gemm, gemm_cfg)
     print(md)
     result = {"env": info, "per_call": {"config": per_call_cfg, "rows": per_call},
-              "bert": {"config": bert_cfg, "rows": bert}}
+              "gemm_ended": {"config": gemm_cfg, "cases": gemm}, "bert": {"config": bert_cfg, "rows": bert}}
     result["files"] = write_results(output_dir(args, info), "engine", result, md)
     print("wrote " + ", ".join(result["files"]), file=sys.stderr)
     return result
