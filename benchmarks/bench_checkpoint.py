@@ -45,12 +45,11 @@ class Tiny(nn.Module):
         return torch.tanh(self.fc(x))
 
 
-def bench_per_call(device, n_blocks, width, rounds):
-    torch.manual_seed(0)
-    blocks = nn.ModuleList(Tiny(width) for _ in range(n_blocks)).to(device)
-    x = torch.randn(4, width, device=device, requires_grad=True)
-
-    cpu_times = {k: [] for k in VARIANTS}  # process CPU time per step: robust to other load on the machine
+def time_stack(blocks, x, variants, device, rounds, warmup):
+    """Interleaved step times of `blocks` run in turn on x, each block called through each variant's
+    checkpoint (None: plainly), then backward. Returns (stats by variant, median process CPU time per step
+    by variant: robust to other load on the machine; warmup rounds left out)."""
+    cpu_times = {k: [] for k in variants}
 
     def step(name, ckpt):
         def run():
@@ -62,9 +61,17 @@ def bench_per_call(device, n_blocks, width, rounds):
             cpu_times[name].append(time.process_time() - t0)
         return run
 
-    stats, _ = interleaved({k: step(k, v) for k, v in VARIANTS.items()}, device, rounds, warmup=5)
+    stats, _ = interleaved({k: step(k, v) for k, v in variants.items()}, device, rounds, warmup=warmup)
+    return stats, {k: statistics.median(v[warmup:]) for k, v in cpu_times.items()}
+
+
+def bench_per_call(device, n_blocks, width, rounds):
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(Tiny(width) for _ in range(n_blocks)).to(device)
+    x = torch.randn(4, width, device=device, requires_grad=True)
+
+    stats, cpu = time_stack(blocks, x, VARIANTS, device, rounds, warmup=5)
     base = stats["none"]["median"]
-    cpu = {k: statistics.median(v[5:]) for k, v in cpu_times.items()}  # warmup rounds left out
     rows = []
     for k, s in stats.items():
         rows.append({"variant": k, "step_s": s, "per_call_us": (s["median"] - base) / n_blocks * 1e6 if k != "none" else 0.0,
@@ -92,22 +99,8 @@ def bench_gemm_ended(device, n_blocks, width, rows, rounds):
         x = torch.randn(rows, width, device=device, requires_grad=True)
 
         variants = {k: v for k, v in VARIANTS.items() if "(reentrant)" not in k}
-        cpu_times = {k: [] for k in variants}
-
-        def step(name, ckpt):
-            def run():
-                t0 = time.process_time()
-                h = x
-                for b in blocks:
-                    h = b(h) if ckpt is None else ckpt(b, h)
-                h.sum().backward()
-                cpu_times[name].append(time.process_time() - t0)
-            return run
-
-        warmup = 3
-        stats, _ = interleaved({k: step(k, v) for k, v in variants.items()}, device, rounds, warmup=warmup)
+        stats, cpu = time_stack(blocks, x, variants, device, rounds, warmup=3)
         torch_name = "torch.utils.checkpoint (non-reentrant)"
-        cpu = {k: statistics.median(v[warmup:]) for k, v in cpu_times.items()}
         ref = stats[torch_name]["median"]
         out.append({"residual": residual, "rows": [
             {"variant": k, "step_s": s, "vs_torch": s["median"] / ref, "cpu_s": cpu[k],
