@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <atomic>
 
@@ -55,7 +56,7 @@ std::shared_ptr<Holder> Frame::pack(const at::Tensor& x) {
   // Autograd saves an op's inputs before the op runs and its outputs after: an output of the newest autograd
   // node (each takes a sequence number when created, before its saves) means the op has run.
   sequence_at_last_pack_ = at::sequence_number::peek();
-  const auto& fn = x.grad_fn();
+  const torch::autograd::Node* fn = torch::autograd::impl::grad_fn_unsafe(x);  // a view's is not regenerated here
   last_pack_after_op_ = fn != nullptr && fn->sequence_nr() + 1 == sequence_at_last_pack_;
   return h;
 }
