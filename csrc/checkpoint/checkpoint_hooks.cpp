@@ -14,9 +14,6 @@
 
 namespace ckpt_ext::checkpoint_detail {
 
-// The C++ exception being handled, as the Python error of a C function returning null, translated as
-// torch translates its own (a Python error raised by code torch called, e.g. an outer saved-tensor hook,
-// as it was; c10::IndexError as IndexError, ...).
 void set_python_error() {
   try {
     throw;
