@@ -210,6 +210,8 @@ def main(argv=None):
     p.add_argument("--gemm-rows", type=int, default=None, help="rows of the GEMM-ended blocks' input (default: 256 CPU, 4096 CUDA)")
     p.add_argument("--gemm-rounds", type=int, default=None, help="timed rounds of the GEMM-ended blocks (default: 30)")
     p.add_argument("--skip-bert", action="store_true", help="leave out the BERT encoder workload")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (CPU; 1 makes CPU time a measure of work on a loaded machine)")
     p.add_argument("--bert-layers", type=int, default=None)
     p.add_argument("--bert-hidden", type=int, default=None)
     p.add_argument("--bert-seq", type=int, default=None)
@@ -217,6 +219,8 @@ def main(argv=None):
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_output_args(p)
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     rounds = args.rounds or (100 if cuda else 60)
