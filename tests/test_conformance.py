@@ -449,7 +449,8 @@ def test_debug_message_names_debug():
     def run(ckpt):
         out = ckpt(_nondeterministic(_save_2, lambda x: x.sin() * torch.tensor([1.0, 2.0])),
                    torch.randn(1, requires_grad=True), debug=True)
-        with pytest.raises(tc.CheckpointError, match="because you passed `debug=True`"):
+        with pytest.raises(tc.CheckpointError, match="An error happened while unpacking tensors; dumping logs of latest "
+                           "computation\nbecause you passed `debug=True` to `torch.utils.checkpoint.checkpoint\\(\\)`"):
             out.backward()
 
     conform(run)
