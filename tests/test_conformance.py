@@ -446,14 +446,18 @@ def test_nondeterministic_replay_messages_are_torchs(first, then, early_stop, me
 
 
 def test_debug_message_names_debug():
-    def run(ckpt):
-        out = ckpt(_nondeterministic(_save_2, lambda x: x.sin() * torch.tensor([1.0, 2.0])),
-                   torch.randn(1, requires_grad=True), debug=True)
-        with pytest.raises(tc.CheckpointError, match="An error happened while unpacking tensors; dumping logs of latest "
-                           "computation\nbecause you passed `debug=True` to `torch.utils.checkpoint.checkpoint\\(\\)`"):
-            out.backward()
+    # torch's test_checkpoint_detects_non_determinism matches "You are seeing this error because you passed
+    # `debug=True` to checkpoint"; set_checkpoint_debug_enabled overrides the argument.
+    def run(ckpt, debug, enabled):
+        with pytest.raises(tc.CheckpointError) as info:
+            with tc.set_checkpoint_debug_enabled(enabled):
+                out = ckpt(_nondeterministic(_save_2, lambda x: x.sin() * torch.tensor([1.0, 2.0])),
+                           torch.randn(1, requires_grad=True), debug=debug)
+                out.backward()
+        return "You are seeing this error because you passed `debug=True` to checkpoint" in str(info.value)
 
-    conform(run)
+    for debug, enabled in ((True, None), (False, True), (True, False)):
+        assert conform(run, debug, enabled) == (enabled is not False)
 
 
 def test_determinism_check_none_skips_metadata_check():

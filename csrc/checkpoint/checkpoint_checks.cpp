@@ -73,10 +73,10 @@ void Frame::fail_more_saved() const {
 void Frame::fail(const std::string& what) const {
   std::string detail;
   if (describe_ && !describe_.is_none()) {
-    // torch's opening lines (tests match on them), then the operators of the forward and the replay.
-    detail = "\nAn error happened while unpacking tensors; dumping logs of latest computation\nbecause you passed "
-             "`debug=True` to `torch.utils.checkpoint.checkpoint()` (or `ckpt_ext.checkpoint()`).\n" +
-             describe_().cast<std::string>();
+    // torch's sentence (tests match on it), then the operators of the forward and the replay.
+    detail = "\nYou are seeing this error because you passed `debug=True` to checkpoint (ckpt_ext.checkpoint or "
+             "torch.utils.checkpoint.checkpoint, or set_checkpoint_debug_enabled(True)); the operators run in forward "
+             "and in the replay:\n" + describe_().cast<std::string>();
   } else {
     detail = "\nPass debug=True to ckpt_ext.checkpoint to see the operators run in forward and in the replay.";
   }
