@@ -133,7 +133,8 @@ struct DoubleSum {
 //
 // Fast = true (float16 / bfloat16, whose 8 or 11 bits of mantissa hide a few float ulps): exp is
 // at::vec's inline exp_u20 (error <= 20 float ulps) rather than Sleef's out-of-line exp (1 ulp), and erf
-// and tanh are built on it. float32 keeps at::vec's erf/exp/tanh, what ATen's own float kernels call.
+// and tanh are built on it. float32 keeps at::vec's erf/exp/tanh (Sleef), what ATen's own float kernels
+// call; its GELU derivative computes erf by at::vec's formula itself, to share the one exp.
 
 template <bool Fast>
 inline fVec exp_(const fVec& x) {
@@ -150,12 +151,15 @@ inline fVec recip_fast(const fVec& d) {
   return r * (fVec(2.f) - d * r);
 }
 
-// erf(xs) by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, the formula of at::vec's erf), given
-// e = exp(-xs * xs) (which the GELU derivative shares).
-inline fVec erf_fast(const fVec& xs, const fVec& e) {
+// erf(xs) by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), the formula of at::vec's erf, given
+// e = exp(-xs * xs), which the GELU derivative shares (one exp per element, not two). Fast: 1 / d by
+// recip_fast rather than a division.
+template <bool Fast>
+inline fVec erf_(const fVec& xs, const fVec& e) {
   const fVec one(1.f);
   // |xs| capped where e is 0 anyway, so that an infinite input keeps t finite (erf(+-inf) = +-1)
-  const fVec t = recip_fast(one + fVec(0.3275911f) * at::vec::minimum(xs.abs(), fVec(16.f)));
+  const fVec d = one + fVec(0.3275911f) * at::vec::minimum(xs.abs(), fVec(16.f));
+  const fVec t = Fast ? recip_fast(d) : one / d;
   const fVec poly = ((((fVec(1.061405429f) * t + fVec(-1.453152027f)) * t + fVec(1.421413741f)) * t +
                       fVec(-0.284496736f)) * t + fVec(0.254829592f)) * t;
   const fVec y = one - poly * e;
@@ -180,8 +184,8 @@ inline fVec gelu(const fVec& x, bool tanh) {
     return half * x * (one + tanh_<Fast>(inner));
   }
   const fVec xs = x * fVec(static_cast<float>(M_SQRT1_2));
-  if (!Fast) return half * x * (one + xs.erf());
-  return half * x * (one + erf_fast(xs, exp_<true>((xs * xs).neg())));
+  if (!Fast) return half * x * (one + xs.erf());  // at::vec's, as ATen's float GELU
+  return half * x * (one + erf_<true>(xs, exp_<true>((xs * xs).neg())));
 }
 
 template <bool Fast>
@@ -194,7 +198,7 @@ inline fVec gelu_derivative(const fVec& x, bool tanh) {
   }
   const fVec xs = x * fVec(static_cast<float>(M_SQRT1_2));
   const fVec e = exp_<Fast>(fVec(-0.5f) * x * x);  // exp(-xs^2): the normal density and erf's exponential
-  const fVec cdf = half * (one + (Fast ? erf_fast(xs, e) : xs.erf()));
+  const fVec cdf = half * (one + erf_<Fast>(xs, e));
   return cdf + x * e * fVec(static_cast<float>(math::kInvSqrt2Pi));
 }
 
