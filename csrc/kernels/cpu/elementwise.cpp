@@ -289,6 +289,24 @@ void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::T
 
 void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,
             const at::Tensor& out) {
+  if (with_vec(x.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const int64_t H = x.size(1), S = x.size(2), D = x.size(3);
+        const int64_t cos_batch_stride = cos.size(0) == 1 ? 0 : S * D;
+        const T* xp = x.const_data_ptr<T>();
+        const T* cp = cos.const_data_ptr<T>();
+        const T* sp = sin.const_data_ptr<T>();
+        T* op = out.mutable_data_ptr<T>();
+        at::parallel_for(0, x.size(0) * H * S, row_grain(D), [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const int64_t b = r / (H * S), h = (r / S) % H, s = r % S;
+            k.rotary(xp + b * x.stride(0) + h * x.stride(1) + s * x.stride(2), cp + b * cos_batch_stride + s * D,
+                     sp + b * cos_batch_stride + s * D, op + b * out.stride(0) + h * out.stride(1) + s * out.stride(2),
+                     D / 2, backward);
+          }
+        });
+      }))
+    return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::rotary", [&] {
     using A = at::opmath_type<scalar_t>;
     const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3), half = D / 2;

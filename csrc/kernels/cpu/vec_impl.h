@@ -287,6 +287,31 @@ void swiglu_backward(const T* grad, const T* gate, const T* up, T* grad_gate, T*
   }
 }
 
+template <typename T>
+void rotary(const T* x, const T* cos, const T* sin, T* y, int64_t half, bool backward) {
+  for (int64_t j = 0; j < half; j += kStep) {
+    const int64_t c = std::min(kStep, half - j);
+    fVec x1[2], x2[2], c1[2], c2[2], s1[2], s2[2], y1[2], y2[2];
+    IO<T>::load(x + j, c, x1[0], x1[1]);
+    IO<T>::load(x + half + j, c, x2[0], x2[1]);
+    IO<T>::load(cos + j, c, c1[0], c1[1]);
+    IO<T>::load(cos + half + j, c, c2[0], c2[1]);
+    IO<T>::load(sin + j, c, s1[0], s1[1]);
+    IO<T>::load(sin + half + j, c, s2[0], s2[1]);
+    for (int h = 0; h < 2; ++h) {
+      if (!backward) {  // rotate_half(x) = [-x2, x1]
+        y1[h] = x1[h] * c1[h] - x2[h] * s1[h];
+        y2[h] = x2[h] * c2[h] + x1[h] * s2[h];
+      } else {  // transpose of the above: rotate_half^T(g * sin) = [g2 * s2, -g1 * s1]
+        y1[h] = x1[h] * c1[h] + x2[h] * s2[h];
+        y2[h] = x2[h] * c2[h] - x1[h] * s1[h];
+      }
+    }
+    IO<T>::store(y + j, c, y1[0], y1[1]);
+    IO<T>::store(y + half + j, c, y2[0], y2[1]);
+  }
+}
+
 // ---- norms (one row) -----------------------------------------------------------------------------------
 
 // a, b with the lanes from n on set to 0.
@@ -454,7 +479,7 @@ void rms_norm_backward(NormRow<T>& r) {
 template <typename T>
 const VecKernels<T>* table() {
   static const VecKernels<T> k{&bias_gelu<T>,         &bias_gelu_backward<T>, &bias_dropout_add<T>,
-                               &dropout<T>,           &swiglu<T>,             &swiglu_backward<T>,
+                               &dropout<T>,           &swiglu<T>,             &swiglu_backward<T>,     &rotary<T>,
                                &layer_norm_forward<T>, &layer_norm_backward<T>, &rms_norm_forward<T>,
                                &rms_norm_backward<T>};
   return &k;
