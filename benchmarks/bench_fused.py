@@ -1,4 +1,4 @@
-"""Fused layers against Hugging Face: the fused-GPU target table of issue 10.
+"""Fused layers against Hugging Face, with the speed targets the fused layers must meet on a GPU.
 
 Per (model, mode, variant): median step time (p20-p80), ratio to HF eager, and peak memory. The same
 measurement as the GPU yardstick (shared/gpu/side_by_side.py): one process, every variant on its own copy
@@ -37,7 +37,7 @@ CONFIGS = {
     "llama-bf16": (ModelSpec("llama", "llama", 16, 2048, 32, 2048, 8192, 32000, kv_heads=8), 4, "bf16"),
 }
 CPU_SHRINK = {"layers": 4, "hidden": 256, "heads": 4, "seq": 128, "intermediate": 1024, "vocab": 1000}
-# Issue 10's targets on the GPU: (fused / HF eager, fused + ckpt / HF eager).
+# The GPU targets (GPU shapes): (fused / HF eager, fused + ckpt / HF eager).
 TARGETS = {"bert-large-bf16": (0.85, 1.10), "bert-large-autocast": (0.90, 1.15), "gpt2-medium-bf16": (0.85, 1.10),
            "llama-bf16": (0.74, 0.95)}
 
@@ -75,7 +75,7 @@ def run_config(name: str, device, rounds: int, warmup: int, progress: Progress, 
 
 
 def _check_targets(name: str, rows: List[dict], cuda: bool) -> None:
-    """Writes issue 10's target and whether it was met into the fused rows (GPU shapes only)."""
+    """Writes the GPU target and whether it was met into the fused rows (judged on GPU shapes only)."""
     by = {r["variant"]: r for r in rows}
     fused_t, ckpt_t = TARGETS[name]
     for v, t in (("fused", fused_t), ("ckpt_ext-fused", ckpt_t)):
@@ -87,7 +87,7 @@ def _check_targets(name: str, rows: List[dict], cuda: bool) -> None:
             if v == "ckpt_ext-fused" and peak is not None and ref is not None:
                 r["target"] += f"; peak <= HF + torch ckpt {'met' if peak <= ref else 'MISSED'}"
         elif not cuda:
-            r["target"] += " (GPU target; CPU shapes)"
+            r["target"] += " (not judged: CPU shapes)"
 
 
 def to_markdown(info: dict, rows: List[dict], cfg: dict) -> str:
@@ -96,7 +96,7 @@ def to_markdown(info: dict, rows: List[dict], cfg: dict) -> str:
     lines = [f"# ckpt_ext fused layers against Hugging Face: {info['device_name']} ({info['device']})", "",
              env_line(info), "", f"{cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up step(s) per variant.",
              "", f"| model | mode | batch | variant | status | step ms, median (p20-p80) | vs HF eager | {peak} | "
-             "issue 10 target | flags |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "GPU target (fused / HF eager) | flags |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['ratio_to_eager']:.2f}x" if r["ratio_to_eager"] is not None else "-"
         lines.append(f"| {r['model']} s{r['seq']} | {r['mode']} | {r['batch']} | {r['variant']} | {r['status']} | "

@@ -5,8 +5,8 @@ with 20th/80th percentiles, and effective bandwidth = bytes the op must move (ea
 each output written once; per-row statistics and vectors of length hidden ignored) / time. The eager
 backward is autograd through the eager forward (retain_graph), what a model without the fused op runs.
 
-    python benchmarks/bench_ops.py                       # best device: CUDA bf16 rows 16384, else CPU fp32 rows 2048
-    python benchmarks/bench_ops.py --hidden 1024,4096,8192 --dtype bfloat16
+    python benchmarks/bench_ops.py                       # best device: CUDA bf16 rows 16384, else CPU fp32 + bf16 rows 2048
+    python benchmarks/bench_ops.py --hidden 1024,4096,8192 --dtype bfloat16,float16
 """
 import argparse
 import sys
@@ -99,9 +99,9 @@ def time_pair(ours: Callable, eager: Callable, device, rounds: int, inner: int):
     return quantiles(t["ours"]), quantiles(t["eager"])
 
 
-def run(device, dtype, rows: int, hiddens: List[int], rounds: int, inner: int, only=None) -> List[dict]:
+def run(device, dtypes, rows: int, hiddens: List[int], rounds: int, inner: int, only=None) -> List[dict]:
     out = []
-    for hidden in hiddens:
+    for dtype, hidden in ((d, h) for d in dtypes for h in hiddens):
         for name, ours, eager, nbytes in cases(rows, hidden, dtype, device):
             if only and name not in only:
                 continue
@@ -144,8 +144,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python benchmarks/bench_ops.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--dtype", default=None,
+                   help="comma list of float32, bfloat16, float16 (default bfloat16 on CUDA, float32,bfloat16 on CPU)")
     p.add_argument("--rows", type=int, default=None, help="default 16384 on CUDA (b32 x s512), 2048 on CPU")
     p.add_argument("--hidden", default=None, help="comma list (default CUDA 1024,4096,8192; CPU 1024)")
     p.add_argument("--rounds", type=int, default=None, help="default CUDA 20, CPU 7")
@@ -155,15 +155,18 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    names = (args.dtype or ("bfloat16" if cuda else "float32,bfloat16")).split(",")
+    if not names or any(n not in ("float32", "bfloat16", "float16") for n in names):
+        p.error("--dtype: a comma list of float32, bfloat16, float16")
+    dtypes = [getattr(torch, n) for n in names]
     rows = args.rows or (16384 if cuda else 2048)
     hiddens = [int(h) for h in (args.hidden or ("1024,4096,8192" if cuda else "1024")).split(",")]
     rounds, inner = args.rounds or (20 if cuda else 7), args.inner or (20 if cuda else 3)
     only = set(args.ops.split(",")) if args.ops else None
     info = env_info(device)
-    print(f"fused ops on {device}: rows {rows}, hidden {hiddens}, {dtype} ...", file=sys.stderr)
-    result_rows = run(device, dtype, rows, hiddens, rounds, inner, only)
-    cfg = {"rows": rows, "hidden": hiddens, "dtype": str(dtype), "rounds": rounds, "inner": inner,
+    print(f"fused ops on {device}: rows {rows}, hidden {hiddens}, {', '.join(names)} ...", file=sys.stderr)
+    result_rows = run(device, dtypes, rows, hiddens, rounds, inner, only)
+    cfg = {"rows": rows, "hidden": hiddens, "dtype": ",".join(names), "rounds": rounds, "inner": inner,
            "argv": list(sys.argv[1:] if argv is None else argv)}
     md = to_markdown(finish_env(info), result_rows, cfg)
     print(md)

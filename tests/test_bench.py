@@ -336,11 +336,14 @@ def test_bench_ops_covers_every_op(tmp_path):
     from ckpt_ext import ops
     result = bench_ops.main(["--device", "cpu", "--rows", "8", "--hidden", "64", "--rounds", "1", "--inner", "1",
                              "--out", str(tmp_path)])
-    assert sorted(r["op"] for r in result["rows"]) == sorted(ops.__all__)
+    for dtype in ("float32", "bfloat16"):  # the CPU default: both
+        assert sorted(r["op"] for r in result["rows"] if r["dtype"] == dtype) == sorted(ops.__all__)
+    assert len(result["rows"]) == 2 * len(ops.__all__)
     for r in result["rows"]:
         assert r["status"] == "ok", r
         assert r["ours_gbps"] > 0 and r["eager_gbps"] > 0
-    assert "| add_layer_norm | 8x64 | float32 | ok |" in (tmp_path / "ops.md").read_text()
+    md = (tmp_path / "ops.md").read_text()
+    assert "| add_layer_norm | 8x64 | float32 | ok |" in md and "| add_layer_norm | 8x64 | bfloat16 | ok |" in md
 
 
 def test_entry_point_runs_the_checkout_suite(capsys):

@@ -2,6 +2,7 @@
 // Philox words of element ranges (DropoutWords), computed in blocks (dropout_words.cpp).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "../kernels.h"
+#include "vec.h"
 
 namespace ckpt_ext {
 namespace kernels {
@@ -63,12 +65,58 @@ class DropoutWords {
   }
 
   bool keep(uint32_t word) const { return (word >> 8) >= threshold_; }
+  uint32_t threshold() const { return threshold_; }
 
  private:
   philox::Dropout d_;
   uint32_t threshold_;
   std::vector<uint32_t> words_;
 };
+
+// ---- the SIMD kernels (vec.h) -------------------------------------------------------------------------------
+
+// body(kernels) with the SIMD kernels of dtype t, returning true; false where there are none (float64, a
+// CPU without AVX2): the caller then runs its portable loop.
+template <typename T, typename F>
+bool call_vec(const VecKernels<T>* k, const F& body) {
+  if (!k) return false;
+  body(*k);
+  return true;
+}
+
+template <typename F>
+bool with_vec(at::ScalarType t, const F& body) {
+  switch (t) {
+    case at::kFloat:
+      return call_vec(vec_kernels<float>(), body);
+    case at::kBFloat16:
+      return call_vec(vec_kernels<c10::BFloat16>(), body);
+    case at::kHalf:
+      return call_vec(vec_kernels<c10::Half>(), body);
+    default:
+      return false;
+  }
+}
+
+// The dropout of a segment for the SIMD kernels: its words drawn by `mask` (none when disabled).
+inline VecDropout vec_dropout(DropoutWords& mask, bool enabled, float scale, int64_t i0, int64_t n) {
+  return {enabled ? mask.fill(static_cast<uint64_t>(i0), n) : nullptr, mask.threshold(), scale};
+}
+
+// fn(i0, n, col, mask) over elements [0, numel) in parallel, in segments that end at row ends (col: the
+// column of i0 in rows of `hidden`) and are at most DropoutWords::kBlock long; one DropoutWords per task.
+template <typename F>
+void for_segments(int64_t numel, int64_t hidden, const philox::Dropout& ph, const F& fn) {
+  at::parallel_for(0, numel, kElementGrain, [&](int64_t begin, int64_t end) {
+    DropoutWords mask(ph);
+    for (int64_t i = begin; i < end;) {
+      const int64_t col = i % hidden;
+      const int64_t n = std::min(std::min(end - i, hidden - col), DropoutWords::kBlock);
+      fn(i, n, col, mask);
+      i += n;
+    }
+  });
+}
 
 }  // namespace cpu
 }  // namespace kernels

@@ -2,7 +2,9 @@
 // (declared in kernels/kernels.h; the norms are in norms.cpp).
 //
 // Every dtype (float32, float64, float16, bfloat16) computes in at::opmath_type (float, or double for
-// float64) and rounds once when it stores. Work is split with at::parallel_for.
+// float64) and rounds once when it stores. Work is split with at::parallel_for. float32, bfloat16 and
+// float16 run the SIMD kernels of vec.h where the CPU has AVX2 (with_vec); the loops below are the
+// portable path (float64, other CPUs).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -16,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "../math.h"
@@ -30,11 +33,10 @@ using math::gelu;
 using math::gelu_derivative;
 using math::sigmoid;
 
-// float32 / float64 are their own accumulation type, so ATen's vectorized kernels (SIMD erf, tanh, exp)
-// compute what the scalar loops below compute, in the same precision (up to the last bit of those
-// functions), an order of magnitude faster: the scalar GELU/SiLU loops, calling std::erf/std::exp per
-// element, dominated a CPU training step. The scalar loops serve float16 / bfloat16, which they compute
-// in float and round once.
+// Portable path: float32 / float64 are their own accumulation type, so ATen's vectorized kernels (SIMD
+// erf, tanh, exp) compute what the scalar loops below compute, in the same precision (up to the last bit
+// of those functions), an order of magnitude faster than std::erf/std::exp per element. The scalar loops
+// serve float16 / bfloat16 on CPUs without the SIMD kernels, computing in float and rounding once.
 bool aten_vectorized(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble;
 }
@@ -46,6 +48,16 @@ c10::string_view gelu_kind(bool tanh) { return tanh ? "tanh" : "none"; }
 // ---- elementwise ----------------------------------------------------------------------------------------
 
 void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, const at::Tensor& out) {
+  if (with_vec(x.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T* xp = x.const_data_ptr<T>();
+        const T* bp = ptr_or_null<T>(bias);
+        T* op = out.mutable_data_ptr<T>();
+        for_segments(x.numel(), x.size(-1), philox::Dropout{}, [&](int64_t i, int64_t n, int64_t col, DropoutWords&) {
+          k.bias_gelu(xp + i, bp ? bp + col : nullptr, op + i, n, tanh);
+        });
+      }))
+    return;
   if (aten_vectorized(x)) {
     at::Tensor o = out;
     if (bias.defined())
@@ -74,6 +86,17 @@ void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, c
 
 void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,
                         const at::Tensor& grad_x) {
+  if (with_vec(x.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T* gp = grad.const_data_ptr<T>();
+        const T* xp = x.const_data_ptr<T>();
+        const T* bp = ptr_or_null<T>(bias);
+        T* dp = grad_x.mutable_data_ptr<T>();
+        for_segments(x.numel(), x.size(-1), philox::Dropout{}, [&](int64_t i, int64_t n, int64_t col, DropoutWords&) {
+          k.bias_gelu_backward(gp + i, xp + i, bp ? bp + col : nullptr, dp + i, n, tanh);
+        });
+      }))
+    return;
   if (aten_vectorized(x)) {
     at::Tensor gx = grad_x;
     at::gelu_backward_out(gx, grad, bias.defined() ? at::add(x, bias) : x, gelu_kind(tanh));
@@ -99,6 +122,20 @@ void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::T
 
 void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
                               const DropoutArgs& dropout, const at::Tensor& out) {
+  if (with_vec(x.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T* xp = x.const_data_ptr<T>();
+        const T* bp = ptr_or_null<T>(bias);
+        const T* rp = residual.const_data_ptr<T>();
+        T* op = out.mutable_data_ptr<T>();
+        const float scale = dropout_scale<float>(dropout);
+        for_segments(x.numel(), x.size(-1), dropout.philox(),
+                     [&](int64_t i, int64_t n, int64_t col, DropoutWords& mask) {
+                       k.bias_dropout_add(xp + i, bp ? bp + col : nullptr, rp + i, op + i, n,
+                                          vec_dropout(mask, dropout.enabled(), scale, i, n));
+                     });
+      }))
+    return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::bias_dropout_add", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
@@ -127,6 +164,16 @@ void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const
 }
 
 void dropout(const at::Tensor& x, const DropoutArgs& dropout, const at::Tensor& out) {
+  if (dropout.enabled() && with_vec(x.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T* xp = x.const_data_ptr<T>();
+        T* op = out.mutable_data_ptr<T>();
+        const float scale = dropout_scale<float>(dropout);
+        for_segments(x.numel(), x.numel(), dropout.philox(), [&](int64_t i, int64_t n, int64_t, DropoutWords& mask) {
+          k.dropout(xp + i, op + i, n, vec_dropout(mask, true, scale, i, n));
+        });
+      }))
+    return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::dropout", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* gp = x.const_data_ptr<scalar_t>();
@@ -169,6 +216,15 @@ void dropout_mask(const DropoutArgs& dropout, const at::Tensor& mask) {
 }
 
 void swiglu_forward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out) {
+  if (with_vec(gate.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T* gp = gate.const_data_ptr<T>();
+        const T* up_ = up.const_data_ptr<T>();
+        T* op = out.mutable_data_ptr<T>();
+        at::parallel_for(0, gate.numel(), kElementGrain,
+                         [&](int64_t begin, int64_t end) { k.swiglu(gp + begin, up_ + begin, op + begin, end - begin); });
+      }))
+    return;
   if (aten_vectorized(gate)) {
     at::Tensor o = out;
     at::silu_out(o, gate);
@@ -191,6 +247,18 @@ void swiglu_forward(const at::Tensor& gate, const at::Tensor& up, const at::Tens
 
 void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
                      const at::Tensor& grad_gate, const at::Tensor& grad_up) {
+  if (with_vec(gate.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T* dy = grad.const_data_ptr<T>();
+        const T* gp = gate.const_data_ptr<T>();
+        const T* up_ = up.const_data_ptr<T>();
+        T* dg = grad_gate.mutable_data_ptr<T>();
+        T* du = grad_up.mutable_data_ptr<T>();
+        at::parallel_for(0, gate.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+          k.swiglu_backward(dy + begin, gp + begin, up_ + begin, dg + begin, du + begin, end - begin);
+        });
+      }))
+    return;
   if (aten_vectorized(gate)) {
     // d/dgate = silu'(gate) * (grad * up); d/dup = silu(gate) * grad.
     at::Tensor gg = grad_gate, gu = grad_up;
@@ -221,6 +289,24 @@ void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::T
 
 void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,
             const at::Tensor& out) {
+  if (with_vec(x.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const int64_t H = x.size(1), S = x.size(2), D = x.size(3);
+        const int64_t cos_batch_stride = cos.size(0) == 1 ? 0 : S * D;
+        const T* xp = x.const_data_ptr<T>();
+        const T* cp = cos.const_data_ptr<T>();
+        const T* sp = sin.const_data_ptr<T>();
+        T* op = out.mutable_data_ptr<T>();
+        at::parallel_for(0, x.size(0) * H * S, row_grain(D), [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const int64_t b = r / (H * S), h = (r / S) % H, s = r % S;
+            k.rotary(xp + b * x.stride(0) + h * x.stride(1) + s * x.stride(2), cp + b * cos_batch_stride + s * D,
+                     sp + b * cos_batch_stride + s * D, op + b * out.stride(0) + h * out.stride(1) + s * out.stride(2),
+                     D / 2, backward);
+          }
+        });
+      }))
+    return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::rotary", [&] {
     using A = at::opmath_type<scalar_t>;
     const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3), half = D / 2;

@@ -4,8 +4,10 @@
 // float64) and rounds once when it stores. The per-row sums of the norms accumulate in double (RowSum): a
 // serial float sum of `hidden` terms is off by up to hidden/2 ulps, which normalisation multiplies by rstd
 // (a row with a large mean relative to its spread, a constant row) -- PyTorch's own kernels are exact there.
-// Work is split with at::parallel_for; reductions over rows (grad_weight, grad_bias) use a fixed partition
-// into chunks, so results do not depend on the number of threads.
+// float32, bfloat16 and float16 run the SIMD row kernels of vec.h where the CPU has AVX2 (with_vec: same
+// arithmetic, sums in double); the loops below are the portable path. Work is split with
+// at::parallel_for; reductions over rows (grad_weight, grad_bias) use a fixed partition into chunks, so
+// results do not depend on the number of threads.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -13,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -55,6 +58,41 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
                         const DropoutArgs& dropout, const at::Tensor& weight, const at::Tensor& ln_bias, double eps,
                         const at::Tensor& out, const at::Tensor& pre_norm, const at::Tensor& mean,
                         const at::Tensor& rstd) {
+  if (with_vec(x.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const int64_t hidden = weight.numel();
+        const T* xp = x.const_data_ptr<T>();
+        const T* bp = ptr_or_null<T>(bias);
+        const T* rp = ptr_or_null<T>(residual);
+        T* op = out.mutable_data_ptr<T>();
+        T* pp = pre_norm.mutable_data_ptr<T>();
+        float* mp = mean.mutable_data_ptr<float>();
+        float* sp = rstd.mutable_data_ptr<float>();
+        const float scale = dropout_scale<float>(dropout);
+        at::parallel_for(0, x.numel() / hidden, row_grain(hidden), [&](int64_t begin, int64_t end) {
+          std::vector<float> scratch(hidden);
+          DropoutWords mask(dropout.philox());
+          NormRow<T> row{};
+          row.bias = bp;
+          row.weight = weight.const_data_ptr<T>();
+          row.ln_bias = ptr_or_null<T>(ln_bias);
+          row.scratch = scratch.data();
+          row.hidden = hidden;
+          row.eps = eps;
+          for (int64_t r = begin; r < end; ++r) {
+            const int64_t base = r * hidden;
+            row.x = xp + base;
+            row.residual = rp ? rp + base : nullptr;
+            row.out = op + base;
+            row.pre = pp + base;
+            row.drop = vec_dropout(mask, dropout.enabled(), scale, base, hidden);
+            k.layer_norm_forward(row);
+            mp[r] = row.mean;
+            sp[r] = row.rstd;
+          }
+        });
+      }))
+    return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::layer_norm_forward", [&] {
     using A = at::opmath_type<scalar_t>;
     const int64_t hidden = weight.numel();
@@ -107,6 +145,47 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
                          const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
                          const DropoutArgs& dropout, const at::Tensor& grad_pre, const at::Tensor& grad_x,
                          const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias) {
+  if (with_vec(pre_norm.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const int64_t hidden = weight.numel();
+        const int64_t rows = pre_norm.numel() / hidden;
+        const T* gp = grad_out.const_data_ptr<T>();
+        const T* gsp = ptr_or_null<T>(grad_pre_norm);
+        const T* vp = pre_norm.const_data_ptr<T>();
+        const float* mp = mean.const_data_ptr<float>();
+        const float* sp = rstd.const_data_ptr<float>();
+        T* dpre = grad_pre.mutable_data_ptr<T>();
+        T* dx = grad_x.defined() ? grad_x.mutable_data_ptr<T>() : nullptr;
+        const float scale = dropout_scale<float>(dropout);
+        const RowChunks chunks(rows);
+        std::vector<float> partial_w(chunks.count * hidden, 0.f), partial_b(chunks.count * hidden, 0.f);
+        at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
+          DropoutWords mask(dropout.philox());
+          NormRow<T> row{};
+          row.weight = weight.const_data_ptr<T>();
+          row.hidden = hidden;
+          for (int64_t c = c0; c < c1; ++c) {
+            row.partial_w = partial_w.data() + c * hidden;
+            row.partial_b = partial_b.data() + c * hidden;
+            const int64_t r_end = std::min(rows, (c + 1) * chunks.rows_per_chunk);
+            for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
+              const int64_t base = r * hidden;
+              row.grad = gp + base;
+              row.grad_pre = gsp ? gsp + base : nullptr;
+              row.x = vp + base;
+              row.out = dpre + base;
+              row.pre = dx ? dx + base : nullptr;
+              row.mean = mp[r];
+              row.rstd = sp[r];
+              row.drop = vec_dropout(mask, dropout.enabled() && dx, scale, base, hidden);
+              k.layer_norm_backward(row);
+            }
+          }
+        });
+        reduce_chunks(partial_w, chunks.count, hidden, grad_weight.mutable_data_ptr<T>());
+        reduce_chunks(partial_b, chunks.count, hidden, grad_ln_bias.mutable_data_ptr<T>());
+      }))
+    return;
   const auto dtype = pre_norm.scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "ckpt_ext::layer_norm_backward", [&] {
     using A = at::opmath_type<scalar_t>;
@@ -163,6 +242,31 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
 
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
                       const at::Tensor& out, const at::Tensor& sum, const at::Tensor& rstd) {
+  if (with_vec(x.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const int64_t hidden = weight.numel();
+        const T* xp = x.const_data_ptr<T>();
+        const T* rp = ptr_or_null<T>(residual);
+        T* op = out.mutable_data_ptr<T>();
+        T* sump = sum.mutable_data_ptr<T>();
+        float* sp = rstd.mutable_data_ptr<float>();
+        at::parallel_for(0, x.numel() / hidden, row_grain(hidden), [&](int64_t begin, int64_t end) {
+          NormRow<T> row{};
+          row.weight = weight.const_data_ptr<T>();
+          row.hidden = hidden;
+          row.eps = eps;
+          for (int64_t r = begin; r < end; ++r) {
+            const int64_t base = r * hidden;
+            row.x = xp + base;
+            row.residual = rp ? rp + base : nullptr;
+            row.out = op + base;
+            row.pre = sump + base;
+            k.rms_norm_forward(row);
+            sp[r] = row.rstd;
+          }
+        });
+      }))
+    return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::rms_norm_forward", [&] {
     using A = at::opmath_type<scalar_t>;
     const int64_t hidden = weight.numel();
@@ -199,6 +303,38 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
 void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, const at::Tensor& sum,
                        const at::Tensor& weight, const at::Tensor& rstd, const at::Tensor& grad_input,
                        const at::Tensor& grad_weight) {
+  if (with_vec(sum.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const int64_t hidden = weight.numel();
+        const int64_t rows = sum.numel() / hidden;
+        const T* gp = grad_out.const_data_ptr<T>();
+        const T* gsp = ptr_or_null<T>(grad_sum);
+        const T* vp = sum.const_data_ptr<T>();
+        const float* sp = rstd.const_data_ptr<float>();
+        T* dinp = grad_input.mutable_data_ptr<T>();
+        const RowChunks chunks(rows);
+        std::vector<float> partial_w(chunks.count * hidden, 0.f);
+        at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
+          NormRow<T> row{};
+          row.weight = weight.const_data_ptr<T>();
+          row.hidden = hidden;
+          for (int64_t c = c0; c < c1; ++c) {
+            row.partial_w = partial_w.data() + c * hidden;
+            const int64_t r_end = std::min(rows, (c + 1) * chunks.rows_per_chunk);
+            for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
+              const int64_t base = r * hidden;
+              row.grad = gp + base;
+              row.grad_pre = gsp ? gsp + base : nullptr;
+              row.x = vp + base;
+              row.out = dinp + base;
+              row.rstd = sp[r];
+              k.rms_norm_backward(row);
+            }
+          }
+        });
+        reduce_chunks(partial_w, chunks.count, hidden, grad_weight.mutable_data_ptr<T>());
+      }))
+    return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, sum.scalar_type(), "ckpt_ext::rms_norm_backward", [&] {
     using A = at::opmath_type<scalar_t>;
     const int64_t hidden = weight.numel();

@@ -1,0 +1,495 @@
+// The SIMD CPU kernels (see vec.h), written once on at::vec::Vectorized<float>: included by vec_avx2.cpp and
+// vec_avx512.cpp only, after their target pragma and CPU_CAPABILITY macros, inside namespace
+// ckpt_ext::kernels::cpu::CKPT_EXT_VEC_NS. Every dtype is loaded as float vectors, 2 x Vectorized<float>
+// elements per step (one Vectorized<BFloat16/Half>), computed in float and rounded once on store.
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <tuple>
+#include <type_traits>
+
+namespace ckpt_ext {
+namespace kernels {
+namespace cpu {
+namespace CKPT_EXT_VEC_NS {
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+using dVec = at::vec::Vectorized<double>;
+constexpr int64_t kF = fVec::size();
+constexpr int64_t kStep = 2 * kF;
+
+// Loads / stores of kStep (or n < kStep, zero-filled) elements of T as two float vectors.
+template <typename T>
+struct IO {
+  using V = at::vec::Vectorized<T>;
+  static_assert(V::size() == kStep, "a 16-bit vector holds two float vectors");
+  static void load(const T* p, int64_t n, fVec& a, fVec& b) {
+    std::tie(a, b) = at::vec::convert_to_float<T>(n == kStep ? V::loadu(p) : V::loadu(p, n));
+  }
+  static void store(T* p, int64_t n, const fVec& a, const fVec& b) {
+    const V v = at::vec::convert_from_float<T>(a, b);
+    if (n == kStep)
+      v.store(p);
+    else
+      v.store(p, n);
+  }
+  // a, b rounded to T and back (what a store and a reload would give).
+  static void round(fVec& a, fVec& b) { std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b)); }
+};
+
+template <>
+struct IO<float> {
+  static void load(const float* p, int64_t n, fVec& a, fVec& b) {
+    if (n == kStep) {
+      a = fVec::loadu(p);
+      b = fVec::loadu(p + kF);
+    } else if (n > kF) {
+      a = fVec::loadu(p);
+      b = fVec::loadu(p + kF, n - kF);
+    } else {
+      a = fVec::loadu(p, n);
+      b = fVec(0.f);
+    }
+  }
+  static void store(float* p, int64_t n, const fVec& a, const fVec& b) {
+    if (n == kStep) {
+      a.store(p);
+      b.store(p + kF);
+    } else if (n > kF) {
+      a.store(p);
+      b.store(p + kF, n - kF);
+    } else {
+      a.store(p, n);
+    }
+  }
+  static void round(fVec&, fVec&) {}
+};
+
+// x += y over n (<= kStep) elements, zeros where y is absent.
+template <typename T>
+inline void add_opt(const T* y, int64_t n, fVec& a, fVec& b) {
+  if (!y) return;
+  fVec ya, yb;
+  IO<T>::load(y, n, ya, yb);
+  a = a + ya;
+  b = b + yb;
+}
+
+// Dropout of n (<= kStep) elements whose words start at w: kept * scale, dropped +0 (a select, as the
+// portable loops store 0, not v * 0).
+inline void apply_dropout(const VecDropout& d, const uint32_t* w, int64_t n, fVec& a, fVec& b) {
+  alignas(64) uint32_t m[kStep];
+  if (n == kStep) {
+    for (int64_t k = 0; k < kStep; ++k) m[k] = (w[k] >> 8) >= d.threshold ? 0xFFFFFFFFu : 0u;
+  } else {
+    for (int64_t k = 0; k < kStep; ++k) m[k] = k < n && (w[k] >> 8) >= d.threshold ? 0xFFFFFFFFu : 0u;
+  }
+  const fVec zero(0.f), scale(d.scale);
+  a = fVec::blendv(zero, a * scale, fVec::loadu(m));
+  b = fVec::blendv(zero, b * scale, fVec::loadu(m + kF));
+}
+
+// The two halves of a float vector in double.
+inline void to_double(const fVec& v, dVec& lo, dVec& hi) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 x = v;
+  lo = dVec(_mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+  hi = dVec(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
+#else
+  const __m256 x = v;
+  lo = dVec(_mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+  hi = dVec(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+#endif
+}
+
+// Row sums in double (vec.h): acc += v (or v * v, squared in double).
+struct DoubleSum {
+  dVec s0{0.0}, s1{0.0};
+  void add(const fVec& v) {
+    dVec lo, hi;
+    to_double(v, lo, hi);
+    s0 = s0 + lo;
+    s1 = s1 + hi;
+  }
+  void add_square(const fVec& v) {
+    dVec lo, hi;
+    to_double(v, lo, hi);
+    s0 = at::vec::fmadd(lo, lo, s0);
+    s1 = at::vec::fmadd(hi, hi, s1);
+  }
+  double total() const {
+    alignas(64) double t[2 * dVec::size()];
+    s0.store(t);
+    s1.store(t + dVec::size());
+    double r = 0;
+    for (double x : t) r += x;
+    return r;
+  }
+};
+
+// ---- activations ---------------------------------------------------------------------------------------
+//
+// Fast = true (float16 / bfloat16, whose 8 or 11 bits of mantissa hide a few float ulps): exp is
+// at::vec's inline exp_u20 (error <= 20 float ulps) rather than Sleef's out-of-line exp (1 ulp), and erf
+// and tanh are built on it. float32 keeps at::vec's erf/exp/tanh (Sleef), what ATen's own float kernels
+// call; its GELU derivative computes erf by at::vec's formula itself, to share the one exp.
+
+template <bool Fast>
+inline fVec exp_(const fVec& x) {
+  return Fast ? x.exp_u20() : x.exp();
+}
+
+// 1 / d for d >= 1: the hardware estimate and one Newton step (relative error ~2^-23 or better).
+inline fVec recip_fast(const fVec& d) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const fVec r(_mm512_rcp14_ps(d));
+#else
+  const fVec r(_mm256_rcp_ps(d));
+#endif
+  return r * (fVec(2.f) - d * r);
+}
+
+// erf(xs) by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), the formula of at::vec's erf, given
+// e = exp(-xs * xs), which the GELU derivative shares (one exp per element, not two). Fast: 1 / d by
+// recip_fast rather than a division.
+template <bool Fast>
+inline fVec erf_(const fVec& xs, const fVec& e) {
+  const fVec one(1.f);
+  // |xs| capped where e is 0 anyway, so that an infinite input keeps t finite (erf(+-inf) = +-1)
+  const fVec d = one + fVec(0.3275911f) * at::vec::minimum(xs.abs(), fVec(16.f));
+  const fVec t = Fast ? recip_fast(d) : one / d;
+  const fVec poly = ((((fVec(1.061405429f) * t + fVec(-1.453152027f)) * t + fVec(1.421413741f)) * t +
+                      fVec(-0.284496736f)) * t + fVec(0.254829592f)) * t;
+  const fVec y = one - poly * e;
+  return fVec::blendv(y, y.neg(), xs < fVec(0.f));
+}
+
+template <bool Fast>
+inline fVec tanh_(const fVec& x) {
+  if (!Fast) return x.tanh();
+  const fVec one(1.f);
+  // tanh(9) rounds to 1 in float; the cap keeps exp finite for recip_fast
+  const fVec xc = at::vec::minimum(at::vec::maximum(x, fVec(-9.f)), fVec(9.f));
+  return one - fVec(2.f) * recip_fast(exp_<true>(xc + xc) + one);
+}
+
+template <bool Fast>
+inline fVec gelu(const fVec& x, bool tanh) {
+  const fVec half(0.5f), one(1.f);
+  if (tanh) {
+    const fVec inner = fVec(static_cast<float>(math::kSqrt2OverPi)) *
+                       (x + fVec(static_cast<float>(math::kGeluKappa)) * x * x * x);
+    return half * x * (one + tanh_<Fast>(inner));
+  }
+  const fVec xs = x * fVec(static_cast<float>(M_SQRT1_2));
+  if (!Fast) return half * x * (one + xs.erf());  // at::vec's, as ATen's float GELU
+  return half * x * (one + erf_<true>(xs, exp_<true>((xs * xs).neg())));
+}
+
+template <bool Fast>
+inline fVec gelu_derivative(const fVec& x, bool tanh) {
+  const fVec half(0.5f), one(1.f);
+  if (tanh) {
+    const fVec beta(static_cast<float>(math::kSqrt2OverPi)), kappa(static_cast<float>(math::kGeluKappa));
+    const fVec t = tanh_<Fast>(beta * (x + kappa * x * x * x));
+    return half * (one + t) + half * x * (one - t * t) * beta * (one + fVec(3.f) * kappa * x * x);
+  }
+  const fVec xs = x * fVec(static_cast<float>(M_SQRT1_2));
+  const fVec e = exp_<Fast>(fVec(-0.5f) * x * x);  // exp(-xs^2): the normal density and erf's exponential
+  const fVec cdf = half * (one + erf_<Fast>(xs, e));
+  return cdf + x * e * fVec(static_cast<float>(math::kInvSqrt2Pi));
+}
+
+template <bool Fast>
+inline fVec sigmoid(const fVec& x) {
+  return fVec(1.f) / (fVec(1.f) + exp_<Fast>(x.neg()));
+}
+
+template <typename T>
+constexpr bool kFast = !std::is_same<T, float>::value;
+
+template <typename T>
+void bias_gelu(const T* x, const T* bias, T* out, int64_t n, bool tanh) {
+  for (int64_t i = 0; i < n; i += kStep) {
+    const int64_t c = std::min(kStep, n - i);
+    fVec a, b;
+    IO<T>::load(x + i, c, a, b);
+    add_opt(bias ? bias + i : nullptr, c, a, b);
+    IO<T>::store(out + i, c, gelu<kFast<T>>(a, tanh), gelu<kFast<T>>(b, tanh));
+  }
+}
+
+template <typename T>
+void bias_gelu_backward(const T* grad, const T* x, const T* bias, T* grad_x, int64_t n, bool tanh) {
+  for (int64_t i = 0; i < n; i += kStep) {
+    const int64_t c = std::min(kStep, n - i);
+    fVec a, b, ga, gb;
+    IO<T>::load(x + i, c, a, b);
+    add_opt(bias ? bias + i : nullptr, c, a, b);
+    IO<T>::load(grad + i, c, ga, gb);
+    IO<T>::store(grad_x + i, c, ga * gelu_derivative<kFast<T>>(a, tanh), gb * gelu_derivative<kFast<T>>(b, tanh));
+  }
+}
+
+template <typename T>
+void bias_dropout_add(const T* x, const T* bias, const T* residual, T* out, int64_t n, VecDropout d) {
+  for (int64_t i = 0; i < n; i += kStep) {
+    const int64_t c = std::min(kStep, n - i);
+    fVec a, b;
+    IO<T>::load(x + i, c, a, b);
+    add_opt(bias ? bias + i : nullptr, c, a, b);
+    if (d.words) apply_dropout(d, d.words + i, c, a, b);
+    add_opt(residual + i, c, a, b);
+    IO<T>::store(out + i, c, a, b);
+  }
+}
+
+template <typename T>
+void dropout(const T* x, T* out, int64_t n, VecDropout d) {
+  for (int64_t i = 0; i < n; i += kStep) {
+    const int64_t c = std::min(kStep, n - i);
+    fVec a, b;
+    IO<T>::load(x + i, c, a, b);
+    apply_dropout(d, d.words + i, c, a, b);
+    IO<T>::store(out + i, c, a, b);
+  }
+}
+
+template <typename T>
+void swiglu(const T* gate, const T* up, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += kStep) {
+    const int64_t c = std::min(kStep, n - i);
+    fVec ga, gb, ua, ub;
+    IO<T>::load(gate + i, c, ga, gb);
+    IO<T>::load(up + i, c, ua, ub);
+    IO<T>::store(out + i, c, ga * sigmoid<kFast<T>>(ga) * ua, gb * sigmoid<kFast<T>>(gb) * ub);
+  }
+}
+
+template <typename T>
+void swiglu_backward(const T* grad, const T* gate, const T* up, T* grad_gate, T* grad_up, int64_t n) {
+  const fVec one(1.f);
+  for (int64_t i = 0; i < n; i += kStep) {
+    const int64_t c = std::min(kStep, n - i);
+    fVec g[2], u[2], dy[2], dg[2], du[2];
+    IO<T>::load(gate + i, c, g[0], g[1]);
+    IO<T>::load(up + i, c, u[0], u[1]);
+    IO<T>::load(grad + i, c, dy[0], dy[1]);
+    for (int h = 0; h < 2; ++h) {
+      const fVec s = sigmoid<kFast<T>>(g[h]);
+      du[h] = dy[h] * g[h] * s;
+      dg[h] = dy[h] * u[h] * s * (one + g[h] * (one - s));
+    }
+    IO<T>::store(grad_up + i, c, du[0], du[1]);
+    IO<T>::store(grad_gate + i, c, dg[0], dg[1]);
+  }
+}
+
+template <typename T>
+void rotary(const T* x, const T* cos, const T* sin, T* y, int64_t half, bool backward) {
+  for (int64_t j = 0; j < half; j += kStep) {
+    const int64_t c = std::min(kStep, half - j);
+    fVec x1[2], x2[2], c1[2], c2[2], s1[2], s2[2], y1[2], y2[2];
+    IO<T>::load(x + j, c, x1[0], x1[1]);
+    IO<T>::load(x + half + j, c, x2[0], x2[1]);
+    IO<T>::load(cos + j, c, c1[0], c1[1]);
+    IO<T>::load(cos + half + j, c, c2[0], c2[1]);
+    IO<T>::load(sin + j, c, s1[0], s1[1]);
+    IO<T>::load(sin + half + j, c, s2[0], s2[1]);
+    for (int h = 0; h < 2; ++h) {
+      if (!backward) {  // rotate_half(x) = [-x2, x1]
+        y1[h] = x1[h] * c1[h] - x2[h] * s1[h];
+        y2[h] = x2[h] * c2[h] + x1[h] * s2[h];
+      } else {  // transpose of the above: rotate_half^T(g * sin) = [g2 * s2, -g1 * s1]
+        y1[h] = x1[h] * c1[h] + x2[h] * s2[h];
+        y2[h] = x2[h] * c2[h] - x1[h] * s1[h];
+      }
+    }
+    IO<T>::store(y + j, c, y1[0], y1[1]);
+    IO<T>::store(y + half + j, c, y2[0], y2[1]);
+  }
+}
+
+// ---- norms (one row) -----------------------------------------------------------------------------------
+
+// a, b with the lanes from n on set to 0.
+inline void zero_tail(int64_t n, fVec& a, fVec& b) {
+  if (n == kStep) return;
+  const fVec zero(0.f);
+  a = fVec::set(zero, a, std::min(n, kF));
+  b = fVec::set(zero, b, std::max<int64_t>(n - kF, 0));
+}
+
+template <typename T>
+void layer_norm_forward(NormRow<T>& r) {
+  const int64_t H = r.hidden;
+  float* v = r.scratch;  // the stored pre-norm row in float
+  DoubleSum sum;
+  for (int64_t i = 0; i < H; i += kStep) {
+    const int64_t c = std::min(kStep, H - i);
+    fVec a, b;
+    IO<T>::load(r.x + i, c, a, b);
+    add_opt(r.bias ? r.bias + i : nullptr, c, a, b);
+    if (r.drop.words) apply_dropout(r.drop, r.drop.words + i, c, a, b);
+    add_opt(r.residual ? r.residual + i : nullptr, c, a, b);
+    IO<T>::store(r.pre + i, c, a, b);
+    IO<T>::round(a, b);  // normalise exactly what is stored (and what backward reads)
+    IO<float>::store(v + i, c, a, b);
+    sum.add(a);  // zero-filled past the row's end
+    sum.add(b);
+  }
+  const float mu = static_cast<float>(sum.total() / H);
+  const fVec vmu(mu);
+  DoubleSum var;
+  for (int64_t i = 0; i < H; i += kStep) {
+    const int64_t c = std::min(kStep, H - i);
+    fVec a, b;
+    IO<float>::load(v + i, c, a, b);
+    a = a - vmu;
+    b = b - vmu;
+    zero_tail(c, a, b);
+    var.add(a * a);
+    var.add(b * b);
+  }
+  const float rs = static_cast<float>(1 / std::sqrt(var.total() / H + r.eps));
+  r.mean = mu;
+  r.rstd = rs;
+  const fVec vrs(rs);
+  for (int64_t i = 0; i < H; i += kStep) {
+    const int64_t c = std::min(kStep, H - i);
+    fVec a, b, wa, wb;
+    IO<float>::load(v + i, c, a, b);
+    IO<T>::load(r.weight + i, c, wa, wb);
+    a = (a - vmu) * vrs * wa;
+    b = (b - vmu) * vrs * wb;
+    add_opt(r.ln_bias ? r.ln_bias + i : nullptr, c, a, b);
+    IO<T>::store(r.out + i, c, a, b);
+  }
+}
+
+template <typename T>
+void layer_norm_backward(NormRow<T>& r) {
+  const int64_t H = r.hidden;
+  const fVec mu(r.mean), rs(r.rstd);
+  DoubleSum sum_dy, sum_dy_xhat;  // dy = grad_out * weight
+  for (int64_t i = 0; i < H; i += kStep) {
+    const int64_t c = std::min(kStep, H - i);
+    fVec g[2], v[2], w[2], pw[2], pb[2];
+    IO<T>::load(r.grad + i, c, g[0], g[1]);  // zero-filled past the row's end: those lanes add 0
+    IO<T>::load(r.x + i, c, v[0], v[1]);
+    IO<T>::load(r.weight + i, c, w[0], w[1]);
+    IO<float>::load(r.partial_w + i, c, pw[0], pw[1]);
+    IO<float>::load(r.partial_b + i, c, pb[0], pb[1]);
+    for (int h = 0; h < 2; ++h) {
+      const fVec xhat = (v[h] - mu) * rs;
+      const fVec dy = g[h] * w[h];
+      sum_dy.add(dy);
+      sum_dy_xhat.add(dy * xhat);
+      pw[h] = pw[h] + g[h] * xhat;
+      pb[h] = pb[h] + g[h];
+    }
+    IO<float>::store(r.partial_w + i, c, pw[0], pw[1]);
+    IO<float>::store(r.partial_b + i, c, pb[0], pb[1]);
+  }
+  const fVec c_mean(static_cast<float>(sum_dy.total() / H)), c_xhat(static_cast<float>(sum_dy_xhat.total() / H));
+  for (int64_t i = 0; i < H; i += kStep) {
+    const int64_t c = std::min(kStep, H - i);
+    fVec g[2], v[2], w[2], d[2];
+    IO<T>::load(r.grad + i, c, g[0], g[1]);
+    IO<T>::load(r.x + i, c, v[0], v[1]);
+    IO<T>::load(r.weight + i, c, w[0], w[1]);
+    for (int h = 0; h < 2; ++h) {
+      const fVec xhat = (v[h] - mu) * rs;
+      d[h] = rs * (g[h] * w[h] - c_mean - xhat * c_xhat);
+    }
+    add_opt(r.grad_pre ? r.grad_pre + i : nullptr, c, d[0], d[1]);
+    IO<T>::store(r.out + i, c, d[0], d[1]);
+    if (r.pre) {
+      if (r.drop.words) apply_dropout(r.drop, r.drop.words + i, c, d[0], d[1]);
+      IO<T>::store(r.pre + i, c, d[0], d[1]);
+    }
+  }
+}
+
+template <typename T>
+void rms_norm_forward(NormRow<T>& r) {
+  const int64_t H = r.hidden;
+  DoubleSum sum_sq;
+  for (int64_t i = 0; i < H; i += kStep) {
+    const int64_t c = std::min(kStep, H - i);
+    fVec a, b;
+    IO<T>::load(r.x + i, c, a, b);
+    add_opt(r.residual ? r.residual + i : nullptr, c, a, b);
+    IO<T>::store(r.pre + i, c, a, b);
+    IO<T>::round(a, b);
+    sum_sq.add_square(a);
+    sum_sq.add_square(b);
+  }
+  const float rs_f = static_cast<float>(1 / std::sqrt(sum_sq.total() / H + r.eps));
+  r.rstd = rs_f;
+  const fVec rs(rs_f);
+  for (int64_t i = 0; i < H; i += kStep) {
+    const int64_t c = std::min(kStep, H - i);
+    fVec a, b, wa, wb;
+    IO<T>::load(r.pre + i, c, a, b);
+    a = a * rs;
+    b = b * rs;
+    IO<T>::round(a, b);  // LlamaRMSNorm: normalise in float, cast to the input dtype, then times the weight
+    IO<T>::load(r.weight + i, c, wa, wb);
+    IO<T>::store(r.out + i, c, wa * a, wb * b);
+  }
+}
+
+template <typename T>
+void rms_norm_backward(NormRow<T>& r) {
+  const int64_t H = r.hidden;
+  const fVec rs(r.rstd);
+  DoubleSum sum_dn_n;  // dn = grad_out * weight, n = sum * rstd
+  for (int64_t i = 0; i < H; i += kStep) {
+    const int64_t c = std::min(kStep, H - i);
+    fVec g[2], n[2], w[2], pw[2];
+    IO<T>::load(r.grad + i, c, g[0], g[1]);
+    IO<T>::load(r.x + i, c, n[0], n[1]);
+    IO<T>::load(r.weight + i, c, w[0], w[1]);
+    IO<float>::load(r.partial_w + i, c, pw[0], pw[1]);
+    n[0] = n[0] * rs;
+    n[1] = n[1] * rs;
+    sum_dn_n.add(g[0] * w[0] * n[0]);
+    sum_dn_n.add(g[1] * w[1] * n[1]);
+    IO<T>::round(n[0], n[1]);  // out = weight * to_dtype(n)
+    IO<float>::store(r.partial_w + i, c, pw[0] + g[0] * n[0], pw[1] + g[1] * n[1]);
+  }
+  const fVec c_n(static_cast<float>(sum_dn_n.total() / H));
+  for (int64_t i = 0; i < H; i += kStep) {
+    const int64_t c = std::min(kStep, H - i);
+    fVec g[2], n[2], w[2], d[2];
+    IO<T>::load(r.grad + i, c, g[0], g[1]);
+    IO<T>::load(r.x + i, c, n[0], n[1]);
+    IO<T>::load(r.weight + i, c, w[0], w[1]);
+    for (int h = 0; h < 2; ++h) d[h] = rs * (g[h] * w[h] - n[h] * rs * c_n);
+    add_opt(r.grad_pre ? r.grad_pre + i : nullptr, c, d[0], d[1]);
+    IO<T>::store(r.out + i, c, d[0], d[1]);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+const VecKernels<T>* table() {
+  static const VecKernels<T> k{&bias_gelu<T>,         &bias_gelu_backward<T>, &bias_dropout_add<T>,
+                               &dropout<T>,           &swiglu<T>,             &swiglu_backward<T>,     &rotary<T>,
+                               &layer_norm_forward<T>, &layer_norm_backward<T>, &rms_norm_forward<T>,
+                               &rms_norm_backward<T>};
+  return &k;
+}
+
+template const VecKernels<float>* table<float>();
+template const VecKernels<c10::BFloat16>* table<c10::BFloat16>();
+template const VecKernels<c10::Half>* table<c10::Half>();
+
+}  // namespace CKPT_EXT_VEC_NS
+}  // namespace cpu
+}  // namespace kernels
+}  // namespace ckpt_ext
