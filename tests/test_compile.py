@@ -301,6 +301,26 @@ def test_fused_hugging_face_model_compiles_to_fused_segment_ops(family):
         second_step_does_not_recompile(lambda: compiled(**kw).last_hidden_state, [], params, seed=5)
 
 
+def test_fused_segment_under_autocast_equals_eager():
+    """CPU autocast (bfloat16): the operator runs and replays the layers under the forward's autocast state
+    (passed as its autocast_dtype), as SegmentFunction does: the eager fused model's outputs and gradients."""
+    model, kw = _hf("llama", dropout=0.0, layers=2)
+    ckpt_ext.fuse(model)
+    reference = copy.deepcopy(model)
+
+    def step(target, params):
+        def forward():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return target(**kw).last_hidden_state.float()
+        return run_step(forward, [], params=params, seed=0)
+
+    eager = step(reference, dict(reference.named_parameters()))
+    _checkpointing(model, every=2)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert_grads_close(step(compiled, dict(model.named_parameters())), eager, exact=True)
+    assert not counters["graph_break"]
+
+
 def test_fused_layers_without_checkpointing_compile_and_take_dynamic_shapes():
     """A fused layer not checkpointed is a one-layer fused_segment; with dynamic=True a new sequence length
     and new dropout seeds reuse the graph."""
