@@ -25,8 +25,8 @@ def _parity(r) -> str:
 
 def batch_table(rows: List[dict], cuda: bool) -> List[str]:
     head = ("| variant | batch | status | step ms, median (p20-p80) | time/token vs none | tokens/s | activations MiB "
-            "| parity vs none |")
-    sep = "|---|---|---|---|---|---|---|---|"
+            "| parity vs none | graph breaks |")
+    sep = "|---|---|---|---|---|---|---|---|---|"
     if cuda:
         head += " peak allocated MiB | peak reserved MiB |"
         sep += "---|---|"
@@ -35,7 +35,8 @@ def batch_table(rows: List[dict], cuda: bool) -> List[str]:
     for r in rows:
         cells = [r["variant"], str(r["batch"] or "-"), r["status"], ms(r["step_s"]),
                  _ratio(r, none_tps.get(r["batch"])), f"{r['tokens_per_s']:.0f}" if r["step_s"] else "-",
-                 mib(r["activation_bytes"]), _parity(r)]
+                 mib(r["activation_bytes"]), _parity(r),
+                 "-" if r.get("graph_breaks") is None else str(r["graph_breaks"])]
         if cuda:
             cells += [mib(r["peak_allocated_bytes"]), mib(r["peak_reserved_bytes"])]
         lines.append("| " + " | ".join(cells + ["; ".join(r["flags"])]) + " |")

@@ -7,7 +7,10 @@
                                                                 # peft LoRA (r=16, alpha 32, dropout 0.05) on every variant
 
 Variants (benchmarks/variants.py): none, hf-torch-nonreentrant, hf-torch-reentrant, torch-selective,
-ckpt_ext, fused, ckpt_ext-fused, ckpt_ext-budget, compile-budget. Each has its own copy of the model; one
+ckpt_ext, fused, ckpt_ext-fused, ckpt_ext-budget, compile-budget, and torch.compile (inductor) of five of
+them: compiled-none, compiled-hf-torch-nonreentrant, compiled-ckpt_ext, compiled-fused,
+compiled-ckpt_ext-fused (their first step compiles, untimed; the table counts its graph breaks). Each has
+its own copy of the model; one
 that does not apply here is reported as `not applicable: <reason>`, one that fails as `error: ...` or `oom`.
 --lora wraps the model with peft LoRA first (variants.LORA_TARGETS, base frozen): every variant then trains
 the adapters, `fused` being ckpt_ext.fuse(peft model).
@@ -58,7 +61,7 @@ def empty_row(v: str, batch: int, seq: int, status: str = "ok", note: str = "") 
             "tokens_per_s": None, "activation_bytes": None, "saved_bytes": None, "pool_bytes": None,
             "peak_allocated_bytes": None, "peak_reserved_bytes": None, "peak_over_weights_bytes": None,
             "fragmentation_bytes": None,
-            "budget_bytes": None, "parity": None, "flags": [], "note": note}
+            "budget_bytes": None, "graph_breaks": None, "parity": None, "flags": [], "note": note}
 
 
 class Suite:
@@ -225,6 +228,7 @@ def run_cases(suite: Suite, cases: Dict[str, int], repeat: int, warmup: int, pro
             progress()
     for v in live:
         rows[v]["budget_bytes"] = getattr(suite.variants[v], "used", None)
+        rows[v]["graph_breaks"] = getattr(suite.variants[v], "graph_breaks", None)  # compiled variants
 
     def setup(v):
         progress.describe(f"timing b={cases[v]}")

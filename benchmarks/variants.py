@@ -348,6 +348,45 @@ class CompileBudget(Variant):
         return torch._functorch.config.patch(activation_memory_budget=COMPILE_MEMORY_BUDGET)
 
 
+class Compiled(Variant):
+    """torch.compile (inductor, default options) of another variant's model. The first step, untimed, compiles;
+    Dynamo's graph breaks in it are counted (`graph_breaks`, a column of the table)."""
+
+    def __init__(self, inner: Variant):
+        self.inner = inner
+        self.name = f"compiled-{inner.name}"
+        self.summary = f"torch.compile of: {inner.summary}"
+        self.recomputes = inner.recomputes
+        self.graph_breaks: Optional[int] = None
+
+    def unavailable(self):
+        return self.inner.unavailable()
+
+    def setup(self, fresh):
+        # Every compiled variant (and its parity copy) adds an entry to the cache of the same code objects.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
+                                                                512)
+        return torch.compile(self.inner.setup(fresh))
+
+    def teardown(self, model):
+        self.inner.teardown(model._orig_mod)
+
+    def prepare(self, model, batch, workload, none_bytes):
+        self.inner.prepare(model._orig_mod, batch, workload, none_bytes)
+        if self.graph_breaks is None:
+            from torch._dynamo.utils import counters
+            before = sum(counters["graph_break"].values())
+            workload.step(self, model, batch)
+            self.graph_breaks = sum(counters["graph_break"].values()) - before
+
+    def context(self):
+        return self.inner.context()
+
+    def extra_saved(self):
+        return self.inner.extra_saved()
+
+
 class NotApplicable(Exception):
     """Raised by a variant's setup when it cannot apply here (the message says why)."""
 
@@ -363,6 +402,10 @@ VARIANTS: Dict[str, Callable[..., Variant]] = {
     "ckpt_ext-budget": EngineBudget,
     "compile-budget": CompileBudget,
 }
+# The compiled variants: torch.compile of no checkpointing, Hugging Face + torch's checkpoint, ckpt_ext, fuse,
+# and fuse + ckpt_ext checkpointing.
+for _name in ("none", "hf-torch-nonreentrant", "ckpt_ext", "fused", "ckpt_ext-fused"):
+    VARIANTS[f"compiled-{_name}"] = (lambda inner: lambda: Compiled(inner()))(VARIANTS[_name])
 
 
 def make_variant(name: str, budget: Optional[int] = None) -> Variant:

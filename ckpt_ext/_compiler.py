@@ -1,13 +1,25 @@
 """How ckpt_ext meets torch.compile and CUDA graph capture.
 
-torch.compile: the engine (CheckpointFunction, SegmentFunction, the fused layers) is C++ reached through
-pybind, which Dynamo cannot trace. Its Python entry points are wrapped with :func:`eager_under_compile`:
-Dynamo graph-breaks at the call, once and quietly, and the call runs eagerly -- the user's function
-included, so that its forward and its replay in backward run the same (eager) code and draw the same
-random numbers. What runs without grad (inference) is not wrapped and compiles as usual.
+torch.compile: the engine (the C++ checkpoint frame, SegmentFunction, the fused layers' C++ autograd) is
+reached through pybind, which Dynamo cannot trace. While Dynamo traces, ckpt_ext's entry points therefore
+take a traced path instead (:func:`traced_under_compile`), with the semantics of the eager engine:
 
-CUDA graphs: the engine reads and restores generator state on the host, draws dropout seeds on the host
-and hands out BoundaryPool memory outside the graph's private pool; none of it can be captured.
+* a checkpointed call (checkpoint, checkpoint_sequential, enable_checkpointing) becomes torch's own
+  activation-checkpoint higher-order op (torch.utils.checkpoint under Dynamo: ``tag_activation_checkpoint``),
+  so AOTAutograd's partitioner recomputes the region inside compiled code, random ops included through
+  its functionalised RNG (the replay draws the forward's masks). ckpt_ext's eager engine is a
+  saved-tensor-hook mechanism around autograd; compiled code has no eager autograd graph to hook, and
+  the partitioner is where recompute belongs there (docs/design.md, "torch.compile").
+* checkpointed fused layers become the registered operator ``ckpt_ext::fused_segment`` (ckpt_ext/compiled.py),
+  opaque to the compiler, whose autograd formula replays the segment in C++; its dropout seeds are a
+  tensor drawn in the graph, so no step recompiles.
+
+An eager frame that a compiled region runs (a frame Dynamo gave up on, with its frame hook still set)
+runs the eager engine with Dynamo disabled, so that the user's function is not compiled between the
+forward and its replay. Outside torch.compile the entry points are called directly (no cost).
+
+CUDA graphs: the eager engine reads and restores generator state on the host, draws dropout seeds on the
+host and hands out BoundaryPool memory outside the graph's private pool; none of it can be captured.
 :func:`check_not_capturing` raises a clear error instead.
 """
 import functools
@@ -15,7 +27,7 @@ import sys
 
 import torch
 
-__all__ = ["eager_under_compile", "check_not_capturing"]
+__all__ = ["traced_under_compile", "check_not_capturing"]
 
 try:  # Dynamo's frame-evaluation hook: set while a compiled region (or a frame it resumes) runs
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
@@ -29,23 +41,31 @@ def _frame_hook_active() -> bool:
     return _eval_frame_callback() is not None
 
 
-def eager_under_compile(fn):
-    """``fn`` run outside torch.compile: under Dynamo, a call is one graph break and ``fn`` and everything
-    it calls run eagerly (``torch._disable_dynamo``: ``torch.compiler.disable`` without importing Dynamo
-    at import time). Outside torch.compile, ``fn`` is called directly while Dynamo is not even loaded."""
-    not_traced = torch._disable_dynamo(fn)
+def traced_under_compile(traced):
+    """Decorator: ``fn`` is the eager entry point, ``traced`` (same arguments) what Dynamo traces instead.
 
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        # Dynamo folds is_compiling() to True while tracing; the frame hook covers an eager frame run
-        # while a compiled region is active (a frame Dynamo gave up on calls the engine), whose callees
-        # Dynamo would otherwise compile. Outside both (Dynamo merely imported, as Hugging Face models
-        # do), the direct call saves torch._dynamo.disable's ~6 µs per call.
-        if torch.compiler.is_compiling() or _frame_hook_active():
-            return not_traced(*args, **kwargs)
-        return fn(*args, **kwargs)
+    While Dynamo traces (``torch.compiler.is_compiling()``, which Dynamo folds to True) the call is
+    ``traced(...)``: no graph break. In an eager frame run while a compiled region is active (Dynamo's
+    frame hook set: a frame it gave up on) ``fn`` runs with Dynamo disabled (``torch._disable_dynamo``:
+    ``torch.compiler.disable`` without importing Dynamo at import time), so that the functions the
+    engine calls are not compiled behind its back. Otherwise (Dynamo not even loaded, or merely
+    imported, as Hugging Face models do) ``fn`` is called directly, which saves torch._dynamo.disable's
+    ~6 µs per call."""
 
-    return call
+    def wrap(fn):
+        not_traced = torch._disable_dynamo(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return traced(*args, **kwargs)
+            if _frame_hook_active():
+                return not_traced(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
 
 
 def _stream_capturing() -> bool:

@@ -22,7 +22,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from . import _compiler
-from ._compiler import check_not_capturing, eager_under_compile
+from ._compiler import check_not_capturing, traced_under_compile
 from ._discovery import _check_fsdp_units, _collect, _discover, _Found, _fsdp_unit_class
 from ._extension import load
 
@@ -221,12 +221,29 @@ def _check_inputs_unchanged(function, args: tuple, versions: List[int]):
                 "clone the argument first.")
 
 
-@eager_under_compile
+def _traced_checkpoint(function, args: tuple, kwargs: dict, fsdp_checked: bool,
+                       modules: Optional[Sequence[nn.Module]], outside: Optional[nn.Module],
+                       preserve_rng_state: bool, determinism_check: str, debug: bool, early_stop: bool,
+                       context_fn: Optional[Callable]):
+    """_checkpoint_with_grad while Dynamo traces: torch's non-reentrant checkpoint, which Dynamo turns into
+    its activation-checkpoint higher-order op (ckpt_ext/_compiler.py). The semantics are the eager engine's:
+    the same gradients, the forward's random numbers in the recompute (the partitioner functionalises
+    their RNG), context_fn's selective-checkpointing policy honoured by the partitioner, BatchNorm
+    statistics updated once (the recompute is functional). early_stop has no meaning in compiled code;
+    FSDP units inside the function are torch's to handle, as with torch's checkpoint."""
+    options = {} if context_fn is None else {"context_fn": context_fn}  # (Dynamo rejects noop_context_fn)
+    if kwargs:  # the function's own keywords, kept apart from torch's checkpoint options
+        function = functools.partial(function, **kwargs)
+    return _torch_checkpoint.checkpoint(function, *args, use_reentrant=False, determinism_check=determinism_check,
+                                        debug=debug, preserve_rng_state=preserve_rng_state, **options)
+
+
+@traced_under_compile(_traced_checkpoint)
 def _checkpoint_with_grad(function, args: tuple, kwargs: dict, fsdp_checked: bool,
                           modules: Optional[Sequence[nn.Module]], outside: Optional[nn.Module],
                           preserve_rng_state: bool, determinism_check: str, debug: bool, early_stop: bool,
                           context_fn: Optional[Callable]):
-    """_checkpoint with grad enabled (one graph break under torch.compile)."""
+    """_checkpoint with grad enabled (traced as torch's checkpoint under torch.compile)."""
     if not fsdp_checked and _fsdp_unit_class() is not None:  # FSDP imported: refuse units run inside (_discovery)
         units = _discover(function, args, set()).fsdp_units
         if units:
@@ -408,7 +425,14 @@ def checkpoint_sequential(functions, segments: int, input, use_reentrant: Option
     return _run_range(functions, end + 1, len(functions) - 1)(input)
 
 
-@eager_under_compile
+def _traced_segments(functions, segment_size: int, end: int, input, options: Dict[str, Any]):
+    """_checkpoint_segments while Dynamo traces: each segment as torch's checkpoint (_traced_checkpoint)."""
+    for start in range(0, end + 1, segment_size):
+        input = _checkpoint(_run_range(functions, start, start + segment_size - 1), (input,), {}, **options)
+    return input
+
+
+@traced_under_compile(_traced_segments)
 def _checkpoint_segments(functions, segment_size: int, end: int, input, options: Dict[str, Any]):
     """The checkpointed segments of checkpoint_sequential, ending with function `end`."""
     for start in range(0, end + 1, segment_size):

@@ -28,7 +28,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._compiler import check_not_capturing, eager_under_compile
+from . import compiled
+from ._compiler import check_not_capturing, traced_under_compile
 from ._extension import load
 from ._layout import BERT, FAMILY_NAMES, LLAMA
 from ._user_frame import user_stacklevel
@@ -59,6 +60,19 @@ class _Call:
 
     def __init__(self, hidden, mask, cos, sin, fallback):
         self.hidden, self.mask, self.cos, self.sin, self.fallback = hidden, mask, cos, sin, fallback
+
+
+def _traced_forward(self: "FusedTransformerLayer", *args, **kwargs):
+    """FusedTransformerLayer.forward while Dynamo traces: the ckpt_ext::fused_segment operator of this layer
+    alone (ckpt_ext/compiled.py), or Hugging Face's forward for the calls the fused path cannot serve."""
+    call = self._parse(args, kwargs)
+    if call.fallback is not None:
+        return self._hf_forward(args, kwargs)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
+        raise NotImplementedError(
+            f"ckpt_ext: a fused {self.layer_class} under torch.compile does not differentiate its attention mask or "
+            "rotary tables, and they require grad here; compile the model without ckpt_ext.fuse for this case.")
+    return compiled.fused_segment([self], call.hidden, call.mask, call.cos, call.sin, self.training)
 
 
 class FusedTransformerLayer(nn.Module):
@@ -103,6 +117,17 @@ class FusedTransformerLayer(nn.Module):
         # Hugging Face's own forward for the calls the fused path cannot serve. Not registered as a
         # submodule: it shares this module's children, and its parameters are already ours.
         object.__setattr__(self, "_hf_layer", layer)
+        self._register_spec()
+
+    def _register_spec(self):
+        # The spec's id in the ckpt_ext::fused_segment operators (torch.compile's path): a plain int, which
+        # Dynamo bakes into the graph. Ids are per process: registered again when unpickled or copied.
+        self.spec_id = _C.register_spec(self.spec)
+        self.has_dropout = _C.uses_dropout(self.spec, True)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._register_spec()
 
     def _resolve(self):
         """Finds the weight-holding modules (through peft LoRA layers, to their base layers) and the
@@ -231,8 +256,10 @@ class FusedTransformerLayer(nn.Module):
         hf._modules.update(self._modules)  # children replaced on this module since fuse()
         return hf.forward(*args, **kwargs)
 
-    @eager_under_compile  # one C++ call: torch.compile graph-breaks around the layer
+    @traced_under_compile(_traced_forward)  # one C++ call; under torch.compile an operator (compiled.py)
     def forward(self, *args, **kwargs):
+        if compiled.USE_OPS_EAGERLY:
+            return _traced_forward(self, *args, **kwargs)
         call = self._parse(args, kwargs)
         if call.fallback is not None:
             return self._hf_forward(args, kwargs)
@@ -277,6 +304,8 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict):
         return NotImplemented
     if any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
         return NotImplemented
+    if compiled.use_ops():
+        return compiled.fused_segment(layers, call.hidden, call.mask, call.cos, call.sin, first.training)
     _check_segment_not_capturing()
     specs, weights = zip(*(layer._call_args() for layer in layers))
     return _C.segment_apply(list(specs), call.hidden, call.mask, call.cos, call.sin, list(weights), first.training)

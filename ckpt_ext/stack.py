@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from . import _entry_points
-from ._compiler import eager_under_compile
+from ._compiler import traced_under_compile
 from ._discovery import _ATOMS, _add_module, _check_fsdp_units, _Found, _fsdp_unit_class
 from .checkpoint import _checkpoint
 from .fused import run_segment
-from .hf.cache import drop_cache
+from .hf.cache import drop_cache, remember_signature
 from .hf.trainer import (double_checkpointing_error, install_take_over, layer_hf_checkpointed, refuse_hf_checkpointing_on,
                          remove_take_over)
 from .planner import fmt_bytes, parse_bytes
@@ -111,6 +111,7 @@ class _Group:
         self.planner = planner
         self.kept = kept
         self.pending: Optional[_Pending] = None  # after a checkpointed group run, until its last layer
+        self.traced: Optional[tuple] = None  # the same while Dynamo traces (_traced_layer_forward)
         self.siblings: List["_Group"] = []  # the multi-layer groups of the stack (see _check_order)
 
     def checkpointed(self, layer_args: Tuple, layer_kwargs: Dict):
@@ -210,6 +211,7 @@ def _check_order(group: _Group, args: Tuple):
 
 
 def _attach(layer: nn.Module, group: _Group):
+    remember_signature(layer)
     object.__setattr__(layer, _ATTR, group)
     object.__setattr__(layer, "forward", types.MethodType(_layer_forward, layer))
 
@@ -222,7 +224,55 @@ def _layer_forward(self: nn.Module, *args, **kwargs):
     return _training_layer_forward(self, args, kwargs)
 
 
-@eager_under_compile
+def _traced_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
+    """_training_layer_forward while Dynamo traces: the same groups, each checkpointed call traced as torch's
+    checkpoint (ckpt_ext/_compiler.py) or, for fused layers, as the ckpt_ext::fused_segment operator. A
+    group's output is handed to its later layers through `group.traced`, set and cleared within the traced
+    loop (so it never outlives the compiled frame). A budget's plan is made in eager training steps (its
+    probe measures real runs): until one is installed, every layer is checkpointed alone."""
+    group: _Group = getattr(self, _ATTR)
+    if layer_hf_checkpointed(self):
+        raise double_checkpointing_error(self, group.index + group.layers.index(self))
+    if group.kept:
+        return type(self).forward(self, *args, **kwargs)
+    args, kwargs = drop_cache(self, args, kwargs)
+    if group.layers[0] is self:
+        out = run_segment(group.layers, args, kwargs)
+        if out is NotImplemented:
+            out = _checkpoint(group.run, (args, kwargs), {}, modules=group.layers, outside=self)
+        group.traced = (out, 1, args[1:], kwargs) if len(group.layers) > 1 else None
+        return out
+    if group.traced is None:  # called on its own: checkpointed alone
+        out = run_segment([self], args, kwargs)
+        if out is NotImplemented:
+            out = _checkpoint(lambda a, k: type(self).forward(self, *a, **k), (args, kwargs), {}, outside=self)
+        return out
+    out, done, g_args, g_kwargs = group.traced
+    group.traced = None
+    if group.layers[done] is not self or not args or args[0] is not _hidden_of(out):
+        raise _changed_between_layers(group, done, self)
+    if not _same_args(args[1:], kwargs, g_args, g_kwargs):
+        raise _different_arguments(group, done, self)
+    if done + 1 < len(group.layers):
+        group.traced = (out, done + 1, g_args, g_kwargs)
+    return out
+
+
+def _changed_between_layers(group: _Group, done: int, layer: nn.Module) -> RuntimeError:
+    return RuntimeError(
+        f"ckpt_ext.enable_checkpointing(every={len(group.layers)}): layer {group.index + done} "
+        f"({type(layer).__name__}) did not receive the output of the layer before it unchanged; this model "
+        "transforms hidden states between layers, so layers cannot be grouped. Use every=1.")
+
+
+def _different_arguments(group: _Group, done: int, layer: nn.Module) -> RuntimeError:
+    return RuntimeError(
+        f"ckpt_ext.enable_checkpointing(every={len(group.layers)}): layer {group.index + done} "
+        f"({type(layer).__name__}) receives different arguments than layer {group.index}, but a group runs "
+        "all its layers with the first layer's arguments. Use every=1.")
+
+
+@traced_under_compile(_traced_layer_forward)
 def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     group: _Group = getattr(self, _ATTR)
     if layer_hf_checkpointed(self):
@@ -261,16 +311,10 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     args, kwargs = drop_cache(self, args, kwargs)
     if pending is None or expected is not self or not args or args[0] is not _hidden_of(out):
         group.pending = None
-        raise RuntimeError(
-            f"ckpt_ext.enable_checkpointing(every={len(group.layers)}): layer {group.index + done} "
-            f"({type(self).__name__}) did not receive the output of the layer before it unchanged; this model "
-            "transforms hidden states between layers, so layers cannot be grouped. Use every=1.")
+        raise _changed_between_layers(group, done, self)
     if not _same_args(args[1:], kwargs, g_args, g_kwargs):
         group.pending = None
-        raise RuntimeError(
-            f"ckpt_ext.enable_checkpointing(every={len(group.layers)}): layer {group.index + done} "
-            f"({type(self).__name__}) receives different arguments than layer {group.index}, but a group runs "
-            "all its layers with the first layer's arguments. Use every=1.")
+        raise _different_arguments(group, done, self)
     if done + 1 < len(group.layers):
         group.pending.done = done + 1
     else:

@@ -130,6 +130,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("spec"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
       py::arg("training"));
+  m.def("register_spec", &ckpt_ext::register_spec, py::arg("spec"),
+        "An id naming `spec` in the ckpt_ext::fused_segment operators (torch.compile's path)");
   m.def(
       "segment_apply",
       [](const std::vector<L::LayerSpec>& specs, const at::Tensor& hidden, const OptTensor& mask,

@@ -21,7 +21,7 @@ import variants  # noqa: E402
 
 ROW_KEYS = {"variant", "batch", "tokens", "status", "step_s", "tokens_per_s", "activation_bytes", "saved_bytes",
             "pool_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "peak_over_weights_bytes",
-            "fragmentation_bytes", "budget_bytes", "parity", "flags", "note"}
+            "fragmentation_bytes", "budget_bytes", "graph_breaks", "parity", "flags", "note"}
 TINY = ["--device", "cpu", "--model", "custom", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
         "--repeat", "1", "--warmup", "1", "--no-progress"]
 
@@ -53,6 +53,16 @@ def test_suite_smoke(tmp_path):
     assert "| variant | batch | status |" in md and "flags |" in md
     assert "| none | 2 | ok |" in md and "| ckpt_ext | 2 | ok |" in md
     assert (tmp_path / "custom.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_suite_compiled_variants_count_graph_breaks(tmp_path):
+    """A compiled variant runs (inductor) and reports Dynamo's graph breaks: none for fuse + checkpointing (the
+    fused one: inductor compiles only the embeddings and the loss, the cheapest to compile)."""
+    result = suite.main(TINY + ["--batch", "2", "--variants", "compiled-ckpt_ext-fused", "--no-parity", "--no-plots",
+                                "--out", str(tmp_path)])
+    [row] = result["rows"]
+    assert row["status"] == "ok" and row["graph_breaks"] == 0, row
+    assert "| graph breaks |" in (tmp_path / "custom.md").read_text()
 
 
 PEFT_VARIANTS = "none,hf-torch-nonreentrant,ckpt_ext,fused,ckpt_ext-fused"

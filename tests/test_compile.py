@@ -1,40 +1,45 @@
 """ckpt_ext under torch.compile and CUDA graph capture.
 
-torch.compile: models using ckpt_ext.checkpoint, checkpoint_sequential, enable_checkpointing (a plain
-stack, a Hugging Face BERT) and fuse + enable_checkpointing compile and give the outputs and gradients
-of eager execution, with no warning and no recompilation on the second step. The engine is one quiet
-graph break (ckpt_ext/_compiler.py); what runs without grad compiles without any; the fused ops compile
-with fullgraph=True. Most tests use the aot_eager backend (Dynamo and AOTAutograd, no code generation);
-two use inductor, which compiles C++ per graph on CPU.
+torch.compile: ckpt_ext.checkpoint, checkpoint_sequential and enable_checkpointing (every=, budget=, plain
+and fused) are traced without a graph break (fullgraph=True where torch's checkpoint allows it): a
+checkpointed call becomes torch's activation-checkpoint higher-order op, a fused layer or checkpointed
+group of fused layers the ckpt_ext::fused_segment operator (ckpt_ext/_compiler.py, compiled.py). Each test
+checks the graph (the number of those nodes), that the eager engine did not run (no silent eager
+fallback), the gradients against eager execution, and that a second step does not recompile. Most tests
+use the aot_eager backend (Dynamo and AOTAutograd, no code generation); two use inductor, which compiles
+C++ per graph on CPU.
 
-With dropout on, the equalities stay exact because a checkpointed call runs eagerly in forward and in
-its replay: the compiled model with ckpt_ext equals the eager model without checkpointing under the same
-seed (the compiled parts around it draw no random numbers), and ckpt_ext.checkpoint of a compiled block
-equals that compiled block without checkpointing.
+With dropout on, the equalities stay exact: the partitioner's recompute replays the forward's random
+numbers (functionalised RNG), and aot_eager draws them from the default generator as eager does. The
+fused operators draw their seeds in the graph (other numbers than the eager C++ draw), so a compiled
+fused model with dropout is compared with the same operators run eagerly (compiled.USE_OPS_EAGERLY), and
+without dropout with the eager fused model itself.
 
 CUDA graphs: what the engine cannot capture raises a clear error (checked on CPU by faking the capture
 query, and on a GPU); dropout-free fused ops and fused layers capture and replay correctly (GPU).
 """
 import copy
+import functools
 import warnings
 
 import pytest
 import torch
 import torch._dynamo
 from torch import nn
+from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
 import ckpt_ext
 import ckpt_ext._compiler
+import ckpt_ext.compiled
 from ckpt_ext import ops
 from reference import assert_grads_close, leaf_inputs, make_block, make_stack, run_step
 from helpers.hf_models import inputs_for, layers_of, make_model  # noqa: E402  (tiny Hugging Face models)
 
 from helpers.devices import requires_cuda  # noqa: E402
 
-# The functions through which the engine is entered (ckpt_ext/_compiler.py: eager_under_compile): the only
-# graph breaks ckpt_ext may cause in a model without fused layers.
-ENGINE_ENTRIES = ("_checkpoint_with_grad", "_checkpoint_segments", "_training_layer_forward")
+CHECKPOINT_OP = "tag_activation_checkpoint"  # torch's activation-checkpoint higher-order op
+SEGMENT_OP = "ckpt_ext.fused_segment"
 
 
 @pytest.fixture(autouse=True)
@@ -46,57 +51,60 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def engine_runs():
-    """Checkpointed calls so far: frames of ckpt_ext.checkpoint plus fused segments (each stores its output
-    in the BoundaryPool)."""
-    return ckpt_ext._C.checkpoint_frames_created() + ckpt_ext.pool_stats("cpu")["allocations"]
+class Recorder:
+    """A torch.compile backend: aot_eager, keeping the graphs Dynamo hands it."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    def count(self, name: str) -> int:
+        """Calls of the function or operator `name` in the recorded graphs."""
+        return sum(getattr(n.target, "__name__", None) == name or str(n.target) in (name, name + ".default")
+                   for g in self.graphs for n in g.graph.nodes if n.op == "call_function")
 
 
-def compiled_step(fn, inputs, params, seed=0, checkpointed_calls=None):
-    """run_step of a compiled function: no warning may be emitted, and the engine must have run
-    `checkpointed_calls` times."""
-    allocations = engine_runs()
+def compiled_step(fn, inputs, params, seed=0, kwargs=None):
+    """run_step of a compiled function: no warning may be emitted, no graph may break and the eager engine
+    (the C++ checkpoint frame) must not run."""
+    frames = ckpt_ext._C.checkpoint_frames_created()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = run_step(fn, inputs, params=params, seed=seed)
+        warnings.filterwarnings("ignore", message=".*torch.jit", category=DeprecationWarning)  # inductor's import
+        result = run_step(fn, inputs, params=params, seed=seed, kwargs=kwargs)
     assert not caught, [str(w.message) for w in caught]
-    if checkpointed_calls is not None:
-        assert engine_runs() - allocations == checkpointed_calls
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert ckpt_ext._C.checkpoint_frames_created() == frames, "the eager engine ran under torch.compile"
     return result
 
 
-def second_step_does_not_recompile(fn, inputs, params, seed=0):
+def second_step_does_not_recompile(fn, inputs, params, seed=0, kwargs=None):
     with torch.compiler.set_stance("fail_on_recompile"):
-        return run_step(fn, inputs, params=params, seed=seed)
-
-
-def assert_breaks_only_at_the_engine():
-    assert counters["graph_break"], "expected graph breaks at the engine"
-    for reason in counters["graph_break"]:
-        assert any(f"`{name}`" in reason for name in ENGINE_ENTRIES), reason
+        return run_step(fn, inputs, params=params, seed=seed, kwargs=kwargs)
 
 
 class Net(nn.Module):
-    """inp -> two checkpointed MLP blocks (dropout inside) -> out. The compiled parts draw no random numbers."""
+    """inp -> two checkpointed MLP blocks (dropout inside) -> out."""
 
-    def __init__(self, p=0.3, checkpointed=True):
+    def __init__(self, p=0.3, checkpointed=True, **options):
         super().__init__()
         self.inp = nn.Linear(7, 19)
         self.blocks = make_stack(2, p=p)
         self.out = nn.Linear(19, 5)
         self.checkpointed = checkpointed
+        self.options = options
 
     def forward(self, x):
         h = self.inp(x)
         if self.checkpointed:
-            h = ckpt_ext.checkpoint(self.blocks[0], h)
-            h = ckpt_ext.checkpoint(self.blocks[1], h)
+            h = ckpt_ext.checkpoint(self.blocks[0], h, **self.options)
+            h = ckpt_ext.checkpoint(self.blocks[1], h, **self.options)
         else:
             h = self.blocks[1](self.blocks[0](h))
         return self.out(h)
-
-
-# ---- models using the engine ----------------------------------------------------------------------------------------
 
 
 def _plain(model):
@@ -105,53 +113,95 @@ def _plain(model):
     return plain
 
 
+# ---- ckpt_ext.checkpoint, checkpoint_sequential, enable_checkpointing: torch's higher-order op ----------------------
+
+
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["no-dropout", "dropout"])
-def test_checkpoint_compiles_and_equals_eager(p):
+def test_checkpoint_compiles_fullgraph_and_equals_eager(p):
     model = Net(p)
     x = leaf_inputs((4, 7))
     eager = run_step(_plain(model), x, seed=0)
     params = dict(model.named_parameters())
-    compiled = torch.compile(model, backend="aot_eager")
-    assert_grads_close(compiled_step(compiled, x, params, checkpointed_calls=2), eager, exact=True)
-    assert counters["stats"]["unique_graphs"] >= 2  # the layers around the blocks were compiled
-    assert_breaks_only_at_the_engine()
+    backend = Recorder()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    assert_grads_close(compiled_step(compiled, x, params), eager, exact=True)
+    assert backend.count(CHECKPOINT_OP) == 2 and len(backend.graphs) == 1
     assert_grads_close(second_step_does_not_recompile(compiled, x, params), eager, exact=True)
 
 
-def test_checkpoint_sequential_compiles_and_equals_eager():
+def test_checkpoint_options_under_compile():
+    """A selective-checkpointing context_fn (honoured by the partitioner), the function's own keywords
+    and preserve_rng_state pass through to torch's checkpoint."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    policy = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    block = make_block(p=0.3)
+    x = leaf_inputs((4, 19))
+    params = dict(block.named_parameters())
+    expected = run_step(lambda h: block(h) * 2, x, params=params, seed=2)
+
+    def fn(h):
+        return ckpt_ext.checkpoint(lambda h, scale: block(h) * scale, h, scale=2, context_fn=policy,
+                                   determinism_check="none")
+
+    backend = Recorder()
+    got = compiled_step(torch.compile(fn, backend=backend, fullgraph=True), x, params, seed=2)
+    assert_grads_close(got, expected, exact=True)
+    assert backend.count(CHECKPOINT_OP) == 1
+
+
+def test_checkpoint_sequential_compiles_fullgraph():
     stack = make_stack(4, p=0.3)
     x = leaf_inputs((4, 19))
     eager = run_step(copy.deepcopy(stack), x, seed=1)
-    compiled = torch.compile(lambda h: ckpt_ext.checkpoint_sequential(stack, 3, h), backend="aot_eager")
+    backend = Recorder()
+    compiled = torch.compile(lambda h: ckpt_ext.checkpoint_sequential(stack, 3, h), backend=backend, fullgraph=True)
     params = dict(stack.named_parameters())
-    assert_grads_close(compiled_step(compiled, x, params, seed=1, checkpointed_calls=2), eager, exact=True)
-    assert_breaks_only_at_the_engine()
+    assert_grads_close(compiled_step(compiled, x, params, seed=1), eager, exact=True)
+    assert backend.count(CHECKPOINT_OP) == 2
     second_step_does_not_recompile(compiled, x, params, seed=1)
 
 
-def test_enable_checkpointing_on_a_layer_stack_compiles():
-    """Layers in a loop: Dynamo runs a frame with a graph break inside a loop eagerly, so this checks
-    that compilation does no harm (no error, no warning, no recompilation, same numbers)."""
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = make_stack(4, p=0.3)
+        self.head = nn.Linear(19, 3)
 
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = make_stack(4, p=0.3)
-            self.head = nn.Linear(19, 3)
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
 
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return self.head(x)
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_enable_checkpointing_on_a_layer_stack_compiles_fullgraph(every):
     model = Stack()
     x = leaf_inputs((4, 19))
     eager = run_step(copy.deepcopy(model), x, seed=0)
-    ckpt_ext.enable_checkpointing(model, every=2)
+    ckpt_ext.enable_checkpointing(model, every=every)
     params = dict(model.named_parameters())
-    compiled = torch.compile(model, backend="aot_eager")
-    assert_grads_close(compiled_step(compiled, x, params, checkpointed_calls=2), eager, exact=True)
-    assert_breaks_only_at_the_engine()
+    backend = Recorder()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    assert_grads_close(compiled_step(compiled, x, params), eager, exact=True)
+    assert backend.count(CHECKPOINT_OP) == 4 // every
+    assert_grads_close(second_step_does_not_recompile(compiled, x, params), eager, exact=True)
+
+
+def test_enable_checkpointing_budget_compiles_its_plan():
+    """budget=: the plan is made in eager training steps (the planner measures real runs); compiled
+    afterwards, its groups are traced (kept layers plain, the others as the higher-order op)."""
+    model = Stack()
+    x = leaf_inputs((4, 19))
+    eager = run_step(copy.deepcopy(model), x, seed=0)
+    ckpt_ext.enable_checkpointing(model, budget="6KiB")  # all checkpointed: 3.3 KiB
+    params = dict(model.named_parameters())
+    for _ in range(2):  # the first step measures and plans, the second installs the plan
+        assert_grads_close(run_step(model, x, params=params, seed=0), eager, exact=True)
+    assert "plan in use" in ckpt_ext.explain(model)
+    backend = Recorder()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    assert_grads_close(compiled_step(compiled, x, params), eager, exact=True)
+    assert 1 <= backend.count(CHECKPOINT_OP) < 4  # some layers kept, some checkpointed
     second_step_does_not_recompile(compiled, x, params)
 
 
@@ -173,47 +223,181 @@ def test_inference_compiles_without_graph_breaks():
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("variant", ["checkpointed", "fused+checkpointed"])
-def test_hugging_face_model_compiles_and_equals_eager(variant):
-    model = make_model("bert", dropout=0.2, layers=2).train()
-    model.embeddings.dropout.p = 0.0  # the compiled part draws no random numbers: exact comparison
-    if variant == "fused+checkpointed":
-        ckpt_ext.fuse(model)  # its reference: the fused model, not checkpointed (bit-identical in eager)
-    kw = inputs_for("bert", padding=True)
-    call = lambda m: (lambda: m(**kw).last_hidden_state)  # noqa: E731
-    reference = copy.deepcopy(model)
-    eager = run_step(call(reference), [], params=dict(reference.named_parameters()), seed=3)
+@pytest.mark.parametrize("budget", [0.5, 0.0])
+def test_compiled_dropout_gradients_with_a_memory_budget(budget):
+    """torch's compiled recompute with activation_memory_budget < 1 may redraw dropout masks (pytorch
+    issue 190717: the partitioner recomputes random ops it chose to recompute itself, outside any
+    checkpoint, with fresh random numbers). ckpt_ext's checkpointed regions are the higher-order op,
+    whose random ops the partitioner replays with the forward's RNG state: eager's gradients."""
+    model = Net(p=0.3)
+    x = leaf_inputs((4, 7))
+    eager = run_step(_plain(model), x, seed=0)
+    params = dict(model.named_parameters())
+    with torch._functorch.config.patch(activation_memory_budget=budget):
+        got = compiled_step(torch.compile(model, backend="aot_eager", fullgraph=True), x, params)
+    assert_grads_close(got, eager, exact=True)
+
+
+# ---- Hugging Face models -------------------------------------------------------------------------------------------
+
+
+def _hf(family, dropout, layers=2):
+    model = make_model(family, dropout=dropout, layers=layers).train()
+    kw = inputs_for(family, padding=True)
+    if family != "bert":
+        kw["use_cache"] = False
+    return model, kw
+
+
+def _hf_step(model, kw, seed, compiled=None):
+    target = compiled if compiled is not None else model
+    return run_step(lambda: target(**kw).last_hidden_state, [], params=dict(model.named_parameters()), seed=seed)
+
+
+def _checkpointing(model, every):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename
-        ckpt_ext.enable_checkpointing(model)
-    compiled = torch.compile(model, backend="aot_eager")
+        ckpt_ext.enable_checkpointing(model, every=every)
+    return model
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+def test_hugging_face_model_checkpointed_compiles_fullgraph(family):
+    model, kw = _hf(family, dropout=0.2, layers=4)
+    eager = _hf_step(copy.deepcopy(model), kw, seed=3)
+    _checkpointing(model, every=2)
+    backend = Recorder()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    got = compiled_step(lambda: compiled(**kw).last_hidden_state, [], dict(model.named_parameters()), seed=3)
+    assert_grads_close(got, eager, exact=True)
+    assert backend.count(CHECKPOINT_OP) == 2
+    second_step_does_not_recompile(lambda: compiled(**kw).last_hidden_state, [], dict(model.named_parameters()), 3)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+def test_fused_hugging_face_model_compiles_to_fused_segment_ops(family):
+    """fuse + enable_checkpointing(every=2): one ckpt_ext::fused_segment per group, no graph break. Without
+    dropout the compiled model equals the eager fused model; with dropout, the same operators run eagerly
+    (same seeds drawn in the same order)."""
+    for dropout in (0.0, 0.2):
+        torch._dynamo.reset()
+        model, kw = _hf(family, dropout=dropout, layers=4)
+        ckpt_ext.fuse(model)
+        if dropout:
+            ckpt_ext.compiled.USE_OPS_EAGERLY = True
+            try:
+                eager = _hf_step(_checkpointing(copy.deepcopy(model), every=2), kw, seed=4)
+            finally:
+                ckpt_ext.compiled.USE_OPS_EAGERLY = False
+        else:
+            eager = _hf_step(copy.deepcopy(model), kw, seed=4)
+        _checkpointing(model, every=2)
+        backend = Recorder()
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        params = dict(model.named_parameters())
+        got = compiled_step(lambda: compiled(**kw).last_hidden_state, [], params, seed=4)
+        assert_grads_close(got, eager, exact=True)
+        assert backend.count(SEGMENT_OP) == 2 and backend.count(CHECKPOINT_OP) == 0
+        second_step_does_not_recompile(lambda: compiled(**kw).last_hidden_state, [], params, seed=5)
+
+
+def test_fused_segment_under_autocast_equals_eager():
+    """CPU autocast (bfloat16): the operator runs and replays the layers under the forward's autocast state
+    (passed as its autocast_dtype), as SegmentFunction does: the eager fused model's outputs and gradients."""
+    model, kw = _hf("llama", dropout=0.0, layers=2)
+    ckpt_ext.fuse(model)
+    reference = copy.deepcopy(model)
+
+    def step(target, params):
+        def forward():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return target(**kw).last_hidden_state.float()
+        return run_step(forward, [], params=params, seed=0)
+
+    eager = step(reference, dict(reference.named_parameters()))
+    _checkpointing(model, every=2)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert_grads_close(step(compiled, dict(model.named_parameters())), eager, exact=True)
+    assert not counters["graph_break"]
+
+
+def test_fused_layers_without_checkpointing_compile_and_take_dynamic_shapes():
+    """A fused layer not checkpointed is a one-layer fused_segment; with dynamic=True a new sequence length
+    and new dropout seeds reuse the graph."""
+    model, kw = _hf("bert", dropout=0.0, layers=2)
+    ckpt_ext.fuse(model)
+    eager = _hf_step(copy.deepcopy(model), kw, seed=0)
+    backend = Recorder()
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
     params = dict(model.named_parameters())
-    assert_grads_close(compiled_step(call(compiled), [], params, seed=3, checkpointed_calls=2), eager, exact=True)
-    second_step_does_not_recompile(call(compiled), [], params, seed=3)
+    got = compiled_step(lambda: compiled(**kw).last_hidden_state, [], params)
+    assert_grads_close(got, eager, exact=True)
+    assert backend.count(SEGMENT_OP) == 2
+    shorter = {k: v[:, :-2].contiguous() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    eager = _hf_step(model, shorter, seed=0)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert_grads_close(_hf_step(model, shorter, seed=0, compiled=compiled), eager, exact=True)
+
+
+def test_fused_segment_opcheck():
+    """The operator's schema, fake kernel and autograd registration (torch.library.opcheck)."""
+    model, _ = _hf("llama", dropout=0.1, layers=2)
+    ckpt_ext.fuse(model)
+    layers = list(layers_of(model))
+    hidden = torch.randn(2, 5, 72, requires_grad=True)
+    cos, sin = model.rotary_emb(hidden, torch.arange(5)[None])
+    slots = [w for layer in layers for w in layer.fused_weights()]
+    weights = [w for w in slots if w is not None]
+    layout = list(range(len(weights)))
+    for i, w in enumerate(slots):
+        if w is None:
+            layout.insert(i, -1)
+    args = ([layer.spec_id for layer in layers], hidden, None, cos, sin, weights, layout, True, torch.tensor([3, 4]),
+            None)
+    torch.library.opcheck(torch.ops.ckpt_ext.fused_segment.default, args)
+    grad = torch.randn(2, 5, 72)
+    needs = [1] + [int(i % 2 == 0) for i in range(len(weights))]
+    backward_args = (args[0], grad, hidden.detach(), None, cos, sin, [w.detach() for w in weights], *args[6:], needs)
+    torch.library.opcheck(torch.ops.ckpt_ext.fused_segment_backward.default, backward_args)
+
+
+def test_fused_layers_with_lora_under_compile_raise_a_clear_error():
+    """peft LoRA adapters are read per call by the eager fused layer; the operator does not take them yet."""
+    peft = pytest.importorskip("peft")
+    model, kw = _hf("bert", dropout=0.0, layers=2)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["query", "value"]))
+    ckpt_ext.fuse(model)
+    compiled = torch.compile(model, backend="aot_eager")  # no silent eager fallback at the graph break
+    with pytest.raises(NotImplementedError, match="LoRA adapters cannot be compiled yet"):
+        compiled(**kw)
 
 
 def test_compiled_block_inside_checkpoint_keeps_its_dropout_masks():
-    """ckpt_ext.checkpoint(torch.compile(block), x): forward and replay run the compiled block, with the
-    same random numbers, so the result equals the compiled block without checkpointing."""
+    """ckpt_ext.checkpoint(torch.compile(block), x), called eagerly: the eager engine runs the compiled
+    block in forward and in its replay, with the same random numbers."""
     block = make_block(p=0.3)
     compiled_block = torch.compile(block, backend="aot_eager")
     x = leaf_inputs((4, 19))
     params = dict(block.named_parameters())
     expected = run_step(compiled_block, x, params=params, seed=5)
-    got = compiled_step(lambda h: ckpt_ext.checkpoint(compiled_block, h), x, params, seed=5, checkpointed_calls=1)
+    frames = ckpt_ext._C.checkpoint_frames_created()
+    got = run_step(lambda h: ckpt_ext.checkpoint(compiled_block, h), x, params=params, seed=5)
+    assert ckpt_ext._C.checkpoint_frames_created() == frames + 1
     assert_grads_close(got, expected, exact=True)
     assert counters["stats"]["unique_graphs"] == 1  # forward and replay both run with grad (torch's design)
     second_step_does_not_recompile(lambda h: ckpt_ext.checkpoint(compiled_block, h), x, params, seed=5)
 
 
 def test_inductor_with_checkpoint():
+    """Inductor draws dropout masks with its own RNG unless fallback_random: with it, the masks (forward
+    and recompute) are eager's."""
     model = Net(p=0.3)
     x = leaf_inputs((4, 7))
     params = dict(model.named_parameters())
     eager = run_step(_plain(model), x, seed=0)
-    got = compiled_step(torch.compile(model), x, params)
-    # Inductor's linear layers round differently; the dropout masks in the blocks are the eager ones.
-    assert_grads_close(got, eager, rtol=1e-5, atol=1e-6)
+    with torch._inductor.config.patch(fallback_random=True):
+        got = compiled_step(torch.compile(model, fullgraph=True), x, params)
+    assert_grads_close(got, eager, rtol=1e-5, atol=1e-6)  # inductor's linear layers round differently
 
 
 # ---- fused ops: no graph break ---------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import Dict, Tuple
 
 from torch import nn
 
-__all__ = ["CACHE_ARGS", "drop_cache"]
+__all__ = ["CACHE_ARGS", "drop_cache", "remember_signature"]
 
 logger = logging.getLogger("ckpt_ext")
 # Arguments through which Hugging Face layers receive a KV cache (transformers 5.x and before).
@@ -38,6 +38,12 @@ def drop_cache(layer: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict
         logger.warning("ckpt_ext: a KV cache cannot be used with checkpointing in training (the replay would "
                        "write it twice); %s of %s set to None/False.", ", ".join(changed), type(layer).__name__)
     return tuple(args), kwargs
+
+
+def remember_signature(layer: nn.Module):
+    """Reads the layer's forward signature now (enable_checkpointing), not in its first call: read there
+    under torch.compile, the table would change while traced and the next step would recompile."""
+    _signature(type(getattr(layer, "_hf_layer", layer)))
 
 
 _SIGNATURES: Dict[type, Dict[str, int]] = {}

@@ -5,8 +5,14 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+#include <deque>
+#include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "../replay/replay_context.h"
@@ -98,23 +104,65 @@ layers::ReplayBackward replay(const SegmentState& st, const at::Tensor& x, const
   return layers::replay_backward(st.specs[last], w, rng, tail, grad_out, need_slot);
 }
 
+// The segment's K layer forwards without a graph (grad mode off), from `hidden` under the forward's
+// autocast; the output is written by the last layer's last fused op straight into a BoundaryPool slot.
+at::Tensor run_forward(const SegmentState& st, const at::Tensor& hidden) {
+  const size_t K = st.specs.size();
+  at::NoGradGuard no_grad;
+  at::Tensor h = hidden;
+  SegmentAutocast autocast(st.autocast, hidden.device());
+  for (size_t l = 0; l < K; ++l) {
+    layers::LayerRng rng{st.training, st.seeds[l]};
+    at::Tensor slot;
+    if (l + 1 == K) {
+      slot = BoundaryPool::for_device(h.device())->empty(h.sizes(), c10::contiguous_strides(h.sizes()), h.scalar_type());
+    }
+    h = layers::layer_forward(st.specs[l], h, st.inputs, st.weights_of(l, st.params), rng, slot).out;
+  }
+  return h;
+}
+
+// The backward of a segment: replays it from its input `saved` and returns {grad of hidden, grad of each
+// of st.params} (undefined where not needed). The replay starts from a detached input and detached
+// aliases of the parameters, so its graph ends here: neither the caller's inputs nor the parameters'
+// hooks see the inner autograd::grad.
+variable_list replay_grads(const SegmentState& st, const at::Tensor& saved, const at::Tensor& grad_out,
+                           bool need_hidden, const std::vector<bool>& need_param) {
+  const size_t P = st.params.size();
+  variable_list result(1 + P);
+  at::Tensor x = saved.detach();
+  if (need_hidden) x.requires_grad_(true);
+  std::vector<at::Tensor> aliases(P);
+  for (size_t j = 0; j < P; ++j) aliases[j] = st.params[j].detach().requires_grad_(need_param[j]);
+  const layers::ReplayBackward rep = replay(st, x, aliases, grad_out, need_param);
+  variable_list targets;
+  std::vector<size_t> target_slot;  // result index of each target
+  if (need_hidden) {
+    targets.push_back(x);
+    target_slot.push_back(0);
+  }
+  for (size_t j = 0; j < P; ++j) {
+    if (!need_param[j]) continue;
+    targets.push_back(aliases[j]);
+    target_slot.push_back(1 + j);
+  }
+  if (!rep.outputs.empty()) {
+    variable_list grads = torch::autograd::grad(rep.outputs, targets, rep.grads, /*retain_graph=*/false,
+                                                /*create_graph=*/false, /*allow_unused=*/true);
+    for (size_t i = 0; i < grads.size(); ++i) result[target_slot[i]] = grads[i];
+  }
+  for (auto& [slot, g] : rep.slot_grads) {
+    at::Tensor& r = result[1 + static_cast<size_t>(st.weight_index.back()[static_cast<size_t>(slot)])];
+    r = r.defined() ? r + g : g;  // a last-linear weight also used elsewhere (tied)
+  }
+  return result;
+}
+
 struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
   // tensors = {hidden, params...}
   static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<SegmentState> st, at::TensorList tensors) {
     const at::Tensor& hidden = tensors[0];
-    const size_t K = st->specs.size();
-    at::Tensor h = hidden;
-    SegmentAutocast autocast(st->autocast, hidden.device());
-    for (size_t l = 0; l < K; ++l) {
-      layers::LayerRng rng{st->training, st->seeds[l]};
-      at::Tensor slot;
-      if (l + 1 == K) {
-        // The segment output is written by the layer's last fused op straight into a pool slot.
-        slot = BoundaryPool::for_device(h.device())
-                   ->empty(h.sizes(), c10::contiguous_strides(h.sizes()), h.scalar_type());
-      }
-      h = layers::layer_forward(st->specs[l], h, st->inputs, st->weights_of(l, st->params), rng, slot).out;
-    }
+    at::Tensor h = run_forward(*st, hidden);
     for (const auto& p : st->params) st->param_versions.push_back(p._version());
     ctx->save_for_backward({hidden});
     ctx->saved_data["state"] = at::IValue::make_capsule(st);
@@ -140,50 +188,25 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
       any = any || need_param[j];
     }
     if (!any) return result;
-    // The replay starts from the saved input and detached aliases of the parameters, so its graph ends
-    // here: neither the node's inputs nor the parameters' hooks see the inner autograd::grad.
-    at::Tensor x = saved[0].detach();
-    if (need_hidden) x.requires_grad_(true);
-    std::vector<at::Tensor> aliases(P);
-    for (size_t j = 0; j < P; ++j) aliases[j] = st->params[j].detach().requires_grad_(need_param[j]);
-    const layers::ReplayBackward rep = replay(*st, x, aliases, grad_out, need_param);
-    variable_list targets;
-    std::vector<size_t> target_slot;  // result index of each target
-    if (need_hidden) {
-      targets.push_back(x);
-      target_slot.push_back(1);
-    }
-    for (size_t j = 0; j < P; ++j) {
-      if (!need_param[j]) continue;
-      targets.push_back(aliases[j]);
-      target_slot.push_back(2 + j);
-    }
-    if (!rep.outputs.empty()) {
-      variable_list grads = torch::autograd::grad(rep.outputs, targets, rep.grads, /*retain_graph=*/false,
-                                                  /*create_graph=*/false, /*allow_unused=*/true);
-      for (size_t i = 0; i < grads.size(); ++i) result[target_slot[i]] = grads[i];
-    }
-    for (auto& [slot, g] : rep.slot_grads) {
-      at::Tensor& r = result[2 + static_cast<size_t>(st->weight_index.back()[static_cast<size_t>(slot)])];
-      r = r.defined() ? r + g : g;  // a last-linear weight also used elsewhere (tied)
-    }
+    const variable_list grads = replay_grads(*st, saved[0], grad_out, need_hidden, need_param);
+    std::copy(grads.begin(), grads.end(), result.begin() + 1);
     return result;
   }
 };
 
 }  // namespace
 
-at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
-                         const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
-                         bool training) {
+namespace {
+
+// The state of a segment call: checks the specs and weights, dedupes the parameters and takes one seed
+// per layer, `seeds[l]` when given (the operator's), else drawn now (training with dropout).
+c10::intrusive_ptr<SegmentState> make_state(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
+                                            const layers::LayerInputs& inputs,
+                                            const std::vector<std::vector<at::Tensor>>& weights, bool training,
+                                            const std::vector<int64_t>* seeds) {
   TORCH_CHECK(!specs.empty(), "ckpt_ext fused segment: needs at least one layer");
   TORCH_CHECK(specs.size() == weights.size(), "ckpt_ext fused segment: ", specs.size(), " layer specs but ",
               weights.size(), " weight lists");
-  for (const at::Tensor* t : {&inputs.mask, &inputs.cos, &inputs.sin}) {
-    TORCH_CHECK(!t->defined() || !t->requires_grad(),
-                "ckpt_ext fused segment: the attention mask and rotary tables must not require grad (their "
-                "gradients are not computed); use ckpt_ext.checkpoint for that case");
-  }
   auto st = c10::make_intrusive<SegmentState>();
   st->specs = specs;
   st->inputs = layers::prepared(inputs);  // once for every layer, forward and replay
@@ -205,8 +228,23 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
     }
     st->weight_index.push_back(std::move(idx));
     // One seed per layer call, drawn in forward only: the replay reuses it.
-    st->seeds.push_back(layers::uses_dropout(specs[l], training) ? layers::draw_dropout_seed(hidden.device()) : 0);
+    const bool dropout = layers::uses_dropout(specs[l], training);
+    st->seeds.push_back(!dropout ? 0 : seeds != nullptr ? (*seeds)[l] : layers::draw_dropout_seed(hidden.device()));
   }
+  return st;
+}
+
+}  // namespace
+
+at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
+                         const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
+                         bool training) {
+  for (const at::Tensor* t : {&inputs.mask, &inputs.cos, &inputs.sin}) {
+    TORCH_CHECK(!t->defined() || !t->requires_grad(),
+                "ckpt_ext fused segment: the attention mask and rotary tables must not require grad (their "
+                "gradients are not computed); use ckpt_ext.checkpoint for that case");
+  }
+  auto st = make_state(specs, hidden, inputs, weights, training, nullptr);
   std::vector<at::Tensor> all;
   all.reserve(1 + st->params.size());
   all.push_back(hidden);
@@ -214,4 +252,149 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
   return SegmentFunction::apply(st, at::TensorList(all))[0];
 }
 
+// ---- the operators ckpt_ext::fused_segment / fused_segment_backward (torch.compile's path) ---------------
+
+namespace {
+
+std::mutex registry_mutex;
+std::deque<layers::LayerSpec> registry;  // a deque: references stay valid as it grows
+
+// The state of an operator call: the specs by id, the weights split by layer (`layout`: per weight slot of
+// each layer in turn, the index into `weights`, or -1 for an absent bias), the given seeds and the given
+// autocast dtype for the hidden states' device type (none: autocast off).
+c10::intrusive_ptr<SegmentState> op_state(at::IntArrayRef spec_ids, const at::Tensor& hidden,
+                                          const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& cos,
+                                          const std::optional<at::Tensor>& sin, at::TensorList weights,
+                                          at::IntArrayRef layout, bool training, const at::Tensor& seeds,
+                                          std::optional<at::ScalarType> autocast_dtype) {
+  std::vector<layers::LayerSpec> specs;
+  for (int64_t id : spec_ids) specs.push_back(registered_spec(id));
+  std::vector<std::vector<at::Tensor>> split;
+  size_t pos = 0;
+  for (const auto& spec : specs) {
+    const auto& info = layers::family_info(spec.family);
+    const size_t n = spec.lora_scaling.empty() ? info.slots.size() : info.num_weights();
+    TORCH_CHECK(pos + n <= layout.size(), "ckpt_ext::fused_segment: the layout names ", layout.size(),
+                " weight slots, fewer than the layers' specs take");
+    std::vector<at::Tensor> w;
+    for (size_t i = 0; i < n; ++i, ++pos) {
+      const int64_t k = layout[pos];
+      TORCH_CHECK(k >= -1 && k < static_cast<int64_t>(weights.size()), "ckpt_ext::fused_segment: layout entry ",
+                  k, " names no weight (", weights.size(), " given)");
+      w.push_back(k >= 0 ? weights[static_cast<size_t>(k)] : at::Tensor());
+    }
+    split.push_back(std::move(w));
+  }
+  TORCH_CHECK(pos == layout.size(), "ckpt_ext::fused_segment: the layout names ", layout.size(),
+              " weight slots, but the layers' specs take ", pos);
+  TORCH_CHECK(seeds.dim() == 1 && seeds.size(0) == static_cast<int64_t>(specs.size()) &&
+                  seeds.scalar_type() == at::kLong,
+              "ckpt_ext::fused_segment: seeds must be an int64 tensor with one seed per layer (", specs.size(), ")");
+  const at::Tensor host = seeds.to(at::kCPU).contiguous();
+  std::vector<int64_t> seed_values(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+  layers::LayerInputs inputs{mask.value_or(at::Tensor()), cos.value_or(at::Tensor()), sin.value_or(at::Tensor())};
+  auto st = make_state(specs, hidden, inputs, split, training, &seed_values);
+  for (auto& e : st->autocast.entries) {
+    if (e.type != hidden.device().type()) continue;
+    e.enabled = autocast_dtype.has_value();
+    if (autocast_dtype.has_value()) e.dtype = *autocast_dtype;
+  }
+  return st;
+}
+
+at::Tensor fused_segment_op(at::IntArrayRef specs, const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
+                            const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+                            at::TensorList weights, at::IntArrayRef layout, bool training, const at::Tensor& seeds,
+                            std::optional<at::ScalarType> autocast_dtype) {
+  auto st = op_state(specs, hidden, mask, cos, sin, weights, layout, training, seeds, autocast_dtype);
+  return run_forward(*st, hidden);
+}
+
+// Gradients of the inputs flagged in `needs` ([hidden, weights...]), in that order. A weight passed twice
+// (tied) gets its whole gradient in its first needed entry, zeros in the others (autograd sums them).
+std::vector<at::Tensor> fused_segment_backward_op(at::IntArrayRef specs, const at::Tensor& grad_out,
+                                                  const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
+                                                  const std::optional<at::Tensor>& cos,
+                                                  const std::optional<at::Tensor>& sin, at::TensorList weights,
+                                                  at::IntArrayRef layout, bool training, const at::Tensor& seeds,
+                                                  std::optional<at::ScalarType> autocast_dtype, at::IntArrayRef needs) {
+  TORCH_CHECK(needs.size() == 1 + weights.size(), "ckpt_ext::fused_segment_backward: needs has ", needs.size(),
+              " entries, expected ", 1 + weights.size());
+  auto st = op_state(specs, hidden, mask, cos, sin, weights, layout, training, seeds, autocast_dtype);
+  // The dispatcher runs this kernel below autograd (Autograd keys excluded); the replay needs autograd.
+  c10::impl::LocalDispatchKeySet tls = c10::impl::tls_local_dispatch_key_set();
+  tls.excluded_ = tls.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
+  c10::impl::ForceDispatchKeyGuard with_autograd(tls);
+  std::vector<int64_t> param_of(weights.size(), -1);  // weight k -> index into st->params
+  size_t f = 0;
+  for (const auto& idx : st->weight_index) {
+    for (int64_t j : idx) {
+      if (layout[f] >= 0) param_of[static_cast<size_t>(layout[f])] = j;
+      ++f;
+    }
+  }
+  std::vector<bool> need_param(st->params.size(), false);
+  for (size_t k = 0; k < weights.size(); ++k) {
+    TORCH_CHECK(param_of[k] >= 0, "ckpt_ext::fused_segment_backward: weight ", k, " is in no slot of the layout");
+    if (needs[1 + k]) need_param[static_cast<size_t>(param_of[k])] = true;
+  }
+  const variable_list grads = replay_grads(*st, hidden, grad_out.contiguous(), needs[0] != 0, need_param);
+  std::vector<at::Tensor> out;
+  std::vector<bool> given(st->params.size(), false);
+  if (needs[0]) out.push_back(grads[0].defined() ? grads[0] : at::zeros_like(hidden));
+  for (size_t k = 0; k < weights.size(); ++k) {
+    if (!needs[1 + k]) continue;
+    const size_t j = static_cast<size_t>(param_of[k]);
+    const at::Tensor& g = grads[1 + j];
+    const bool first = !given[j];
+    given[j] = true;
+    out.push_back(first && g.defined() ? g : at::zeros_like(weights[k]));
+  }
+  // An operator's outputs alias neither each other nor its inputs (the replay's gradients may be views of
+  // one buffer, e.g. of a fused projection's): such an output is copied. All are contiguous, at offset 0
+  // (as the fake kernel's).
+  std::unordered_set<const c10::StorageImpl*> seen{grad_out.storage().unsafeGetStorageImpl(),
+                                                   hidden.storage().unsafeGetStorageImpl()};
+  for (const auto& w : weights) seen.insert(w.storage().unsafeGetStorageImpl());
+  for (auto& t : out) {
+    if (!seen.insert(t.storage().unsafeGetStorageImpl()).second || t.storage_offset() != 0) {
+      t = t.clone(at::MemoryFormat::Contiguous);
+    } else {
+      t = t.contiguous();
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+int64_t register_spec(const layers::LayerSpec& spec) {
+  spec.validate();
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.push_back(spec);
+  return static_cast<int64_t>(registry.size()) - 1;
+}
+
+const layers::LayerSpec& registered_spec(int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(registry.size()), "ckpt_ext::fused_segment: unknown layer spec id ",
+              id, " (ids come from ckpt_ext._C.register_spec in this process)");
+  return registry[static_cast<size_t>(id)];
+}
+
 }  // namespace ckpt_ext
+
+TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
+  m.def(
+      "fused_segment(int[] specs, Tensor hidden, Tensor? mask, Tensor? cos, Tensor? sin, Tensor[] weights, "
+      "int[] layout, bool training, Tensor seeds, ScalarType? autocast_dtype) -> Tensor");
+  m.def(
+      "fused_segment_backward(int[] specs, Tensor grad_out, Tensor hidden, Tensor? mask, Tensor? cos, Tensor? sin, "
+      "Tensor[] weights, int[] layout, bool training, Tensor seeds, ScalarType? autocast_dtype, int[] needs) "
+      "-> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(ckpt_ext, CompositeExplicitAutograd, m) {
+  m.impl("fused_segment", &ckpt_ext::fused_segment_op);
+  m.impl("fused_segment_backward", &ckpt_ext::fused_segment_backward_op);
+}

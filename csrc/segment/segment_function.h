@@ -30,4 +30,13 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
                          const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
                          bool training);
 
+// The operators ckpt_ext::fused_segment(specs, hidden, mask, cos, sin, weights, layout, training, seeds,
+// autocast_dtype) -> out and ckpt_ext::fused_segment_backward(..., needs) -> grads: the same segment as a
+// pure function of its inputs, for torch.compile (ckpt_ext/compiled.py: fake kernels and autograd). The
+// layers are named by ids from register_spec; `weights` holds the present weights, `layout` each layer's
+// slots in turn (index into weights, -1: absent bias); `seeds` (int64, one per layer) replaces the draw;
+// the backward replays the segment from `hidden` in C++.
+int64_t register_spec(const layers::LayerSpec& spec);
+const layers::LayerSpec& registered_spec(int64_t id);
+
 }  // namespace ckpt_ext

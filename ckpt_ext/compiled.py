@@ -1,0 +1,105 @@
+"""Fused layers under torch.compile: the operators ``ckpt_ext::fused_segment`` and ``fused_segment_backward``.
+
+The eager fused path (``_C.fused_layer_forward``, ``_C.segment_apply``) is pybind code that builds C++
+autograd graphs and draws dropout seeds on the host: Dynamo cannot trace it. While Dynamo traces, a
+fused layer or a checkpointed group of fused layers is instead one call of the registered operator
+``ckpt_ext::fused_segment`` (csrc/segment/segment_function.cpp): a pure function of the hidden states,
+mask, rotary tables, weights and an int64 tensor of dropout seeds (one per layer), which runs the
+layers in C++ without a graph and writes its output into the BoundaryPool. Its autograd formula
+(registered here) calls ``ckpt_ext::fused_segment_backward``, which replays the layers in C++ from the
+saved input with the same seeds, as SegmentFunction's backward does. The compiled graph therefore holds
+ATen ops and these operators only: no graph break, and AOTAutograd saves the segment's input (its
+boundary) and nothing inside it.
+
+The seeds are drawn in the graph (``torch.randint`` on the default CPU generator), so they are a graph
+value, not a constant: no recompilation per step, and a new mask every step. They differ from the
+seeds the eager path draws in C++ (other numbers from the same generator), so a compiled model with
+dropout draws other masks than the same model run eagerly, as any compiled dropout does; the replay
+uses the forward's seeds, so gradients are exact for the masks drawn.
+
+A fused layer that is not checkpointed is the one-layer segment under torch.compile: its backward
+replays the layer (one extra layer forward), where the eager path keeps its activations.
+"""
+from typing import List, Optional, Sequence
+
+import torch
+
+from ._extension import load
+
+_C = load()
+
+__all__ = ["fused_segment"]
+
+_SEED_HIGH = 1 << 62
+# Tests only: True runs the operators outside torch.compile too (the eager reference of the compiled path).
+USE_OPS_EAGERLY = False
+
+
+def use_ops() -> bool:
+    """Whether fused layers take the operator path: while Dynamo traces (or when forced, for tests)."""
+    return torch.compiler.is_compiling() or USE_OPS_EAGERLY
+
+
+def fused_segment(layers: Sequence, hidden: torch.Tensor, mask: Optional[torch.Tensor], cos: Optional[torch.Tensor],
+                  sin: Optional[torch.Tensor], training: bool) -> torch.Tensor:
+    """Fused layers (FusedTransformerLayer) run as one ``ckpt_ext::fused_segment`` call."""
+    ids: List[int] = []
+    weights: List[torch.Tensor] = []
+    layout: List[int] = []  # per weight slot: its index in weights, -1 for an absent bias
+    dropout = False
+    for layer in layers:
+        if layer._has_lora:
+            raise NotImplementedError(
+                f"ckpt_ext: fused {layer.layer_class} layers with peft LoRA adapters cannot be compiled yet "
+                "(torch.compile): their adapters are read per call. Compile the model without ckpt_ext.fuse, "
+                "or merge the adapters first (model.merge_and_unload()).")
+        ids.append(layer.spec_id)
+        for w in layer.fused_weights():
+            layout.append(-1 if w is None else len(weights))
+            if w is not None:
+                weights.append(w)
+        dropout = dropout or (training and layer.has_dropout)
+    if dropout:
+        seeds = torch.randint(0, _SEED_HIGH, (len(ids),), dtype=torch.int64)
+    else:
+        seeds = torch.zeros(len(ids), dtype=torch.int64)
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    return torch.ops.ckpt_ext.fused_segment(ids, hidden, mask, cos, sin, weights, layout, training, seeds, dtype)
+
+
+# ---- fake kernels and autograd ---------------------------------------------------------------------------
+
+
+@torch.library.register_fake("ckpt_ext::fused_segment")
+def _fused_segment_fake(specs, hidden, mask, cos, sin, weights, layout, training, seeds, autocast_dtype):
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("ckpt_ext::fused_segment_backward")
+def _fused_segment_backward_fake(specs, grad_out, hidden, mask, cos, sin, weights, layout, training, seeds,
+                                 autocast_dtype, needs):
+    out = [torch.empty_like(hidden, memory_format=torch.contiguous_format)] if needs[0] else []
+    out += [torch.empty_like(w, memory_format=torch.contiguous_format) for w, n in zip(weights, needs[1:]) if n]
+    return out
+
+
+def _setup_context(ctx, inputs, output):
+    specs, hidden, mask, cos, sin, weights, layout, training, seeds, autocast_dtype = inputs
+    ctx.options = (specs, layout, training, autocast_dtype)
+    ctx.needs = [int(hidden.requires_grad)] + [int(w.requires_grad) for w in weights]
+    ctx.save_for_backward(hidden, mask, cos, sin, seeds, *weights)
+
+
+def _backward(ctx, grad):
+    specs, layout, training, autocast_dtype = ctx.options
+    hidden, mask, cos, sin, seeds, *weights = ctx.saved_tensors
+    needs = ctx.needs
+    grads = iter(torch.ops.ckpt_ext.fused_segment_backward(specs, grad, hidden, mask, cos, sin, weights, layout,
+                                                           training, seeds, autocast_dtype, needs))
+    grad_hidden = next(grads) if needs[0] else None
+    grad_weights = [next(grads) if n else None for n in needs[1:]]
+    return None, grad_hidden, None, None, None, grad_weights, None, None, None, None
+
+
+torch.library.register_autograd("ckpt_ext::fused_segment", _backward, setup_context=_setup_context)
