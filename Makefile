@@ -7,17 +7,24 @@ TORCH_SPEC ?= torch==2.13.0
 MAX_JOBS ?= 2
 export MAX_JOBS
 
-.PHONY: venv build test bench check-cuda check-headers clean
+.PHONY: venv build test test-compat bench check-cuda check-headers clean
 
 # The venv sees system site-packages so that a torch already installed on the machine (for example a
 # CUDA build on a GPU box) is reused instead of downloading another one.
-$(VENV)/.ready: requirements-dev.txt
+# The Python packages are the tested set pinned in constraints.txt (make test-compat tries others).
+$(VENV)/.ready: requirements-dev.txt constraints.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt -c constraints.txt
 	touch $@
 
 venv: $(VENV)/.ready
+
+# The Hugging Face-facing tests again with the oldest supported transformers and the newest releases the
+# registry serves (a canary), each in an overlay venv .venv-compat/<set>; COMPAT_SETS picks (tools/compat.py).
+COMPAT_SETS ?= oldest newest
+test-compat: build
+	$(PY) tools/compat.py $(COMPAT_SETS)
 
 # Skipped when csrc/, setup.py, torch and the build environment are unchanged (stamp: build/.build-stamp);
 # otherwise an in-place build whose objects persist in build/temp-*, so ninja recompiles only what changed.
@@ -49,4 +56,4 @@ check-headers: venv
 	$(PY) tools/check_headers.py
 
 clean:
-	rm -rf build *.egg-info ckpt_ext/_C*.so ckpt_ext/_build_info.py   # the caches in ~/.cache/ckpt_ext stay
+	rm -rf build .venv-compat *.egg-info ckpt_ext/_C*.so ckpt_ext/_build_info.py   # the caches in ~/.cache/ckpt_ext stay

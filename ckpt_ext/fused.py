@@ -33,8 +33,11 @@ from ._compiler import check_not_capturing, traced_under_compile
 from ._extension import load
 from ._layout import BERT, FAMILY_NAMES, LLAMA
 from ._user_frame import user_stacklevel
-from .hf.layers import (LORA_PROJECTIONS, POSITIONAL_ARGS, WEIGHT_PATHS, Unsupported, collecting_attentions,
-                        install_output_capturing, layer_classes, layer_spec)
+from .hf.cache import cache_parameters, find_cache
+from .hf.versions import check_versions
+from .hf.layers import (LORA_PROJECTIONS, WEIGHT_PATHS, Unsupported, collecting_attentions,
+                        install_output_capturing, layer_classes, layer_spec,
+                        positional_parameters)
 from .hf.peft import base_of, check_layer_adapters, is_adapter_layer, lora_terms, peft_relink
 
 _C = load()
@@ -113,7 +116,8 @@ class FusedTransformerLayer(nn.Module):
         check_layer_adapters(self, LORA_PROJECTIONS[family], f"FusedTransformerLayer({self.layer_class})")
         self._lora_specs: Dict[tuple, Any] = {}
         self._resolve()
-        self._positional = POSITIONAL_ARGS[family]
+        self._positional = positional_parameters(type(layer))
+        self._cache_names = cache_parameters(type(layer))[1]
         # Hugging Face's own forward for the calls the fused path cannot serve. Not registered as a
         # submodule: it shares this module's children, and its parameters are already ours.
         object.__setattr__(self, "_hf_layer", layer)
@@ -211,9 +215,7 @@ class FusedTransformerLayer(nn.Module):
             raise ValueError(f"fused {self.layer_class}: hidden_states are on {hidden.device}; the fused layers run "
                              "on CPU and CUDA only")
         fallback = None
-        cache = values.get("past_key_values")
-        if cache is None:
-            cache = kwargs.get("layer_past")
+        cache = find_cache(values, kwargs, self._cache_names)
         if cache is not None:
             if self.training and torch.is_grad_enabled():
                 _warn_once(("cache", self.layer_class),
@@ -338,6 +340,7 @@ def fuse(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse expects an nn.Module, got {type(model).__name__}")
+    check_versions()
     classes = layer_classes()
     if isinstance(model, FusedTransformerLayer) or type(model) in classes:
         raise ValueError("fuse expects a model containing layers; for a single layer use FusedTransformerLayer(layer)")

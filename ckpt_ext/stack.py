@@ -17,6 +17,7 @@ from ._compiler import traced_under_compile
 from ._discovery import _ATOMS, _add_module, _check_fsdp_units, _Found, _fsdp_unit_class
 from .checkpoint import _checkpoint
 from .fused import run_segment
+from .hf.versions import check_versions
 from .hf.cache import drop_cache, remember_signature
 from .hf.trainer import (double_checkpointing_error, install_take_over, layer_hf_checkpointed, refuse_hf_checkpointing_on,
                          remove_take_over)
@@ -369,6 +370,7 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
         raise TypeError(f"enable_checkpointing expects an nn.Module, got {type(model).__name__}")
     options = {"every": every, "budget": budget, "layers": layers}
     every, budget_bytes = _check_options(every, budget)
+    check_versions()
     refuse_hf_checkpointing_on(model)
     if layers is not None:
         if isinstance(layers, (nn.ModuleList, nn.Sequential)):

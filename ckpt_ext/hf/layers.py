@@ -55,13 +55,13 @@ LORA_PROJECTIONS: Dict[int, List[str]] = {
     fid: [WEIGHT_PATHS[fid][slots.index(w)].rpartition(".")[0] for w in dict(_C.layer_adapters())[name]]
     for name, (fid, slots) in FAMILIES.items()}
 
-# Positional parameters of the Hugging Face layers' forward (transformers 5.x), after self.
-POSITIONAL_ARGS = {
-    BERT: ("hidden_states", "attention_mask", "encoder_hidden_states", "encoder_attention_mask", "past_key_values"),
-    GPT2: ("hidden_states", "past_key_values", "attention_mask", "encoder_hidden_states", "encoder_attention_mask",
-           "use_cache"),
-    LLAMA: ("hidden_states", "attention_mask", "position_ids", "past_key_values", "use_cache", "position_embeddings"),
-}
+def positional_parameters(cls: type) -> Tuple[str, ...]:
+    """The names of the positional parameters of a Hugging Face layer's forward, after self, read from the
+    class (they differ between releases: GPT-2's second is ``layer_past``, ``past_key_values`` or ``cache``)."""
+    import inspect
+    params = list(inspect.signature(inspect.unwrap(cls.forward)).parameters.values())[1:]
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
 
 _GELU_EXACT = {"GELUActivation"}
 _GELU_TANH = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"}
@@ -177,8 +177,25 @@ def _gpt2_spec(layer) -> "_C.LayerSpec":
     resid_p = _same([attn.resid_dropout.p, layer.mlp.dropout.p], "residual dropout probabilities")
     gelu_tanh = _gelu_tanh(layer.mlp.act, "mlp")
     return _C.LayerSpec(family=GPT2, hidden=hidden, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
-                        scaling=float(attn.scaling), attn_p=float(attn.attn_dropout.p), hidden_p=resid_p, eps=eps,
+                        scaling=_gpt2_scaling(attn, head_dim), attn_p=float(attn.attn_dropout.p), hidden_p=resid_p, eps=eps,
                         gelu_tanh=gelu_tanh)
+
+
+def _gpt2_scaling(attn: nn.Module, head_dim: int) -> float:
+    """The attention scale GPT-2's attention applies: the module's own ``scaling`` where it holds one
+    (transformers 5.x after 5.0), else derived from its flags as its eager attention does (5.0 has no
+    ``scaling``; its SDPA path then scales by head_dim ** -0.5 whatever the flags say, so a layer whose
+    flags are not the defaults is not fused there: its eager and SDPA paths disagree)."""
+    scaling = getattr(attn, "scaling", None)
+    if scaling is not None:
+        return float(scaling)
+    by_dim = getattr(attn, "scale_attn_weights", True)
+    by_layer = getattr(attn, "scale_attn_by_inverse_layer_idx", False)
+    if by_dim and not by_layer:
+        return float(head_dim) ** -0.5
+    raise Unsupported(f"scale_attn_weights={by_dim}, scale_attn_by_inverse_layer_idx={by_layer}: this transformers "
+                      "release's GPT2Attention holds no `scaling`, and its eager and SDPA paths scale such layers "
+                      "differently")
 
 
 def _llama_spec(layer) -> "_C.LayerSpec":

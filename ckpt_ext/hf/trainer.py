@@ -13,6 +13,7 @@ import types
 from typing import Optional, Union
 
 from torch import nn
+from .versions import check_versions
 
 __all__ = ["take_over_hf_checkpointing", "hf_checkpointing_on", "install_take_over", "remove_take_over",
            "refuse_hf_checkpointing_on", "layer_hf_checkpointed", "double_checkpointing_error"]
@@ -94,6 +95,7 @@ def take_over_hf_checkpointing(model: nn.Module, every: Optional[int] = None,
                         f"with activation_checkpointing_enable); {type(model).__name__} has none. Call "
                         "ckpt_ext.enable_checkpointing(model) directly.")
     _check_options(every, budget)
+    check_versions()
     if hf_checkpointing_on(model):
         _hf_checkpointing_off(model)
         logger.info("ckpt_ext: Hugging Face's checkpointing of %s handed over to ckpt_ext", type(model).__name__)
