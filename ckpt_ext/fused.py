@@ -37,7 +37,7 @@ from .hf.cache import cache_parameters, find_cache
 from .hf.versions import check_versions
 from .hf.layers import (LORA_PROJECTIONS, WEIGHT_PATHS, Unsupported, collecting_attentions,
                         install_output_capturing, layer_classes, layer_spec,
-                        positional_parameters)
+                        positional_parameters, returns_tuple)
 from .hf.peft import base_of, check_layer_adapters, is_adapter_layer, lora_terms, peft_relink
 
 _C = load()
@@ -75,7 +75,7 @@ def _traced_forward(self: "FusedTransformerLayer", *args, **kwargs):
         raise NotImplementedError(
             f"ckpt_ext: a fused {self.layer_class} under torch.compile does not differentiate its attention mask or "
             "rotary tables, and they require grad here; compile the model without ckpt_ext.fuse for this case.")
-    return compiled.fused_segment([self], call.hidden, call.mask, call.cos, call.sin, self.training)
+    return self._as_returned(compiled.fused_segment([self], call.hidden, call.mask, call.cos, call.sin, self.training))
 
 
 class FusedTransformerLayer(nn.Module):
@@ -118,6 +118,7 @@ class FusedTransformerLayer(nn.Module):
         self._resolve()
         self._positional = positional_parameters(type(layer))
         self._cache_names = cache_parameters(type(layer))[1]
+        self._returns_tuple = returns_tuple(layer, family)
         # Hugging Face's own forward for the calls the fused path cannot serve. Not registered as a
         # submodule: it shares this module's children, and its parameters are already ours.
         object.__setattr__(self, "_hf_layer", layer)
@@ -252,6 +253,11 @@ class FusedTransformerLayer(nn.Module):
             cos, sin = emb
         return _Call(hidden, values.get("attention_mask"), cos, sin, fallback)
 
+    def _as_returned(self, hidden: torch.Tensor):
+        """The hidden states as the Hugging Face layer returns them: a tensor, or a 1-tuple on releases whose
+        layers return tuples (transformers 5.0's GPT2Block)."""
+        return (hidden,) if self._returns_tuple else hidden
+
     def _hf_forward(self, args, kwargs):
         hf = self._hf_layer
         hf.training = self.training
@@ -269,7 +275,7 @@ class FusedTransformerLayer(nn.Module):
                 not any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
             _check_segment_not_capturing()
             spec, weights = self._call_args()
-            return _C.segment_apply([spec], call.hidden, call.mask, call.cos, call.sin, [weights], True)
+            return self._as_returned(_C.segment_apply([spec], call.hidden, call.mask, call.cos, call.sin, [weights], True))
         spec, weights = self._call_args()
         if _C.uses_dropout(spec, self.training):
             check_not_capturing(
@@ -277,7 +283,8 @@ class FusedTransformerLayer(nn.Module):
                 "its dropout seed is drawn from the generator on the host, so every replay of the graph would "
                 "reuse one mask. Capture it with dropout off (model.eval(), or dropout probabilities 0), or "
                 "run it outside the captured region.")
-        return _C.fused_layer_forward(spec, call.hidden, call.mask, call.cos, call.sin, weights, self.training)
+        return self._as_returned(_C.fused_layer_forward(spec, call.hidden, call.mask, call.cos, call.sin, weights,
+                                                        self.training))
 
 
 def _check_segment_not_capturing():
@@ -307,10 +314,12 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict):
     if any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
         return NotImplemented
     if compiled.use_ops():
-        return compiled.fused_segment(layers, call.hidden, call.mask, call.cos, call.sin, first.training)
+        return first._as_returned(compiled.fused_segment(layers, call.hidden, call.mask, call.cos, call.sin,
+                                                         first.training))
     _check_segment_not_capturing()
     specs, weights = zip(*(layer._call_args() for layer in layers))
-    return _C.segment_apply(list(specs), call.hidden, call.mask, call.cos, call.sin, list(weights), first.training)
+    return first._as_returned(_C.segment_apply(list(specs), call.hidden, call.mask, call.cos, call.sin, list(weights),
+                                                first.training))
 
 
 def _copy_hooks(src: nn.Module, dst: nn.Module):
@@ -353,7 +362,7 @@ def fuse(model: nn.Module) -> nn.Module:
             f"fuse found no supported layer in {type(model).__name__}"
             + (" (its layers are already fused)" if already else "")
             + ": it replaces transformers' BertLayer, RobertaLayer, GPT2Block and LlamaDecoderLayer")
-    install_output_capturing(model)
+    install_output_capturing(model, FusedTransformerLayer)
     fused = 0
     for name, layer in targets:
         try:

@@ -18,6 +18,8 @@ import warnings
 import pytest
 import torch
 
+from ckpt_ext.hf.layers import positional_parameters
+
 from ckpt_ext import FusedTransformerLayer, fuse
 
 transformers = pytest.importorskip("transformers")
@@ -100,22 +102,32 @@ def test_output_hidden_states_and_attentions():
 
 
 def test_single_layer_call_signatures():
-    """Layers called directly, as Hugging Face's stacks call them (positional mask / cache arguments)."""
+    """Layers called directly, as Hugging Face's stacks call them (positional mask / cache arguments, in the
+    order the installed release's forward declares them)."""
     model = make_model("gpt2").train()
     fused = fused_copy(model)
     x = torch.randn(B, S, H)
     ref_layer, fused_layer = model.h[0], fused.h[0]
+    params = positional_parameters(type(ref_layer))
+    at = params.index("attention_mask")
+
+    def positional(mask):  # hidden states, None up to the mask (the cache, ...), the mask
+        return (x,) + (None,) * (at - 1) + (mask,)
+
+    def hidden(out):
+        return out[0] if isinstance(out, tuple) else out
+
     mask = torch.ones(B, 1, S, S, dtype=torch.bool).tril()
     mask[0, :, :, :4] = False
     mask[0, :, :4, 0] = True  # no row fully masked
-    close(fused_layer(x, None, mask), ref_layer(x, None, mask))
-    close(fused_layer(x, attention_mask=mask), ref_layer(x, attention_mask=mask))
+    close(hidden(fused_layer(*positional(mask))), hidden(ref_layer(*positional(mask))))
+    close(hidden(fused_layer(x, attention_mask=mask)), hidden(ref_layer(x, attention_mask=mask)))
     additive = torch.zeros(B, 1, S, S).masked_fill(~mask, torch.finfo(torch.float32).min)
-    close(fused_layer(x, None, additive), ref_layer(x, None, additive))
+    close(hidden(fused_layer(*positional(additive))), hidden(ref_layer(*positional(additive))))
     with pytest.raises(TypeError, match="multiple values"):
-        fused_layer(x, None, mask, attention_mask=mask)
+        fused_layer(*positional(mask), attention_mask=mask)
     with pytest.raises(TypeError, match="at most"):
-        fused_layer(x, None, None, None, None, False, 7)
+        fused_layer(x, *([None] * len(params)))
 
 
 @pytest.mark.parametrize("device", DEVICES)

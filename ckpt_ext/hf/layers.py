@@ -63,6 +63,35 @@ def positional_parameters(cls: type) -> Tuple[str, ...]:
     return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
+_RETURNS_TUPLE: Dict[type, bool] = {}
+
+
+def returns_tuple(layer: nn.Module, family: int) -> bool:
+    """Whether the Hugging Face layer's forward returns a tuple (hidden states first) rather than the hidden
+    states (transformers 5.0's GPT2Block returns a tuple; its BertLayer, annotated as returning one, returns
+    a tensor). Asked of the layer itself: one forward of a 1 x 2 input without grad, once per class."""
+    cls = type(layer)
+    if cls not in _RETURNS_TUPLE:
+        import torch
+        p = next(layer.parameters())
+        hidden = {BERT: lambda: base_of(layer.attention.self.query).in_features, GPT2: lambda: layer.attn.embed_dim,
+                  LLAMA: lambda: base_of(layer.self_attn.q_proj).in_features}[family]()
+        x = torch.zeros(1, 2, hidden, device=p.device, dtype=p.dtype)
+        kwargs = {}
+        if family == LLAMA:
+            rot = torch.zeros(1, 2, layer.self_attn.head_dim, device=p.device, dtype=p.dtype)
+            kwargs["position_embeddings"] = (rot + 1, rot)
+        was_training = layer.training
+        layer.eval()
+        try:
+            with torch.no_grad():
+                out = cls.forward(layer, x, **kwargs)
+        finally:
+            layer.train(was_training)
+        _RETURNS_TUPLE[cls] = isinstance(out, tuple)
+    return _RETURNS_TUPLE[cls]
+
+
 _GELU_EXACT = {"GELUActivation"}
 _GELU_TANH = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"}
 _SILU = {"SiLU", "SiLUActivation"}
@@ -244,15 +273,46 @@ def collecting_attentions() -> bool:
     return bool(collected) and any("attentions" in k for k in collected)
 
 
-def install_output_capturing(model: nn.Module):
-    """Hugging Face installs its output-capturing hooks (output_hidden_states) lazily, matching layers by
-    class; installed before the swap, they are copied onto the fused layers."""
+def install_output_capturing(model: nn.Module, fused_class: type):
+    """Hugging Face records per-layer outputs (output_hidden_states) by matching layers by class, and each
+    release does it its own way; the fused layers (``fused_class``) are made to be matched too.
+
+    * Releases with ``maybe_install_capturing_hooks`` (later 5.x) install hooks lazily: installed before the
+      swap, they are copied onto the fused layers (fuse() moves the hooks).
+    * Releases that patch the matching layers' forward at every call (5.0: ``_CAN_RECORD_REGISTRY``, read
+      from the model class's ``_can_record_outputs``) get the fused class added next to each fused layer
+      class it names, with the same output index."""
     try:
         from transformers.modeling_utils import PreTrainedModel
-        from transformers.utils.output_capturing import maybe_install_capturing_hooks
     except ImportError:
         return
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:
+        maybe_install_capturing_hooks = None
+    if maybe_install_capturing_hooks is not None:
+        for m in model.modules():
+            if isinstance(m, PreTrainedModel):
+                maybe_install_capturing_hooks(m)
+                return  # the outermost model installs for its submodels
+        return
+    try:
+        from transformers.utils.generic import _CAN_RECORD_REGISTRY, OutputRecorder
+    except ImportError:
+        return
+    fusable = tuple(layer_classes())
     for m in model.modules():
-        if isinstance(m, PreTrainedModel):
-            maybe_install_capturing_hooks(m)
-            return  # the outermost model installs for its submodels
+        flags = getattr(type(m), "_can_record_outputs", None) if isinstance(m, PreTrainedModel) else None
+        if not flags:
+            continue
+        extended = {}
+        for key, specs in flags.items():
+            specs = list(specs) if isinstance(specs, (list, tuple)) else [specs]
+            for spec in list(specs):
+                target = spec.target_class if isinstance(spec, OutputRecorder) else spec
+                if isinstance(target, type) and issubclass(target, fusable):
+                    index = spec.index if isinstance(spec, OutputRecorder) else (0 if "hidden_states" in key else 1)
+                    specs.append(OutputRecorder(target_class=fused_class, index=index))
+            extended[key] = specs if len(specs) > 1 else specs[0]
+        type(m)._can_record_outputs = extended  # what the class's later instances register too
+        _CAN_RECORD_REGISTRY[str(type(m))] = extended
