@@ -111,13 +111,21 @@ class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
 
     def build_extensions(self):
         self._check_linker()
-        self._write_build_info()
         log(f"building {KIND}; objects in {os.path.relpath(self.build_temp, HERE)}")
         start = time.time()
         super().build_extensions()
         for e in self.extensions:
             self._check_built(self.get_ext_fullpath(e.name))
+        # setuptools builds into build_lib, where build_py has already copied the package, a build record
+        # of the source tree's included (possibly one for another torch): the record written next to the
+        # new extension replaces it, so the wheel records the torch it was built against.
+        self._write_build_info(os.path.dirname(self.get_ext_fullpath("ckpt_ext._C")))
         self._summary(start)
+
+    def copy_extensions_to_source(self):
+        """In-place builds (pip install -e, make build): the record goes next to the copied extension too."""
+        super().copy_extensions_to_source()
+        self._write_build_info(self.get_finalized_command("build_py").get_package_dir("ckpt_ext"))
 
     def _allow_static(self):
         return os.environ.get("CKPT_EXT_ALLOW_STATIC_LIBSTDCXX", "0") == "1"
@@ -140,9 +148,10 @@ class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
             os.remove(path)
             sys.exit(toolchain.static_libstdcxx_message(f"the compiler that built {os.path.basename(path)}"))
 
-    def _write_build_info(self):
-        # What the extension was built against, so that a mismatch is explained at import time.
-        with open(os.path.join(HERE, "ckpt_ext", "_build_info.py"), "w") as f:
+    def _write_build_info(self, package_dir):
+        # What the extension was built against, so that a mismatch is explained at import time
+        # (ckpt_ext/_extension.py). Written after a successful build only: a failed one leaves the old pair.
+        with open(os.path.join(package_dir, "_build_info.py"), "w") as f:
             f.write(
                 "# Written by setup.py at build time.\n"
                 f"TORCH_VERSION = {torch.__version__!r}\n"

@@ -170,3 +170,78 @@ def test_cuda_home_behind_an_nvcc_wrapper_is_found(tmp_path, monkeypatch):
     assert tc.real_cuda_home(None) is None
     monkeypatch.setenv("CUDA_HOME", str(wrapper_home))  # the user's choice is kept
     assert tc.real_cuda_home(str(wrapper_home)) == str(wrapper_home)
+
+
+# ---- the build record after installing over a build made with another torch ----------------------------------------
+_TINY_EXTENSION = """\
+// Stands in for csrc/ in test_build_record_*: setup.py's steps without minutes of compiling.
+// It formats a number so that it links libstdc++, which setup.py checks the extension loads (not carries).
+#include <Python.h>
+#include <sstream>
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit__C(void) {
+    std::ostringstream doc;
+    doc << "test build " << 1.5;
+    PyObject* m = PyModule_Create(&module);
+    if (m) PyModule_AddStringConstant(m, "doc", doc.str().c_str());
+    return m;
+}
+"""
+_STALE_TORCH = "2.11.0+cu130"  # another minor release than any the suite runs on
+
+
+def _checkout_built_with_another_torch(root):
+    """A copy of the checkout whose csrc/ is one tiny source, with the build record an earlier in-place build
+    with another torch left (ckpt_ext/_build_info.py, untracked)."""
+    for f in ("setup.py", "pyproject.toml", os.path.join("tools", "toolchain.py")):
+        os.makedirs(os.path.dirname(os.path.join(root, f)), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, f), os.path.join(root, f))
+    shutil.copytree(os.path.join(ROOT, "ckpt_ext"), os.path.join(root, "ckpt_ext"),
+                    ignore=shutil.ignore_patterns("_C.*", "__pycache__", "_build_info.py"))
+    os.makedirs(os.path.join(root, "csrc"))
+    with open(os.path.join(root, "csrc", "tiny.cpp"), "w") as f:
+        f.write(_TINY_EXTENSION)
+    with open(os.path.join(root, "ckpt_ext", "_build_info.py"), "w") as f:
+        f.write(f"TORCH_VERSION = {_STALE_TORCH!r}\nCUDA_VERSION = '13.0'\nWITH_CUDA = True\n")
+
+
+def _build(root, hook, out):
+    """What pip runs for `pip install --no-build-isolation .` (build_wheel) or `-e .` (build_editable)."""
+    code = f"from setuptools import build_meta; print(build_meta.{hook}({str(out)!r}))"
+    env = dict(os.environ, CKPT_EXT_FORCE_CPU="1")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return os.path.join(out, r.stdout.strip().splitlines()[-1])
+
+
+def _recorded_torch(text):
+    record = {}
+    exec(text, record)
+    return record["TORCH_VERSION"]
+
+
+@needs_source
+@needs_gxx
+def test_build_record_in_a_wheel_built_over_another_torchs_build(tmp_path):
+    # build_py copies the package, the old record included, into build_lib before build_ext runs: the wheel
+    # carried the previous torch's record and the installed package refused to import until built twice.
+    import zipfile
+
+    root = tmp_path / "checkout"
+    _checkout_built_with_another_torch(str(root))
+    wheel = _build(str(root), "build_wheel", tmp_path / "dist")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        assert any(n.startswith("ckpt_ext/_C.") and n.endswith(".so") for n in names), names
+        assert _recorded_torch(z.read("ckpt_ext/_build_info.py").decode()) == torch.__version__
+
+
+@needs_source
+@needs_gxx
+def test_build_record_next_to_an_in_place_build_over_another_torchs_build(tmp_path):
+    # `pip install -e .` (make build): the extension is copied into the source tree, and so must the record be.
+    root = tmp_path / "checkout"
+    _checkout_built_with_another_torch(str(root))
+    _build(str(root), "build_editable", tmp_path / "dist")
+    assert list((root / "ckpt_ext").glob("_C.*so"))
+    assert _recorded_torch((root / "ckpt_ext" / "_build_info.py").read_text()) == torch.__version__
