@@ -308,6 +308,10 @@ def install_output_capturing(model: nn.Module, fused_class: type):
         extended = {}
         for key, specs in flags.items():
             specs = list(specs) if isinstance(specs, (list, tuple)) else [specs]
+            targets = [spec.target_class if isinstance(spec, OutputRecorder) else spec for spec in specs]
+            if fused_class in targets:  # added by an earlier fuse() of this class
+                extended[key] = specs if len(specs) > 1 else specs[0]
+                continue
             for spec in list(specs):
                 target = spec.target_class if isinstance(spec, OutputRecorder) else spec
                 if isinstance(target, type) and issubclass(target, fusable):
