@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)
 SETS = {
     "oldest": ["transformers==5.0.0"],
     "5.17": ["transformers==5.17.0"],  # the GPU image's
+    "4.57": ["transformers==4.57.6"],  # below the supported range: to see what 4.x users would meet
     "newest": ["--upgrade", "transformers", "peft", "accelerate"],
 }
 DEFAULT = ("oldest", "newest")
