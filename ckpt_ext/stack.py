@@ -19,7 +19,7 @@ from .checkpoint import _checkpoint
 from .fused import run_segment
 from .hf.versions import check_versions
 from .hf.cache import drop_cache, remember_signature
-from .hf.trainer import (double_checkpointing_error, install_take_over, layer_hf_checkpointed, refuse_hf_checkpointing_on,
+from .hf.trainer import (hf_checkpointing_host, ride_hf_checkpointing, rides_hf, double_checkpointing_error, install_take_over, layer_hf_checkpointed, refuse_hf_checkpointing_on,
                          remove_take_over)
 from .planner import fmt_bytes, parse_bytes
 from .stack_plan import StackPlanner
@@ -384,6 +384,15 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
             raise ValueError("layers must be modules of the model given")
     else:
         stacks = _find_stacks(model)
+        host = hf_checkpointing_host(model) if not stacks else None
+        if host is not None and every == 1 and budget_bytes is None:
+            # A Hugging Face model whose layers ckpt_ext does not see as one stack (layers of several
+            # classes): Hugging Face's own mechanism places the checkpoints (its GradientCheckpointingLayers,
+            # caches dropped by its rules, FSDP2 hooks outside), with ckpt_ext's checkpoint doing the work.
+            disable_checkpointing(model)
+            ride_hf_checkpointing(host)
+            install_take_over(model, options)
+            return model
         if not stacks:
             raise ValueError(
                 f"enable_checkpointing found no layer stack in {type(model).__name__}: it looks for an "
@@ -423,7 +432,7 @@ def _check_options(every, budget) -> Tuple[int, Optional[int]]:
 
 def is_enabled(model: nn.Module) -> bool:
     """Whether enable_checkpointing is in effect on a module of ``model``."""
-    return any(_ATTR in m.__dict__ for m in model.modules())
+    return any(_ATTR in m.__dict__ or rides_hf(m) for m in model.modules())
 
 
 class Explanation(str):
@@ -450,6 +459,11 @@ def explain(model: nn.Module) -> Explanation:
                 planners.append(g.planner)
         elif g.layers[0] is m:
             groups.append(g)
+    ridden = [m for m in model.modules() if rides_hf(m)]
+    if ridden and not groups and not planners:
+        return Explanation(f"ckpt_ext checkpoints {len(ridden)} layers through Hugging Face's own checkpointing "
+                           "(ckpt_ext found no uniform layer stack; Hugging Face places the checkpoints, ckpt_ext's "
+                           "checkpoint runs them): each layer keeps only its input from forward to backward.")
     if not groups and not planners:
         text = "ckpt_ext checkpointing is not enabled on this model (see ckpt_ext.enable_checkpointing)."
     elif planners:
@@ -485,6 +499,8 @@ def disable_checkpointing(model: nn.Module) -> nn.Module:
 
 def _detach_groups(model: nn.Module):
     for m in model.modules():
+        if rides_hf(m):
+            m.gradient_checkpointing = False
         if _ATTR in m.__dict__:
             del m.__dict__[_ATTR]
             m.__dict__.pop("forward", None)

@@ -137,3 +137,76 @@ def test_zoo_gradients_equal_no_checkpointing(model_type, dropout, way):
     assert_same(got, ref, **tol)
     got2 = step(model, model_type, kw)  # a second step: nothing left over from the first (caches, pending)
     assert_same(got2, ref, **tol)
+
+
+def _alternating_model(dropout: float):
+    """A Hugging Face model ckpt_ext has never seen and finds no uniform stack in: layers of two classes."""
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class AltConfig(PretrainedConfig):
+        model_type = "ckpt_ext_alt"
+
+    class Tanh(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.drop = torch.nn.Linear(H, H), torch.nn.Dropout(dropout)
+            self.calls = []  # ckpt_ext.is_recomputing() at each run of forward
+
+        def forward(self, x, scale=None, **kwargs):
+            self.calls.append(ckpt_ext.is_recomputing())
+            return self.drop(self.lin(x).tanh()) * scale
+
+    class Sin(Tanh):
+        def forward(self, x, scale=None, **kwargs):
+            self.calls.append(ckpt_ext.is_recomputing())
+            return self.drop(self.lin(x).sin()) + scale
+
+    class AltModel(PreTrainedModel):
+        config_class = AltConfig
+        supports_gradient_checkpointing = True
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.layers = torch.nn.ModuleList([Tanh(), Sin(), Tanh(), Sin()])
+
+        def forward(self, x):
+            scale = torch.full((1,), 0.5)
+            for layer in self.layers:
+                x = layer(x, scale=scale)
+            return x
+
+    torch.manual_seed(0)
+    return AltModel(AltConfig()).train()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_model_without_a_uniform_stack_rides_hugging_faces_mechanism(dropout):
+    """No uniform stack: enable_checkpointing hands the placement to Hugging Face's _set_gradient_checkpointing
+    with ckpt_ext's checkpoint; gradients equal no checkpointing's, and disable gives the model back."""
+    from ckpt_ext.hf.trainer import rides_hf
+    model = _alternating_model(dropout)
+    ref_model = copy.deepcopy(model)
+    x = torch.randn(B, S, H)
+
+    def run(m):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        xi = x.clone().requires_grad_()
+        m(xi).pow(2).sum().backward()
+        return xi.grad, {n: p.grad for n, p in m.named_parameters()}
+
+    ref = run(ref_model)
+    ckpt_ext.enable_checkpointing(model)
+    assert all(rides_hf(layer) for layer in model.layers)
+    assert ckpt_ext.stack.is_enabled(model) and "Hugging Face's own checkpointing" in ckpt_ext.explain(model)
+    model.layers[1].calls.clear()
+    got = run(model)
+    assert model.layers[1].calls == [False, True]  # the layer ran once more, in backward, as ckpt_ext's replay
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    for name in ref[1]:
+        torch.testing.assert_close(got[1][name], ref[1][name], rtol=0, atol=0)
+    ckpt_ext.disable_checkpointing(model)
+    assert not any(rides_hf(m) for m in model.modules()) and not ckpt_ext.stack.is_enabled(model)
+    with pytest.raises(ValueError, match="no layer stack"):
+        ckpt_ext.enable_checkpointing(model, every=2)  # grouping needs a stack ckpt_ext can see

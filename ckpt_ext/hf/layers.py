@@ -189,7 +189,7 @@ def _bert_spec(layer) -> "_C.LayerSpec":
     hidden_p = _same([layer.attention.output.dropout.p, layer.output.dropout.p], "hidden dropout probabilities")
     gelu_tanh = _gelu_tanh(layer.intermediate.intermediate_act_fn, "intermediate")
     return _C.LayerSpec(family=BERT, hidden=hidden, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
-                        scaling=float(sa.scaling), attn_p=float(sa.dropout.p), hidden_p=hidden_p, eps=eps,
+                        scaling=float(getattr(sa, "scaling", head_dim ** -0.5)), attn_p=float(sa.dropout.p), hidden_p=hidden_p, eps=eps,
                         gelu_tanh=gelu_tanh)
 
 

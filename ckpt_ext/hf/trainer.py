@@ -8,6 +8,7 @@ A layer that ckpt_ext checkpoints and whose flag is also set would be checkpoint
 times per step), so ckpt_ext takes those four methods over on the model instance: enabling means
 ``ckpt_ext.enable_checkpointing`` and disabling means ``ckpt_ext.disable_checkpointing``.
 """
+import inspect
 import logging
 import types
 from typing import Optional, Union
@@ -54,8 +55,47 @@ def refuse_hf_checkpointing_on(model: nn.Module):
 
 
 def layer_hf_checkpointed(layer: nn.Module) -> bool:
-    """Whether Hugging Face's ``GradientCheckpointingLayer`` flag is set on ``layer``."""
-    return getattr(layer, "gradient_checkpointing", False) is True
+    """Whether Hugging Face's ``GradientCheckpointingLayer`` flag is set on ``layer`` with Hugging Face's
+    checkpoint function (with ckpt_ext's, see ride_hf_checkpointing, the layer is ckpt_ext's)."""
+    return getattr(layer, "gradient_checkpointing", False) is True and not rides_hf(layer)
+
+
+def checkpoint_for_hf(function, *args, **kwargs):
+    """The checkpoint function ckpt_ext gives Hugging Face's ``_set_gradient_checkpointing``: Hugging Face
+    calls it as ``func(partial(forward, layer, **kwargs), *args)`` (``partial(super().__call__, ...)`` before
+    5.23)."""
+    from ..checkpoint import checkpoint
+    return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def rides_hf(module: nn.Module) -> bool:
+    """Whether Hugging Face's checkpointing flag of ``module`` is on with ckpt_ext's checkpoint function."""
+    return (getattr(module, "gradient_checkpointing", False) is True
+            and module.__dict__.get("_gradient_checkpointing_func") is checkpoint_for_hf)
+
+
+def hf_checkpointing_host(model: nn.Module):
+    """The outermost transformers model in ``model`` that has Hugging Face's checkpointing mechanism
+    (``supports_gradient_checkpointing`` and ``_set_gradient_checkpointing(enable, gradient_checkpointing_func)``,
+    the signature transformers has kept since 4.35), or None."""
+    for m in model.modules():
+        if getattr(type(m), "supports_gradient_checkpointing", False) is True and \
+                callable(getattr(m, "_set_gradient_checkpointing", None)):
+            try:
+                params = inspect.signature(m._set_gradient_checkpointing).parameters
+            except (TypeError, ValueError):
+                continue
+            if "gradient_checkpointing_func" in params:
+                return m
+    return None
+
+
+def ride_hf_checkpointing(host: nn.Module):
+    """Turns Hugging Face's checkpointing of ``host`` on with ckpt_ext's checkpoint function."""
+    host._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_for_hf)
+    if not any(rides_hf(m) for m in host.modules()):
+        raise ValueError(f"ckpt_ext: {type(host).__name__} has Hugging Face's checkpointing switch but no layer took "
+                         "ckpt_ext's checkpoint function; pass the layers: enable_checkpointing(model, layers=...)")
 
 
 def double_checkpointing_error(layer: nn.Module, index: int) -> RuntimeError:
