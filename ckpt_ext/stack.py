@@ -364,7 +364,9 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     fit the budget with the least recompute. It measures each layer during the first training step and
     plans for that step's input size (and again, during its step, for an input larger in a dimension);
     a budget below the least achievable raises ValueError stating the minimum. ``ckpt_ext.explain(model)``
-    describes the plan. Hugging Face's checkpointing switch of ``model``, turned on later (Trainer's
+    describes the plan. A Hugging Face model in which no such stack is found (layers of several classes)
+    is checkpointed through Hugging Face's own ``_set_gradient_checkpointing`` with ckpt_ext's checkpoint
+    (every=1 only). Hugging Face's checkpointing switch of ``model``, turned on later (Trainer's
     ``gradient_checkpointing=True``), is handed over to ckpt_ext. Returns the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_checkpointing expects an nn.Module, got {type(model).__name__}")
