@@ -14,6 +14,9 @@
 #                                               # GPT-2 medium, Llama; peft (+ HF ckpt, + ckpt_ext) vs fuse (+ ckpt)
 #   bash tools/gpu_session.sh build yardsticks  # the issues' yardsticks, ../shared/gpu/side_by_side.py (BERT-large
 #                                               # b32 bf16 and autocast, GPT-2 b16, Llama b4) and kernel_bandwidth.py.
+#   bash tools/gpu_session.sh build yardsticks-new  # side_by_side.py's newer variants: keep-attention (Llama b4
+#                                               # bf16: torch-sac, ckpt_ext-keep, fused+keep) and compiled (BERT-large
+#                                               # b32 bf16: compile:none, compile:hf-gc, compile:ckpt_ext, compile:fused+ckpt)
 #     They live outside the repository: first `mkdir -p .yardsticks && cp ../shared/gpu/*.py .yardsticks/` here
 #     (.yardsticks/ is ignored) and name ".yardsticks" in the device call's carry.
 #
@@ -89,6 +92,19 @@ for step in "$@"; do
             | tee "$OUT/side_by_side-$model-b$batch-$mode.log" | tail -15 || status=1
         done
         (cd "$dir" && "$PY" kernel_bandwidth.py) 2>&1 | tee "$OUT/kernel_bandwidth.log" | tail -30 || status=1
+      fi ;;
+    yardsticks-new)
+      dir=""
+      for d in "${YARDSTICKS:-}" .yardsticks shared/gpu ../shared/gpu; do
+        if [ -n "$d" ] && [ -f "$d/side_by_side.py" ]; then dir=$d; break; fi
+      done
+      if [ -z "$dir" ]; then
+        echo "yardsticks-new: side_by_side.py not found; copy ../shared/gpu/*.py into .yardsticks/ and carry it"; status=1
+      else
+        (cd "$dir" && MODEL=llama ADROP=0 VARIANTS=none,hf-gc,torch-sac,ckpt_ext,ckpt_ext-keep,fused,fused+ckpt,fused+keep \
+          "$PY" side_by_side.py 4 bf16) 2>&1 | tee "$OUT/side_by_side-llama-b4-bf16-keep.log" | tail -15 || status=1
+        (cd "$dir" && ROUNDS=10 VARIANTS=none,compile:none,compile:hf-gc,compile:ckpt_ext,compile:fused,compile:fused+ckpt \
+          "$PY" side_by_side.py 32 bf16) 2>&1 | tee "$OUT/side_by_side-bert-b32-bf16-compile.log" | tail -15 || status=1
       fi ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
