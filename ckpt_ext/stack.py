@@ -205,10 +205,14 @@ class _Group:
     def run(self, layer_args: Tuple, layer_kwargs: Dict):
         """Runs every layer of the group (unwrapped), feeding each output's hidden state to the next."""
         first, rest = self.layers[0], self.layers[1:]
-        self.running = 0
+        # keep="attention" names the running layer in its messages (eager only: Dynamo refuses the mutation)
+        track = self.context_fn is not None and not torch.compiler.is_compiling()
+        if track:
+            self.running = 0
         out = type(first).forward(first, *layer_args, **layer_kwargs)
         for k, layer in enumerate(rest, 1):
-            self.running = k
+            if track:
+                self.running = k
             try:
                 out = type(layer).forward(layer, _hidden_of(out), *layer_args[1:], **layer_kwargs)
             except Exception as e:

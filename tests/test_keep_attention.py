@@ -409,7 +409,7 @@ def test_compiled_keep_attention_saves_the_kernel_outputs():
         graphs["forward"].clear(), graphs["backward"].clear()
         m = copy.deepcopy(model)
         if variant != "none":
-            _quiet_enable(m, keep=variant)
+            _quiet_enable(m, keep=variant, every=2)
         compiled = torch.compile(m, fullgraph=True,
                                  backend=aot_autograd(fw_compiler=keeper("forward"), bw_compiler=keeper("backward")))
         results[variant] = _grads(m, lambda _: compiled(**kw).last_hidden_state, count=False)
