@@ -536,12 +536,17 @@ def _check_options(every, budget, keep=None) -> Tuple[int, Optional[int], str]:
     if budget is not None and every is not None:
         raise ValueError("give either every= (fixed groups) or budget= (planned groups), not both")
     budget_bytes = parse_bytes(budget) if budget is not None else None
+    keep = check_keep(keep)
+    if budget_bytes is not None and keep != "boundaries":
+        raise ValueError(f"keep={keep!r} cannot be combined with budget= yet: the planner chooses among keeping a "
+                         "layer whole and boundary-only recompute. Give keep= with every= (or alone), or budget= "
+                         "alone.")
     every = 1 if every is None else every
     if isinstance(every, bool) or not isinstance(every, int):
         raise TypeError(f"every must be a positive int, got {every!r}")
     if every < 1:
         raise ValueError(f"every must be at least 1, got {every}")
-    return every, budget_bytes, check_keep(keep)
+    return every, budget_bytes, keep
 
 
 def is_enabled(model: nn.Module) -> bool:
