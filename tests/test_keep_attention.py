@@ -423,3 +423,53 @@ def test_compiled_keep_attention_saves_the_kernel_outputs():
     assert results["attention"][2] == (2, 0)  # kept: the backward graph has no attention forward
     _assert_equal(results["attention"], results["none"])
     _assert_equal(results["boundaries"], results["none"])
+
+
+def test_hugging_face_model_without_a_uniform_stack_keeps_attention():
+    """No uniform layer stack: Hugging Face's own mechanism places the checkpoints with ckpt_ext's checkpoint,
+    keeping attention."""
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from ckpt_ext.hf.trainer import rides_hf
+
+    class AltConfig(PretrainedConfig):
+        model_type = "ckpt_ext_alt_attention"
+
+    class A(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.block = Block(p=0.1)
+
+        def forward(self, x):
+            return self.block(x)
+
+    class B(A):
+        def forward(self, x):
+            return self.block(x) * 0.5
+
+    class AltModel(PreTrainedModel):
+        config_class = AltConfig
+        supports_gradient_checkpointing = True
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.layers = nn.ModuleList([A(), B(), A()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = AltModel(AltConfig()).train()
+    x = torch.randn(2, 17, 48)
+    ref = _grads(copy.deepcopy(model), lambda m: m(x))
+    ckpt_ext.enable_checkpointing(model, keep="attention")
+    assert all(rides_hf(layer) for layer in model.layers)
+    assert "keep='attention'" in ckpt_ext.explain(model)
+    got = _grads(model, lambda m: m(x))
+    _assert_equal(got, ref)
+    assert got[2] == 3
+    ckpt_ext.disable_checkpointing(model)
+    assert not any(rides_hf(m) for m in model.modules())
