@@ -43,6 +43,7 @@ TARGET = ("ckpt_ext-keep-attention", "torch-selective-attention")  # ckpt_ext's 
 CONFIGS = {
     "llama-s1024": (ModelSpec("llama-4x256", "llama", 4, 256, 4, 1024, 1024, 1000), 1, "fp32"),
     "llama-s128": (ModelSpec("llama-4x256", "llama", 4, 256, 4, 128, 1024, 1000), 1, "fp32"),
+    "llama-tiny": (ModelSpec("llama-2x64", "llama", 2, 64, 2, 64, 128, 100), 2, "fp32"),  # the tests' smoke run
 }
 
 

@@ -518,8 +518,11 @@ def _check_attention(model: nn.Module, layers: List[nn.Module]):
     """keep="attention" needs attention through SDPA: refuses fused layers (in this build) and Hugging Face
     models configured for another attention implementation (known now; other models are checked at the
     first training step, layer by layer)."""
-    if not _FUSED_KEEP_ATTENTION and any(isinstance(m, FusedTransformerLayer) for m in layers):
+    fused = [m for m in layers if isinstance(m, FusedTransformerLayer)]
+    if fused and not _FUSED_KEEP_ATTENTION:
         raise _fused_keep_error()
+    if fused and len(fused) == len(layers):
+        return  # fused layers run SDPA themselves, whatever the Hugging Face config says
     impl = attention_implementation(model, layers)
     if impl is not None and impl != "sdpa":
         cls = type(layers[0]).__name__ if layers else type(model).__name__
