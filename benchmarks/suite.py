@@ -7,7 +7,7 @@
                                                                 # peft LoRA (r=16, alpha 32, dropout 0.05) on every variant
 
 Variants (benchmarks/variants.py): none, hf-torch-nonreentrant, hf-torch-reentrant, torch-selective,
-ckpt_ext, fused, ckpt_ext-fused, ckpt_ext-budget, compile-budget, and torch.compile (inductor) of five of
+torch-selective-attention, ckpt_ext, ckpt_ext-keep-attention, fused, ckpt_ext-fused, ckpt_ext-budget, compile-budget, and torch.compile (inductor) of five of
 them: compiled-none, compiled-hf-torch-nonreentrant, compiled-ckpt_ext, compiled-fused,
 compiled-ckpt_ext-fused (their first step compiles, untimed; the table counts its graph breaks). Each has
 its own copy of the model; one

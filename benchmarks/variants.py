@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import ckpt_ext
+from ckpt_ext.keep import LSE_OPS, recording_kept
 from common import hf_checkpointing_disable, hf_checkpointing_enable
 
 MODES = ("fp32", "bf16", "autocast")
@@ -240,13 +241,14 @@ class TorchSelective(Variant):
     name = "torch-selective"
     summary = f"Hugging Face's checkpointing, context_fn saving aten {', '.join(SELECTIVE_SAVE)} outputs"
     recomputes = True
+    saves = SELECTIVE_SAVE  # aten op names whose outputs the policy saves
 
     def __init__(self):
         self.recording: List[object] = []
 
     def _context_fn(self):
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
-        ops = [getattr(torch.ops.aten, n).default for n in SELECTIVE_SAVE]
+        ops = [getattr(torch.ops.aten, n).default for n in self.saves if hasattr(torch.ops.aten, n)]
         forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(ops)
         self.recording.append(getattr(forward_ctx, "storage", None))
         return forward_ctx, recompute_ctx
@@ -283,6 +285,14 @@ class TorchSelective(Variant):
         return out
 
 
+class TorchSelectiveAttention(TorchSelective):
+    """torch's selective checkpointing saving the fused SDPA kernels' outputs (output, log-sum-exp, ...): what
+    ckpt_ext's keep="attention" keeps, the way torch offers it."""
+    name = "torch-selective-attention"
+    saves = tuple(op.name().split("::")[1] for op in sorted(LSE_OPS, key=str))
+    summary = "Hugging Face's checkpointing, context_fn saving the fused SDPA kernels' outputs (MUST_SAVE)"
+
+
 class EngineCheckpointing(Variant):
     name = "ckpt_ext"
     summary = "ckpt_ext.enable_checkpointing(model)"
@@ -293,6 +303,28 @@ class EngineCheckpointing(Variant):
 
     def teardown(self, model):
         ckpt_ext.disable_checkpointing(model)
+
+
+class EngineKeepAttention(EngineCheckpointing):
+    """enable_checkpointing(model, keep="attention"): the kept attention outputs and LSEs live outside
+    autograd's saved tensors; they are recorded so their bytes are counted."""
+    name = "ckpt_ext-keep-attention"
+    summary = 'ckpt_ext.enable_checkpointing(model, keep="attention")'
+
+    def __init__(self):
+        self.kept: list = []
+
+    def setup(self, fresh):
+        return ckpt_ext.enable_checkpointing(fresh(), keep="attention")
+
+    @contextlib.contextmanager
+    def context(self):
+        with recording_kept() as refs:
+            self.kept = refs  # only the current forward's
+            yield
+
+    def extra_saved(self):
+        return [t for t in (r() for r in self.kept) if t is not None]
 
 
 class Fused(Variant):
@@ -396,7 +428,9 @@ VARIANTS: Dict[str, Callable[..., Variant]] = {
     "hf-torch-nonreentrant": functools.partial(HFCheckpointing, reentrant=False),
     "hf-torch-reentrant": functools.partial(HFCheckpointing, reentrant=True),
     "torch-selective": TorchSelective,
+    "torch-selective-attention": TorchSelectiveAttention,
     "ckpt_ext": EngineCheckpointing,
+    "ckpt_ext-keep-attention": EngineKeepAttention,
     "fused": Fused,
     "ckpt_ext-fused": FusedCheckpointing,
     "ckpt_ext-budget": EngineBudget,

@@ -11,6 +11,7 @@ from ._extension import load as _load
 _C = _load()
 
 from .checkpoint import checkpoint, checkpoint_sequential, is_recomputing  # noqa: E402
+from .keep import keep_attention  # noqa: E402
 from .stack import disable_checkpointing, enable_checkpointing, explain  # noqa: E402
 from .pool import (empty_pool, is_pooled, pool_chunk_bytes, pool_min_chunk_bytes, pool_stats,  # noqa: E402
                    record_stream, reset_peak_stats, set_pool_chunk_bytes)
@@ -23,6 +24,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "is_recomputing",
+    "keep_attention",
     "enable_checkpointing",
     "disable_checkpointing",
     "explain",

@@ -5,6 +5,7 @@ any model whose repeated blocks sit in an ``nn.ModuleList`` or ``nn.Sequential``
 ``forward`` is wrapped on the instance (hooks stay outside the checkpoint, as in Hugging Face), so
 parameters, state_dict keys and optimizers are untouched.
 """
+import inspect
 import types
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -16,11 +17,13 @@ from . import _entry_points
 from ._compiler import traced_under_compile
 from ._discovery import _ATOMS, _add_module, _check_fsdp_units, _Found, _fsdp_unit_class
 from .checkpoint import _checkpoint
-from .fused import run_segment
+from .fused import FusedTransformerLayer, run_segment
+from .keep import KeepAttention, check_keep
 from .hf.versions import check_versions
 from .hf.cache import drop_cache, remember_signature
-from .hf.trainer import (hf_checkpointing_host, ride_hf_checkpointing, rides_hf, double_checkpointing_error, install_take_over, layer_hf_checkpointed, refuse_hf_checkpointing_on,
-                         remove_take_over)
+from .hf.layers import attention_implementation
+from .hf.trainer import (hf_checkpointing_host, ride_hf_checkpointing, rides_hf, rides_hf_keep, double_checkpointing_error,
+                         install_take_over, layer_hf_checkpointed, refuse_hf_checkpointing_on, remove_take_over)
 from .planner import fmt_bytes, parse_bytes
 from .stack_plan import StackPlanner
 
@@ -100,17 +103,29 @@ class _Pending:
         return out, tuple(_strong(a) for a in self.args), {k: _strong(v) for k, v in self.kwargs.items()}
 
 
+# run_segment(..., keep_attention=...) once the fused segment keeps attention (issue 23, fused part)
+_FUSED_KEEP_ATTENTION = "keep_attention" in inspect.signature(run_segment).parameters
+
+
 class _Group:
     """Consecutive layers checkpointed as one call. The first layer's forward runs the whole group;
     the others hand the group's output on when the stack's loop reaches them. A `kept` group (chosen
-    by the budget planner) runs its layers normally."""
+    by the budget planner) runs its layers normally. `keep` is what the checkpointed group keeps besides
+    its input ("boundaries": nothing; "attention": its attention kernels' outputs and log-sum-exps)."""
 
     def __init__(self, layers: List[nn.Module], index: int, planner: Optional[StackPlanner] = None,
-                 kept: bool = False):
+                 kept: bool = False, keep: str = "boundaries", stack: str = ""):
         self.layers = layers
         self.index = index  # position of the first layer in its stack
         self.planner = planner
         self.kept = kept
+        self.keep = "boundaries" if kept else keep
+        self.names = [_layer_name(stack, index + k, layer) for k, layer in enumerate(layers)]
+        self.running = 0  # the layer of the group running now (keep="attention" names it in messages)
+        # keep="attention": per layer, what its attention kept in the last forward ((bytes, None) or (None, why))
+        self.attention: List[Optional[Tuple[Optional[int], Optional[str]]]] = [None] * len(layers)
+        self.context_fn = (KeepAttention(self.names, self._running, self._tell)
+                           if self.keep == "attention" else None)
         self.pending: Optional[_Pending] = None  # after a checkpointed group run, until its last layer
         self.traced: Optional[tuple] = None  # the same while Dynamo traces (_traced_layer_forward)
         self.siblings: List["_Group"] = []  # the multi-layer groups of the stack (see _check_order)
@@ -121,13 +136,48 @@ class _Group:
         found = self._uses() if _fsdp_unit_class() is not None else None  # no per-call walk without FSDP
         if found is not None and found.fsdp_units:
             self._check_fsdp(found.fsdp_units)
-        out = run_segment(self.layers, layer_args, layer_kwargs)
+        out = self.fused_segment(self.layers, layer_args, layer_kwargs)
         if out is not NotImplemented:
             return out
         if found is not None:
-            return _checkpoint(self.run, (layer_args, layer_kwargs), {}, found=found, outside=self.layers[0])
+            return _checkpoint(self.run, (layer_args, layer_kwargs), {}, found=found, outside=self.layers[0],
+                               context_fn=self.context_fn)
         # The replay searches the layers for BatchNorm statistics to put back (C++, at replay).
-        return _checkpoint(self.run, (layer_args, layer_kwargs), {}, modules=self.layers, outside=self.layers[0])
+        return _checkpoint(self.run, (layer_args, layer_kwargs), {}, modules=self.layers, outside=self.layers[0],
+                           context_fn=self.context_fn)
+
+    def fused_segment(self, layers: List[nn.Module], layer_args: Tuple, layer_kwargs: Dict):
+        """run_segment (fused layers as one C++ SegmentFunction) with this group's keep=."""
+        if self.keep == "attention":
+            if not _FUSED_KEEP_ATTENTION:
+                if isinstance(layers[0], FusedTransformerLayer):
+                    raise _fused_keep_error()
+                return NotImplemented
+            return run_segment(layers, layer_args, layer_kwargs, keep_attention=True)
+        return run_segment(layers, layer_args, layer_kwargs)
+
+    def _running(self) -> int:
+        return self.running
+
+    def _tell(self, layer: int, kept_bytes: Optional[int], reason: Optional[str]):
+        self.attention[layer] = (kept_bytes, reason)
+
+    def keeps(self, k: int) -> str:
+        """What layer k of the group keeps from forward to backward (explain)."""
+        if self.kept:
+            return "everything it saves (not checkpointed)"
+        if self.keep == "boundaries":
+            return "only its group's input" if len(self.layers) > 1 else "only its input"
+        head = "its group's input" if len(self.layers) > 1 else "its input"
+        seen = self.attention[k]
+        if seen is None:
+            return (f"{head} and its attention kernel's output and log-sum-exp (checked at the first training "
+                    "step)")
+        kept_bytes, reason = seen
+        if reason is not None:
+            return f"{head} only: its attention keeps nothing, because {reason}"
+        return (f"{head} and its attention kernel's output and log-sum-exp ({fmt_bytes(kept_bytes)} in the last "
+                "step); the replay skips the attention forward")
 
     def _uses(self) -> _Found:
         """What the group's layers use: their BatchNorm modules and FSDP units (see _discovery)."""
@@ -155,8 +205,14 @@ class _Group:
     def run(self, layer_args: Tuple, layer_kwargs: Dict):
         """Runs every layer of the group (unwrapped), feeding each output's hidden state to the next."""
         first, rest = self.layers[0], self.layers[1:]
+        # keep="attention" names the running layer in its messages (eager only: Dynamo refuses the mutation)
+        track = self.context_fn is not None and not torch.compiler.is_compiling()
+        if track:
+            self.running = 0
         out = type(first).forward(first, *layer_args, **layer_kwargs)
         for k, layer in enumerate(rest, 1):
+            if track:
+                self.running = k
             try:
                 out = type(layer).forward(layer, _hidden_of(out), *layer_args[1:], **layer_kwargs)
             except Exception as e:
@@ -170,6 +226,30 @@ class _Group:
                         "before).")
                 raise
         return out
+
+
+def _layer_name(stack: str, i: int, layer: nn.Module) -> str:
+    return f"{stack}.{i} ({type(layer).__name__})" if stack else f"layer {i} ({type(layer).__name__})"
+
+
+def _fused_keep_error() -> ValueError:
+    return ValueError(
+        "ckpt_ext.enable_checkpointing(keep='attention') is not available for fused layers in this build "
+        "(ckpt_ext.fuse): their checkpointed segments keep only their inputs. Use keep='boundaries' (the default) with fused "
+        "layers, or keep='attention' on the unfused model.")
+
+
+def _alone(self: nn.Module, group: "_Group", args: Tuple, kwargs: Dict):
+    """A later layer of a group called on its own (not after its group's first layer): checkpointed alone,
+    keeping what its group keeps."""
+    out = group.fused_segment([self], args, kwargs)
+    if out is not NotImplemented:
+        return out
+    context_fn = None
+    if group.keep == "attention":
+        context_fn = KeepAttention([group.names[group.layers.index(self)]])
+    return _checkpoint(lambda a, k: type(self).forward(self, *a, **k), (args, kwargs), {}, outside=self,
+                       context_fn=context_fn)
 
 
 def _attach_planned(planner: StackPlanner, segments: List[Tuple[int, int, bool]]):
@@ -238,16 +318,14 @@ def _traced_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
         return type(self).forward(self, *args, **kwargs)
     args, kwargs = drop_cache(self, args, kwargs)
     if group.layers[0] is self:
-        out = run_segment(group.layers, args, kwargs)
+        out = group.fused_segment(group.layers, args, kwargs)
         if out is NotImplemented:
-            out = _checkpoint(group.run, (args, kwargs), {}, modules=group.layers, outside=self)
+            out = _checkpoint(group.run, (args, kwargs), {}, modules=group.layers, outside=self,
+                              context_fn=group.context_fn)
         group.traced = (out, 1, args[1:], kwargs) if len(group.layers) > 1 else None
         return out
     if group.traced is None:  # called on its own: checkpointed alone
-        out = run_segment([self], args, kwargs)
-        if out is NotImplemented:
-            out = _checkpoint(lambda a, k: type(self).forward(self, *a, **k), (args, kwargs), {}, outside=self)
-        return out
+        return _alone(self, group, args, kwargs)
     out, done, g_args, g_kwargs = group.traced
     group.traced = None
     if group.layers[done] is not self or not args or args[0] is not _hidden_of(out):
@@ -300,10 +378,7 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     # A later layer of the group: the group already ran it.
     if group.pending is None:  # called on its own (e.g. by the user): run it, checkpointed alone
         args, kwargs = drop_cache(self, args, kwargs)
-        out = run_segment([self], args, kwargs)
-        if out is not NotImplemented:
-            return out
-        return _checkpoint(lambda a, k: type(self).forward(self, *a, **k), (args, kwargs), {}, outside=self)
+        return _alone(self, group, args, kwargs)
     # The group's output is gone when the stack transformed it before this layer (`layer(x) * 2`).
     pending = group.pending.get()
     out, g_args, g_kwargs = pending if pending is not None else (None, (), {})
@@ -352,7 +427,7 @@ def _find_stacks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 
 def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: Optional[Sequence[nn.Module]] = None,
-                         budget: Union[int, str, None] = None) -> nn.Module:
+                         budget: Union[int, str, None] = None, keep: Optional[str] = None) -> nn.Module:
     """Checkpoints the model's layer stack with ckpt_ext: groups of ``every`` (default 1) consecutive
     layers run as one checkpointed call in training (layer keyword arguments -- attention masks,
     position ids, rotary embeddings -- are passed through). ``layers`` names the stack explicitly (an
@@ -364,14 +439,29 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     fit the budget with the least recompute. It measures each layer during the first training step and
     plans for that step's input size (and again, during its step, for an input larger in a dimension);
     a budget below the least achievable raises ValueError stating the minimum. ``ckpt_ext.explain(model)``
-    describes the plan. A Hugging Face model in which no such stack is found (layers of several classes)
+    describes the plan.
+
+    ``keep`` is what a checkpointed layer keeps from forward to backward besides its input (the segment
+    boundary): ``"boundaries"`` (the default; None means it) keeps nothing else and the replay runs the
+    whole layer; ``"attention"`` also keeps its attention kernel's output and log-sum-exp (and, with
+    dropout on CUDA, the Philox seed/offset the kernel used), and the replay runs the layer without the
+    attention forward, the attention backward using the kept output and log-sum-exp (gradients
+    bit-identical to no checkpointing). It needs attention through
+    ``torch.nn.functional.scaled_dot_product_attention`` landing in a fused kernel (CPU: flash; CUDA:
+    flash, efficient or cuDNN): a Hugging Face model configured for another attention implementation is
+    refused (ValueError), and a call that runs SDPA's math path (attention dropout on CPU, an unsupported
+    mask or dtype) keeps nothing, is recomputed in full and warns once, naming the layer and the reason.
+    Other values raise ValueError naming the allowed ones. ``ckpt_ext.explain(model)`` says what each
+    layer keeps.
+
+    A Hugging Face model in which no such stack is found (layers of several classes)
     is checkpointed through Hugging Face's own ``_set_gradient_checkpointing`` with ckpt_ext's checkpoint
     (every=1 only). Hugging Face's checkpointing switch of ``model``, turned on later (Trainer's
     ``gradient_checkpointing=True``), is handed over to ckpt_ext. Returns the model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable_checkpointing expects an nn.Module, got {type(model).__name__}")
-    options = {"every": every, "budget": budget, "layers": layers}
-    every, budget_bytes = _check_options(every, budget)
+    options = {"every": every, "budget": budget, "layers": layers, "keep": keep}
+    every, budget_bytes, keep = _check_options(every, budget, keep)
     check_versions()
     refuse_hf_checkpointing_on(model)
     if layers is not None:
@@ -391,8 +481,10 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
             # A Hugging Face model whose layers ckpt_ext does not see as one stack (layers of several
             # classes): Hugging Face's own mechanism places the checkpoints (its GradientCheckpointingLayers,
             # caches dropped by its rules, FSDP2 hooks outside), with ckpt_ext's checkpoint doing the work.
+            if keep == "attention":
+                _check_attention(model, [])
             disable_checkpointing(model)
-            ride_hf_checkpointing(host)
+            ride_hf_checkpointing(host, keep)
             install_take_over(model, options)
             return model
         if not stacks:
@@ -406,30 +498,58 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
             raise ValueError(f"a layer appears twice in {name or 'the layer stack'}; ckpt_ext cannot group it")
         if every > len(mods):
             raise ValueError(f"every={every} is larger than the {len(mods)} layers of {name or 'the model'}")
+        if keep == "attention":
+            _check_attention(model, mods)
     disable_checkpointing(model)
     for name, stack in stacks:
         mods = list(stack)
         if budget_bytes is not None:
             StackPlanner(name, mods, budget_bytes, _attach_planned).install_probe_groups()
             continue
-        _attach_groups([_Group(mods[start:start + every], start) for start in range(0, len(mods), every)])
+        _attach_groups([_Group(mods[start:start + every], start, keep=keep, stack=name)
+                        for start in range(0, len(mods), every)])
     # Hugging Face's switch (Trainer's gradient_checkpointing=True) turned on later means ckpt_ext: a
     # hand-over, never a second checkpoint around the same layers.
     install_take_over(model, options)
     return model
 
 
-def _check_options(every, budget) -> Tuple[int, Optional[int]]:
-    """Validates enable_checkpointing's every/budget; returns (every, budget in bytes or None)."""
+def _check_attention(model: nn.Module, layers: List[nn.Module]):
+    """keep="attention" needs attention through SDPA: refuses fused layers (in this build) and Hugging Face
+    models configured for another attention implementation (known now; other models are checked at the
+    first training step, layer by layer)."""
+    fused = [m for m in layers if isinstance(m, FusedTransformerLayer)]
+    if fused and not _FUSED_KEEP_ATTENTION:
+        raise _fused_keep_error()
+    if fused and len(fused) == len(layers):
+        return  # fused layers run SDPA themselves, whatever the Hugging Face config says
+    impl = attention_implementation(model, layers)
+    if impl is not None and impl != "sdpa":
+        cls = type(layers[0]).__name__ if layers else type(model).__name__
+        raise ValueError(
+            f"ckpt_ext.enable_checkpointing(keep='attention'): the attention of {cls} runs Hugging Face's "
+            f"{impl!r} implementation (config._attn_implementation), which "
+            f"{'computes softmax(QK^T)V itself and keeps no log-sum-exp' if impl == 'eager' else 'ckpt_ext does not see'}; "
+            "keep='attention' needs torch.nn.functional.scaled_dot_product_attention. Load the model with "
+            "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa')), or use keep='boundaries'.")
+
+
+def _check_options(every, budget, keep=None) -> Tuple[int, Optional[int], str]:
+    """Validates enable_checkpointing's every/budget/keep; returns (every, budget in bytes or None, keep)."""
     if budget is not None and every is not None:
         raise ValueError("give either every= (fixed groups) or budget= (planned groups), not both")
     budget_bytes = parse_bytes(budget) if budget is not None else None
+    keep = check_keep(keep)
+    if budget_bytes is not None and keep != "boundaries":
+        raise ValueError(f"keep={keep!r} cannot be combined with budget= yet: the planner chooses among keeping a "
+                         "layer whole and boundary-only recompute. Give keep= with every= (or alone), or budget= "
+                         "alone.")
     every = 1 if every is None else every
     if isinstance(every, bool) or not isinstance(every, int):
         raise TypeError(f"every must be a positive int, got {every!r}")
     if every < 1:
         raise ValueError(f"every must be at least 1, got {every}")
-    return every, budget_bytes
+    return every, budget_bytes, keep
 
 
 def is_enabled(model: nn.Module) -> bool:
@@ -463,9 +583,12 @@ def explain(model: nn.Module) -> Explanation:
             groups.append(g)
     ridden = [m for m in model.modules() if rides_hf(m)]
     if ridden and not groups and not planners:
+        keeps = ("its input and its attention kernel's output and log-sum-exp (keep='attention'; a layer whose "
+                 "attention keeps nothing is warned of at the first training step)"
+                 if rides_hf_keep(ridden[0]) == "attention" else "only its input")
         return Explanation(f"ckpt_ext checkpoints {len(ridden)} layers through Hugging Face's own checkpointing "
                            "(ckpt_ext found no uniform layer stack; Hugging Face places the checkpoints, ckpt_ext's "
-                           "checkpoint runs them): each layer keeps only its input from forward to backward.")
+                           f"checkpoint runs them): each layer keeps {keeps} from forward to backward.")
     if not groups and not planners:
         text = "ckpt_ext checkpointing is not enabled on this model (see ckpt_ext.enable_checkpointing)."
     elif planners:
@@ -486,7 +609,12 @@ def explain(model: nn.Module) -> Explanation:
     else:
         sizes = sorted({len(g.layers) for g in groups})
         text = (f"ckpt_ext checkpoints {sum(len(g.layers) for g in groups)} layers in {len(groups)} groups of "
-                f"{'/'.join(map(str, sizes))} layer(s); every group keeps only its input from forward to backward.")
+                f"{'/'.join(map(str, sizes))} layer(s)")
+        if all(g.keep == "boundaries" for g in groups):
+            text += "; every group keeps only its input from forward to backward."
+        else:
+            lines = [f"  {name}: keeps {g.keeps(k)}" for g in groups for k, name in enumerate(g.names)]
+            text += ", keep='attention'. From forward to backward:\n" + "\n".join(lines)
     return Explanation(text)
 
 

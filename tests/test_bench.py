@@ -362,3 +362,23 @@ def test_entry_point_runs_the_checkout_suite(capsys):
         bench.main(["--help"])
     assert e.value.code == 0
     assert "python benchmarks/suite.py" in capsys.readouterr().out
+
+
+def test_bench_keep_attention_smoke(tmp_path):
+    """bench_keep_attention: every variant runs and matches no checkpointing; keep="attention" holds exactly the
+    layers' attention outputs and LSEs more than full recompute; the ratios and the verdict are written."""
+    import bench_keep_attention
+    result = bench_keep_attention.main(["--device", "cpu", "--configs", "llama-tiny", "--rounds", "2", "--warmup",
+                                        "0", "--no-progress", "--out", str(tmp_path)])
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == bench_keep_attention.VARIANTS
+    for v, r in rows.items():
+        assert r["status"] == "ok" and r["step_s"] is not None, (v, r["status"])
+        assert v == "none" or r["parity"]["ok"], (v, r["parity"])
+    spec, batch, _ = bench_keep_attention.CONFIGS["llama-tiny"]
+    kept = spec.layers * batch * (spec.seq * spec.hidden * 4 + spec.heads * spec.seq * 4)  # outputs + LSEs, float32
+    assert rows["ckpt_ext-keep-attention"]["activation_bytes"] - rows["ckpt_ext"]["activation_bytes"] == kept
+    for kept_variant, full in bench_keep_attention.RATIOS:
+        assert rows[kept_variant]["ratio_to_full"] > 0 and rows[kept_variant]["full_variant"] == full
+    text = (tmp_path / "keep-attention.md").read_text()
+    assert "target (ours <= torch's)" in text and json.loads((tmp_path / "keep-attention.json").read_text())["rows"]

@@ -131,6 +131,21 @@ def _attn_impl(config) -> Optional[str]:
     return getattr(config, "_attn_implementation", None)
 
 
+def attention_implementation(model: nn.Module, layers: Sequence[nn.Module]) -> Optional[str]:
+    """The Hugging Face attention implementation (config ``_attn_implementation``: "eager", "sdpa",
+    "flash_attention_2", ...) the layers' attention modules run, else the model's; None for a model that
+    is not Hugging Face's (no config says), or whose class has no SDPA path to choose (``_supports_sdpa``
+    unset: its config says "eager" whatever its layers call)."""
+    if not any(getattr(type(m), "_supports_sdpa", False) for m in model.modules()):
+        return None
+    for layer in layers:
+        for m in layer.modules():
+            impl = _attn_impl(getattr(m, "config", None))
+            if impl is not None:
+                return impl
+    return _attn_impl(getattr(model, "config", None))
+
+
 def _check_common(layer: nn.Module, config):
     impl = _attn_impl(config)
     if impl not in _ATTN_IMPLEMENTATIONS:

@@ -68,10 +68,26 @@ def checkpoint_for_hf(function, *args, **kwargs):
     return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
+def checkpoint_for_hf_keeping_attention(function, *args, **kwargs):
+    """checkpoint_for_hf with keep="attention" (ckpt_ext.keep_attention as the context_fn)."""
+    from ..checkpoint import checkpoint
+    from ..keep import keep_attention
+    return checkpoint(function, *args, use_reentrant=False, context_fn=keep_attention, **kwargs)
+
+
+_FOR_HF = {"boundaries": checkpoint_for_hf, "attention": checkpoint_for_hf_keeping_attention}
+
+
 def rides_hf(module: nn.Module) -> bool:
     """Whether Hugging Face's checkpointing flag of ``module`` is on with ckpt_ext's checkpoint function."""
     return (getattr(module, "gradient_checkpointing", False) is True
-            and module.__dict__.get("_gradient_checkpointing_func") is checkpoint_for_hf)
+            and module.__dict__.get("_gradient_checkpointing_func") in _FOR_HF.values())
+
+
+def rides_hf_keep(module: nn.Module) -> str:
+    """What a layer checkpointed through Hugging Face's mechanism keeps (see rides_hf): keep='...'."""
+    func = module.__dict__.get("_gradient_checkpointing_func")
+    return "attention" if func is checkpoint_for_hf_keeping_attention else "boundaries"
 
 
 def hf_checkpointing_host(model: nn.Module):
@@ -90,9 +106,10 @@ def hf_checkpointing_host(model: nn.Module):
     return None
 
 
-def ride_hf_checkpointing(host: nn.Module):
-    """Turns Hugging Face's checkpointing of ``host`` on with ckpt_ext's checkpoint function."""
-    host._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_for_hf)
+def ride_hf_checkpointing(host: nn.Module, keep: str = "boundaries"):
+    """Turns Hugging Face's checkpointing of ``host`` on with ckpt_ext's checkpoint function (keeping what
+    ``keep`` says)."""
+    host._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=_FOR_HF[keep])
     if not any(rides_hf(m) for m in host.modules()):
         raise ValueError(f"ckpt_ext: {type(host).__name__} has Hugging Face's checkpointing switch but no layer took "
                          "ckpt_ext's checkpoint function; pass the layers: enable_checkpointing(model, layers=...)")
@@ -117,11 +134,11 @@ def _hf_checkpointing_off(model: nn.Module):
 
 
 def take_over_hf_checkpointing(model: nn.Module, every: Optional[int] = None,
-                               budget: Union[int, str, None] = None) -> nn.Module:
+                               budget: Union[int, str, None] = None, keep: Optional[str] = None) -> nn.Module:
     """Makes Hugging Face's checkpointing switch of ``model`` mean ckpt_ext: afterwards
     ``TrainingArguments(gradient_checkpointing=True)`` (Trainer calls ``model.activation_checkpointing_enable()``)
     and ``model.gradient_checkpointing_enable()`` run ``ckpt_ext.enable_checkpointing(model, every=every,
-    budget=budget)``, and the disable methods ``ckpt_ext.disable_checkpointing``. If Hugging Face's
+    budget=budget, keep=keep)``, and the disable methods ``ckpt_ext.disable_checkpointing``. If Hugging Face's
     checkpointing is already on, it is handed over to ckpt_ext now. Returns the model.
 
     The switch's ``use_reentrant`` is accepted and has no effect (ckpt_ext needs no input that requires
@@ -134,13 +151,13 @@ def take_over_hf_checkpointing(model: nn.Module, every: Optional[int] = None,
         raise TypeError(f"take_over_hf_checkpointing expects a Hugging Face model (a transformers PreTrainedModel "
                         f"with activation_checkpointing_enable); {type(model).__name__} has none. Call "
                         "ckpt_ext.enable_checkpointing(model) directly.")
-    _check_options(every, budget)
+    _check_options(every, budget, keep)
     check_versions()
     if hf_checkpointing_on(model):
         _hf_checkpointing_off(model)
         logger.info("ckpt_ext: Hugging Face's checkpointing of %s handed over to ckpt_ext", type(model).__name__)
-        enable_checkpointing(model, every=every, budget=budget)
-    install_take_over(model, {"every": every, "budget": budget})
+        enable_checkpointing(model, every=every, budget=budget, keep=keep)
+    install_take_over(model, {"every": every, "budget": budget, "keep": keep})
     return model
 
 
