@@ -319,7 +319,7 @@ _torch_warns: Dict[str, bool] = {}
 def _torch_warns_without_use_reentrant(name: str) -> bool:
     """Whether the installed torch's `checkpoint` / `checkpoint_sequential` (`name`) warns, or refuses, when
     called without use_reentrant: ckpt_ext warns exactly then. Asked once per function, on first need, with a
-    call on a tensor that needs no grad (torch 2.5-2.15 warn and run the reentrant variant)."""
+    call on a tensor that needs no grad (torch 2.13 warns, then runs its reentrant variant)."""
     warns = _torch_warns.get(name)
     if warns is None:
         refused = False
