@@ -31,7 +31,7 @@ VARIANTS = {
     "none": None,
     "torch.utils.checkpoint (non-reentrant)": functools.partial(torch_checkpoint, use_reentrant=False),
     "torch.utils.checkpoint (reentrant)": functools.partial(torch_checkpoint, use_reentrant=True),
-    "ckpt_ext.checkpoint": ckpt_ext.checkpoint,
+    "ckpt_ext.checkpoint": functools.partial(ckpt_ext.checkpoint, use_reentrant=False),
 }
 
 

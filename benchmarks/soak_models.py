@@ -51,7 +51,7 @@ class Stack(nn.Module):
         x = self.emb(ids)
         for block in self.blocks:
             x = block(x, keep)
-        x = ckpt_ext.checkpoint(self.head_mlp, x) if self.checkpoint_head else self.head_mlp(x)
+        x = ckpt_ext.checkpoint(self.head_mlp, x, use_reentrant=False) if self.checkpoint_head else self.head_mlp(x)
         return self.out(x)
 
 

@@ -1,7 +1,7 @@
 """ckpt_ext: fast activation checkpointing for PyTorch.
 
     import ckpt_ext
-    y = ckpt_ext.checkpoint(block, x)            # drop-in for torch.utils.checkpoint.checkpoint
+    y = ckpt_ext.checkpoint(block, x, use_reentrant=False)  # drop-in for torch.utils.checkpoint.checkpoint
     ckpt_ext.enable_checkpointing(model)         # checkpoint every layer of a layer-stack model
     ckpt_ext.fuse(model)                         # Hugging Face BERT/GPT-2/Llama layers -> C++ fused layers
     ckpt_ext.take_over_hf_checkpointing(model)   # Trainer's gradient_checkpointing=True means ckpt_ext

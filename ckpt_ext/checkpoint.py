@@ -13,6 +13,7 @@ devices in nested arguments, the BatchNorm modules a closure uses).
 """
 import functools
 import inspect
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -30,9 +31,13 @@ from .keep import KeepAttention, check_keep, compiled_context_fn, keep_attention
 _C = load()
 _run = _C.checkpoint_run
 _Tensor = torch.Tensor
+# torch's own functions, taken at import: code that replaces torch.utils.checkpoint.checkpoint by ckpt_ext's
+# (a common way to adopt a drop-in) must not send ckpt_ext's calls to torch's back to ckpt_ext.
+_torch_checkpoint_fn = _torch_checkpoint.checkpoint
+_torch_checkpoint_sequential_fn = _torch_checkpoint.checkpoint_sequential
 # torch >= 2.15: checkpoint(respect_saved_tensors_hooks=...) routes the tensors selective checkpointing
 # caches through the user's saved-tensor hooks. Where torch lacks it the keyword is the function's, as there.
-_RESPECT_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_torch_checkpoint.checkpoint).parameters
+_RESPECT_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(_torch_checkpoint_fn).parameters
 _CachingMode = getattr(_torch_checkpoint, "_CachingTorchDispatchMode", None)
 
 __all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing"]
@@ -237,8 +242,8 @@ def _traced_checkpoint(function, args: tuple, kwargs: dict, fsdp_checked: bool,
     options = {} if context_fn is None else {"context_fn": context_fn}  # (Dynamo rejects noop_context_fn)
     if kwargs:  # the function's own keywords, kept apart from torch's checkpoint options
         function = functools.partial(function, **kwargs)
-    return _torch_checkpoint.checkpoint(function, *args, use_reentrant=False, determinism_check=determinism_check,
-                                        debug=debug, preserve_rng_state=preserve_rng_state, **options)
+    return _torch_checkpoint_fn(function, *args, use_reentrant=False, determinism_check=determinism_check,
+                                debug=debug, preserve_rng_state=preserve_rng_state, **options)
 
 
 @traced_under_compile(_traced_checkpoint)
@@ -307,6 +312,46 @@ def _respect_option(context_fn, respect):
     return functools.partial(_respecting_hooks, context_fn, respect)
 
 
+def _identity(x):
+    return x
+
+
+_torch_warns: Dict[str, bool] = {}
+
+
+def _torch_warns_without_use_reentrant(name: str) -> bool:
+    """Whether the installed torch's `checkpoint` / `checkpoint_sequential` (`name`) warns, or refuses, when
+    called without use_reentrant: ckpt_ext warns exactly then. Asked once per function, on first need, with a
+    call on a tensor that needs no grad (torch 2.13 warns, then runs its reentrant variant)."""
+    warns = _torch_warns.get(name)
+    if warns is None:
+        refused = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with torch.no_grad():
+                    if name == "checkpoint":
+                        _torch_checkpoint_fn(_identity, torch.zeros(()))
+                    else:
+                        _torch_checkpoint_sequential_fn([_identity], 1, torch.zeros(()))
+            except Exception as e:  # a torch that refuses the call: it says so with "use_reentrant"
+                refused = "use_reentrant" in str(e)
+        warns = _torch_warns[name] = refused or any("use_reentrant" in str(w.message) for w in caught)
+    return warns
+
+
+def _warn_use_reentrant_omitted(name: str, stacklevel: int):
+    """torch.utils.checkpoint's `name` warns when use_reentrant is omitted, and then runs the reentrant variant;
+    ckpt_ext runs the non-reentrant one whatever is passed, so the same call changes meaning between the two.
+    The warning contains torch's sentence, so that code matching on torch's warning matches this one."""
+    if not torch.compiler.is_compiling() and _torch_warns_without_use_reentrant(name):
+        warnings.warn(
+            f"ckpt_ext.{name}: the use_reentrant parameter should be passed explicitly. torch.utils.checkpoint."
+            f"{name} called without it warns too, and runs the reentrant variant (use_reentrant=True) on this "
+            "torch; ckpt_ext always runs the non-reentrant one. Pass use_reentrant=False, which is what ckpt_ext "
+            "does, to silence this warning.", UserWarning, stacklevel=stacklevel + 1)
+
+
 def checkpoint(function: Optional[Callable] = None, *args, use_reentrant: Optional[bool] = None, context_fn=None,
                determinism_check: str = "default", debug: bool = False, early_stop: bool = True,
                preserve_rng_state: bool = True, **kwargs):
@@ -326,7 +371,9 @@ def checkpoint(function: Optional[Callable] = None, *args, use_reentrant: Option
     does: ``@ckpt_ext.checkpoint(use_reentrant=False)`` on a function or method checkpoints every call.
 
     ``use_reentrant`` is accepted for compatibility and changes nothing: ckpt_ext always behaves like
-    torch's non-reentrant mode. See README "Differences from torch.utils.checkpoint".
+    torch's non-reentrant mode. Omitted, it draws the warning torch gives where torch gives one (torch 2.13:
+    "the use_reentrant parameter should be passed explicitly"), since torch then runs its reentrant mode.
+    See README "Differences from torch.utils.checkpoint".
     """
     respect = kwargs.pop("respect_saved_tensors_hooks", None) if _RESPECT_HOOKS and kwargs else None
     if function is None and not args:
@@ -337,15 +384,19 @@ def checkpoint(function: Optional[Callable] = None, *args, use_reentrant: Option
         return functools.partial(_Checkpointed, options=(use_reentrant, context_fn, determinism_check, debug,
                                                          early_stop, preserve_rng_state, respect))
     return _checkpoint_call(function, args, kwargs, use_reentrant, context_fn, determinism_check, debug, early_stop,
-                            preserve_rng_state, respect)
+                            preserve_rng_state, respect, stacklevel=3)
 
 
 def _checkpoint_call(function, args: tuple, kwargs: dict, use_reentrant, context_fn, determinism_check: str,
-                     debug: bool, early_stop: bool, preserve_rng_state: bool, respect: Optional[bool]):
-    """checkpoint(function, *args, **kwargs) with its options apart from the function's keywords."""
+                     debug: bool, early_stop: bool, preserve_rng_state: bool, respect: Optional[bool],
+                     stacklevel: int = 2):
+    """checkpoint(function, *args, **kwargs) with its options apart from the function's keywords. `stacklevel`:
+    the user's frame, for the warning about an omitted use_reentrant."""
     if not callable(function):
         raise TypeError(f"ckpt_ext.checkpoint: function must be callable, got {type(function).__name__}")
     _check_options(use_reentrant, determinism_check, debug, preserve_rng_state, early_stop, context_fn)
+    if use_reentrant is None:
+        _warn_use_reentrant_omitted("checkpoint", stacklevel)
     if respect is not None:
         context_fn = _respect_option(context_fn, respect)
     if context_fn is _torch_checkpoint.noop_context_fn:
@@ -373,7 +424,7 @@ class _Checkpointed:
         functools.update_wrapper(self, function, updated=())
 
     def __call__(self, *args, **kwargs):
-        return _checkpoint_call(self.function, args, kwargs, *self.options)
+        return _checkpoint_call(self.function, args, kwargs, *self.options, stacklevel=3)
 
     def __get__(self, instance, owner=None):
         bind = getattr(self.function, "__get__", None)
@@ -408,6 +459,8 @@ def checkpoint_sequential(functions, segments: int, input, use_reentrant: Option
     _check_options(use_reentrant, options["determinism_check"], options["debug"], options["preserve_rng_state"])
     if keep == "attention":
         options["context_fn"] = keep_attention
+    if use_reentrant is None:
+        _warn_use_reentrant_omitted("checkpoint_sequential", 2)
     if isinstance(functions, nn.Sequential):
         functions = list(functions.children())
     elif isinstance(functions, (list, tuple, nn.ModuleList)):

@@ -205,7 +205,7 @@ class _Apply(nn.Module):
 
 
 def torch_checkpoint_sequential_like(net, t):
-    return ckpt_ext.checkpoint_sequential([net.fc, net.bn, nn.ReLU(), net.drop, net.out], 2, t)
+    return ckpt_ext.checkpoint_sequential([net.fc, net.bn, nn.ReLU(), net.drop, net.out], 2, t, use_reentrant=False)
 
 
 def _sequential_reference(net, t):
@@ -392,7 +392,8 @@ def test_checkpoint_sequential_matches(segments, no_warnings):
     stack = make_stack(5, p=0.25, seed=22)
     params = dict(stack.named_parameters())
     x, = leaf_inputs((7, DIM), seed=22)
-    ours = run_step(lambda t: ckpt_ext.checkpoint_sequential(stack, segments, t), [x], params=params, seed=11)
+    ours = run_step(lambda t: ckpt_ext.checkpoint_sequential(stack, segments, t, use_reentrant=False), [x],
+                    params=params, seed=11)
     plain = run_step(stack, [x], seed=11)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -406,8 +407,8 @@ def test_checkpoint_sequential_list_of_callables(no_warnings):
     stack = make_stack(4, p=0.25, seed=23)
     fns = [stack[0], stack[1].forward, functools.partial(_apply, stack[2]), lambda t: stack[3](t)]
     x, = leaf_inputs((7, DIM), seed=23, requires_grad=False)
-    ours = run_step(lambda t: ckpt_ext.checkpoint_sequential(fns, 2, t), [x], params=dict(stack.named_parameters()),
-                    seed=12)
+    ours = run_step(lambda t: ckpt_ext.checkpoint_sequential(fns, 2, t, use_reentrant=False), [x],
+                    params=dict(stack.named_parameters()), seed=12)
     plain = run_step(stack, [x], seed=12)
     assert_grads_close(plain, ours, exact=True)
 
@@ -444,8 +445,9 @@ def test_cpu_autocast_bf16_bit_identical(no_warnings):
 # --------------------------------------------------------------------------------------------------
 # Options
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("use_reentrant", [True, False, None])
+@pytest.mark.parametrize("use_reentrant", [True, False])
 def test_use_reentrant_accepted_silently(use_reentrant, no_warnings):
+    # Either value runs the non-reentrant engine; omitted, torch's warning is given (test_conformance.py).
     block = make_block(p=0.2, seed=25)
     x, = leaf_inputs((BATCH, DIM), seed=25)
     params = dict(block.named_parameters())
@@ -573,14 +575,14 @@ def test_early_stop_skips_only_a_tail_with_differentiable_ops(tail_op, no_warnin
     x = torch.randn(BATCH, DIM, requires_grad=True)
     ref = torch.autograd.grad(_tail_fn([], tail_op)(x).sum(), x)[0]
     calls = []
-    out = ckpt_ext.checkpoint(_tail_fn(calls, tail_op), x)
+    out = ckpt_ext.checkpoint(_tail_fn(calls, tail_op), x, use_reentrant=False)
     (got,) = torch.autograd.grad(out.sum(), x)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     replay = calls[3:]
     assert replay == (["start"] if tail_op else ["start", "after-tanh", "end"])
     with torch_checkpoint.set_checkpoint_early_stop(False):  # both run to the end without early stop
         calls.clear()
-        ckpt_ext.checkpoint(_tail_fn(calls, tail_op), x).sum().backward()
+        ckpt_ext.checkpoint(_tail_fn(calls, tail_op), x, use_reentrant=False).sum().backward()
         assert calls[3:] == ["start", "after-tanh", "end"]
 
 

@@ -100,8 +100,8 @@ class Net(nn.Module):
     def forward(self, x):
         h = self.inp(x)
         if self.checkpointed:
-            h = ckpt_ext.checkpoint(self.blocks[0], h, **self.options)
-            h = ckpt_ext.checkpoint(self.blocks[1], h, **self.options)
+            h = ckpt_ext.checkpoint(self.blocks[0], h, use_reentrant=False, **self.options)
+            h = ckpt_ext.checkpoint(self.blocks[1], h, use_reentrant=False, **self.options)
         else:
             h = self.blocks[1](self.blocks[0](h))
         return self.out(h)
@@ -141,7 +141,7 @@ def test_checkpoint_options_under_compile():
 
     def fn(h):
         return ckpt_ext.checkpoint(lambda h, scale: block(h) * scale, h, scale=2, context_fn=policy,
-                                   determinism_check="none")
+                                   determinism_check="none", use_reentrant=False)
 
     backend = Recorder()
     got = compiled_step(torch.compile(fn, backend=backend, fullgraph=True), x, params, seed=2)
@@ -154,7 +154,8 @@ def test_checkpoint_sequential_compiles_fullgraph():
     x = leaf_inputs((4, 19))
     eager = run_step(copy.deepcopy(stack), x, seed=1)
     backend = Recorder()
-    compiled = torch.compile(lambda h: ckpt_ext.checkpoint_sequential(stack, 3, h), backend=backend, fullgraph=True)
+    compiled = torch.compile(lambda h: ckpt_ext.checkpoint_sequential(stack, 3, h, use_reentrant=False), backend=backend,
+                             fullgraph=True)
     params = dict(stack.named_parameters())
     assert_grads_close(compiled_step(compiled, x, params, seed=1), eager, exact=True)
     assert backend.count(CHECKPOINT_OP) == 2
@@ -214,7 +215,7 @@ def test_inference_compiles_without_graph_breaks():
     x = torch.randn(4, 7)
 
     def infer(x):
-        return ckpt_ext.checkpoint_sequential(stack, 2, stack(model(x)))
+        return ckpt_ext.checkpoint_sequential(stack, 2, stack(model(x)), use_reentrant=False)
 
     model.eval()
     with torch.no_grad():
@@ -381,11 +382,12 @@ def test_compiled_block_inside_checkpoint_keeps_its_dropout_masks():
     params = dict(block.named_parameters())
     expected = run_step(compiled_block, x, params=params, seed=5)
     frames = ckpt_ext._C.checkpoint_frames_created()
-    got = run_step(lambda h: ckpt_ext.checkpoint(compiled_block, h), x, params=params, seed=5)
+    got = run_step(lambda h: ckpt_ext.checkpoint(compiled_block, h, use_reentrant=False), x, params=params, seed=5)
     assert ckpt_ext._C.checkpoint_frames_created() == frames + 1
     assert_grads_close(got, expected, exact=True)
     assert counters["stats"]["unique_graphs"] == 1  # forward and replay both run with grad (torch's design)
-    second_step_does_not_recompile(lambda h: ckpt_ext.checkpoint(compiled_block, h), x, params, seed=5)
+    second_step_does_not_recompile(lambda h: ckpt_ext.checkpoint(compiled_block, h, use_reentrant=False), x, params,
+                                   seed=5)
 
 
 def test_inductor_with_checkpoint():
@@ -454,12 +456,12 @@ def test_capture_errors_for_the_checkpoint_engine(capturing):
     x = leaf_inputs((4, 19))[0]
     before = ckpt_ext.pool_stats("cpu")["in_use_bytes"]
     with pytest.raises(RuntimeError, match=f"checkpointing `MLPBlock` .* {CAPTURE_ERROR}.*disable_checkpointing"):
-        ckpt_ext.checkpoint(block, x)
+        ckpt_ext.checkpoint(block, x, use_reentrant=False)
     with pytest.raises(RuntimeError, match=CAPTURE_ERROR):
-        ckpt_ext.checkpoint_sequential(make_stack(2), 2, x)
+        ckpt_ext.checkpoint_sequential(make_stack(2), 2, x, use_reentrant=False)
     assert ckpt_ext.pool_stats("cpu")["in_use_bytes"] == before
     with torch.no_grad():  # nothing is checkpointed: allowed
-        ckpt_ext.checkpoint(block, x)
+        ckpt_ext.checkpoint(block, x, use_reentrant=False)
 
 
 def test_capture_errors_for_fused_layers_only_where_they_draw_seeds_or_pool(capturing):
@@ -501,7 +503,7 @@ def test_cuda_graph_errors_for_the_engine():
     x = torch.randn(4, 19, device="cuda", requires_grad=True)
     with pytest.raises(RuntimeError, match=f"checkpointing `MLPBlock` .* {CAPTURE_ERROR}"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            ckpt_ext.checkpoint(block, x)
+            ckpt_ext.checkpoint(block, x, use_reentrant=False)
     layers = layers_of(ckpt_ext.fuse(make_model("bert", dropout=0.1))).cuda().train()
     hidden = torch.randn(2, 5, 72, device="cuda")
     with pytest.raises(RuntimeError, match=f"with dropout in training {CAPTURE_ERROR}"):

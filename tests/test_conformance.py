@@ -8,6 +8,8 @@ behaviours torch documents and tests (TestCheckpoint, TestNestedCheckpoint, sele
 import functools
 import gc
 import inspect
+import os
+import sys
 import warnings
 
 import pytest
@@ -19,7 +21,7 @@ from torch.utils import checkpoint as tc
 import ckpt_ext
 
 TORCH = functools.partial(tc.checkpoint, use_reentrant=False)
-CKPT = ckpt_ext.checkpoint
+CKPT = functools.partial(ckpt_ext.checkpoint, use_reentrant=False)
 # torch >= 2.15: checkpoint(respect_saved_tensors_hooks=...)
 RESPECT = "respect_saved_tensors_hooks" in inspect.signature(tc.checkpoint).parameters
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
@@ -761,3 +763,46 @@ def test_gradient_checkpointing_kwargs_style_call():
         return grads(m, x)
 
     conform(run)
+
+
+# ------------------------------------------------------------------------------- use_reentrant omitted
+def _use_reentrant_warnings(call):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in caught if "use_reentrant" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "checkpoint_sequential"])
+def test_omitted_use_reentrant_warns_where_torch_warns(name):
+    # torch 2.13's test_checkpoint_(sequential_)warns_if_use_reentrant_not_passed_explcitly: without use_reentrant
+    # torch warns, and runs its reentrant variant; ckpt_ext warns then too, with torch's sentence (what code
+    # and tests match on), once per call, at the caller's line. Passed explicitly, neither warns.
+    mods = [nn.Linear(8, 8), nn.Linear(8, 8)]
+    ours, theirs = getattr(ckpt_ext, name), getattr(tc, name)
+    args = (mods, 2, data()) if name == "checkpoint_sequential" else (mods[0], data())
+    sentence = "the use_reentrant parameter should be passed explicitly"
+    torch_warns = _use_reentrant_warnings(lambda: theirs(*args))
+    ours_warn = _use_reentrant_warnings(lambda: ours(*args))
+    assert len(ours_warn) == len(torch_warns) <= 1
+    assert all(sentence in m for m in torch_warns + ours_warn)
+    assert all(f"ckpt_ext.{name}" in m and "use_reentrant=False" in m for m in ours_warn)
+    for use_reentrant in (False, True):
+        assert _use_reentrant_warnings(lambda: ours(*args, use_reentrant=use_reentrant)) == []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours(*args); line = sys._getframe().f_lineno  # noqa: E702
+    assert [(os.path.basename(w.filename), w.lineno) for w in caught if "use_reentrant" in str(w.message)] == \
+        [(os.path.basename(__file__), line)] * len(torch_warns)
+
+
+def test_omitted_use_reentrant_with_torchs_checkpoint_replaced_by_ckpt_ext(monkeypatch):
+    # Adopting the drop-in by assigning it over torch's functions: ckpt_ext asks the torch functions it imported,
+    # not the replacements, whether torch warns (no recursion into itself), and warns as above.
+    m, x = model(), data()
+    expected = len(_use_reentrant_warnings(lambda: tc.checkpoint(m, x)))
+    monkeypatch.setattr(sys.modules["ckpt_ext.checkpoint"], "_torch_warns", {})  # ask torch again
+    monkeypatch.setattr(tc, "checkpoint", ckpt_ext.checkpoint)
+    monkeypatch.setattr(tc, "checkpoint_sequential", ckpt_ext.checkpoint_sequential)
+    assert len(_use_reentrant_warnings(lambda: tc.checkpoint(m, x).sum().backward())) == expected
+    assert len(_use_reentrant_warnings(lambda: tc.checkpoint_sequential(list(m), 2, x))) == expected

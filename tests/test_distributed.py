@@ -74,7 +74,7 @@ class SharedNet(nn.Module):
 
     def forward(self, x):
         for i in (0, 1, 0, 2):
-            x = ckpt_ext.checkpoint(self.blocks[i], x) if self.checkpointed else self.blocks[i](x)
+            x = ckpt_ext.checkpoint(self.blocks[i], x, use_reentrant=False) if self.checkpointed else self.blocks[i](x)
         return self.head(x)
 
 
@@ -95,7 +95,7 @@ class UnitsInsideNet(StackNet):
     inside the checkpoint (an error)."""
 
     def forward(self, x):
-        x = ckpt_ext.checkpoint(nn.Sequential(self.layers[0], self.layers[1]), x)
+        x = ckpt_ext.checkpoint(nn.Sequential(self.layers[0], self.layers[1]), x, use_reentrant=False)
         return self.head(self.layers[3](self.layers[2](x)))
 
 

@@ -53,7 +53,7 @@ def test_checkpoint_context_fn_accepted_and_checked():
     # Selective checkpointing works (tests/test_conformance.py); a context_fn that is not callable is refused.
     x, = leaf_inputs((4, 19), seed=2)
     _raises(TypeError, "context_fn must be callable", ckpt_ext.checkpoint, BLOCK, x, context_fn=3)
-    out = ckpt_ext.checkpoint(BLOCK, x, context_fn=torch_checkpoint.noop_context_fn)
+    out = ckpt_ext.checkpoint(BLOCK, x, context_fn=torch_checkpoint.noop_context_fn, use_reentrant=False)
     assert out.requires_grad
 
 
@@ -102,7 +102,7 @@ def test_checkpoint_non_contiguous_and_mixed_dtype_inputs_work():
     x = big.t()  # non-contiguous view of a leaf
     assert not x.is_contiguous()
     torch.manual_seed(7)
-    out = ckpt_ext.checkpoint(fn, x, other64)
+    out = ckpt_ext.checkpoint(fn, x, other64, use_reentrant=False)
     out.square().sum().backward()
     got = (big.grad.clone(), other64.grad.clone(), [p.grad.clone() for p in BLOCK.parameters()])
     for t in (big, other64, *BLOCK.parameters()):
@@ -125,7 +125,7 @@ def test_checkpoint_mixed_cpu_and_cuda_inputs_match_plain():
     def fn(x, s):
         return block(x) * s.cuda()
 
-    ckpt_ext.checkpoint(fn, a, scale).sum().backward()
+    ckpt_ext.checkpoint(fn, a, scale, use_reentrant=False).sum().backward()
     got = a.grad.clone(), scale.grad.clone()
     a.grad = scale.grad = None
     fn(a, scale).sum().backward()

@@ -245,11 +245,11 @@ def test_exception_in_a_nested_checkpoint(where, exc_type):
     def nested(net):
         def outer(x):
             x = net.blocks[0](x)
-            x = ckpt_ext.checkpoint(net.blocks[1], x)
+            x = ckpt_ext.checkpoint(net.blocks[1], x, use_reentrant=False)
             return net.blocks[2](x)
 
         def run(x, checkpointed):
-            return net.head(ckpt_ext.checkpoint(outer, x) if checkpointed else outer(x))
+            return net.head(ckpt_ext.checkpoint(outer, x, use_reentrant=False) if checkpointed else outer(x))
         return run
 
     run_ck, run_ref = nested(ck), nested(ref)
@@ -293,14 +293,14 @@ def test_determinism_check_failure_leaves_nothing_behind():
     start = in_use()
     state = thread_state()
     x = torch.randn(BATCH, D, requires_grad=True)
-    y = ckpt_ext.checkpoint(changes_shape_in_replay, x)
+    y = ckpt_ext.checkpoint(changes_shape_in_replay, x, use_reentrant=False)
     text, _ = raise_caught(lambda: y.sum().backward(), torch.utils.checkpoint.CheckpointError)
     assert "differs from its forward" in text
     assert thread_state() == state
     del y
     assert in_use() == start
     flips["n"] = 0
-    y = ckpt_ext.checkpoint(changes_shape_in_replay, x)
+    y = ckpt_ext.checkpoint(changes_shape_in_replay, x, use_reentrant=False)
     with pytest.raises(RuntimeError, match="differs"):
         y.sum().backward()
     del y

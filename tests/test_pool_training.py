@@ -1,6 +1,8 @@
 """What checkpointing puts in the BoundaryPool and what training does to it: checkpoint outputs are not pooled,
 fused segments' boundaries are, reserved bytes fall during backward, a training loop reaches a steady state.
 Shared helpers: tests/helpers/pool.py."""
+import functools
+
 import pytest
 import torch
 
@@ -8,6 +10,8 @@ import ckpt_ext
 from reference import assert_grads_close, chain, leaf_inputs, loss_of, make_stack, run_step
 
 from helpers.pool import _empty_pool_at_start, _forward_chain, chunk_bytes, stats  # noqa: F401  (a fixture)
+
+CKPT = functools.partial(ckpt_ext.checkpoint, use_reentrant=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -32,11 +36,11 @@ def test_steady_state_training_does_not_grow_the_pool():
     params = dict(stack.named_parameters())
     x, = leaf_inputs((8, 19), seed=3)
     start = stats()
-    run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=0)
+    run_step(chain(stack, CKPT), [x], params=params, seed=0)
     after_first = stats()
     seen = set()
     for step in range(1, 51):
-        run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=step)
+        run_step(chain(stack, CKPT), [x], params=params, seed=step)
         s = ckpt_ext.pool_stats("cpu")
         seen.add((s["reserved_bytes"], s["grows"], s["chunks"]))
     assert seen == {(after_first["reserved_bytes"], after_first["grows"], after_first["chunks"])}
@@ -125,5 +129,5 @@ def test_checkpointed_training_matches_after_many_steps():
     x, = leaf_inputs((8, 19), seed=4)
     for step in range(5):
         ref = run_step(chain(stack), [x], params=params, seed=step)
-        ours = run_step(chain(stack, ckpt_ext.checkpoint), [x], params=params, seed=step)
+        ours = run_step(chain(stack, CKPT), [x], params=params, seed=step)
         assert_grads_close(ref, ours, exact=True)

@@ -9,7 +9,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import ckpt_ext
 
-ckpt = ckpt_ext.checkpoint
+ckpt = functools.partial(ckpt_ext.checkpoint, use_reentrant=False)  # as torch_ckpt: omitted, both warn
 torch_ckpt = functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)
 
 DIM = 19

@@ -125,7 +125,7 @@ class Net(nn.Module):
 
     def forward(self, x):
         for b in self.blocks:
-            x = ckpt_ext.checkpoint(b, x) if self.wrap else b(x)
+            x = ckpt_ext.checkpoint(b, x, use_reentrant=False) if self.wrap else b(x)
             if self.seen is not None:
                 self.seen.append(x)
         return self.head(x)

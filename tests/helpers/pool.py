@@ -40,7 +40,7 @@ def chunk_bytes():
 def _forward_chain(stack, x):
     outs, h = [], x
     for block in stack:
-        h = ckpt_ext.checkpoint(block, h)
+        h = ckpt_ext.checkpoint(block, h, use_reentrant=False)
         outs.append(h)
     return outs
 
