@@ -2,7 +2,8 @@
 
 ``fuse`` replaces every ``BertLayer``, ``RobertaLayer``, ``GPT2Block`` and ``LlamaDecoderLayer`` of a model
 with a :class:`FusedTransformerLayer` whose forward is one call into C++ (csrc/layers/): ATen matmuls,
-``scaled_dot_product_attention`` and the fused ckpt_ext ops, differentiated by C++ autograd. The fused
+the attention kernel ``scaled_dot_product_attention`` chooses and the fused ckpt_ext ops, differentiated by C++
+autograd. The fused
 layer holds the *same* submodules, hence the same ``Parameter`` objects under the same ``state_dict``
 keys, so optimizers, checkpoints and ``load_state_dict`` are unaffected.
 
