@@ -15,6 +15,7 @@ device), listed per group in VARIANTS; a group's ratio is its keep variant over 
 """
 import argparse
 import functools
+import statistics
 from typing import Callable, Dict, List
 
 import torch
@@ -104,8 +105,8 @@ def main(argv=None):
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, use_cache=False).last_hidden_state.pow(2).mean().backward()
 
-    stats, _ = interleaved({k: functools.partial(step, m) for k, m in models.items()}, device, args.rounds,
-                           args.warmup)
+    stats, times = interleaved({k: functools.partial(step, m) for k, m in models.items()}, device, args.rounds,
+                               args.warmup)
     info = finish_env(info)
     print(f"{SPEC.describe()}, batch {BATCH}, fp32, {device} ({info['device_name']})")
     print(env_line(info))
@@ -114,7 +115,9 @@ def main(argv=None):
         print(f"{k:28s} {ms(s)}")
     for group in args.groups:
         full, keep = (f.__name__ for f in VARIANTS[group])
-        print(f"{group}: {keep} / {full} = {stats[keep]['median'] / stats[full]['median']:.3f}x (medians)")
+        paired = statistics.median(k / f for k, f in zip(times[keep], times[full]))  # same round, side by side
+        print(f"{group}: {keep} / {full} = {stats[keep]['median'] / stats[full]['median']:.3f}x (ratio of medians), "
+              f"{paired:.3f}x (median of the per-round ratios)")
 
 
 if __name__ == "__main__":
