@@ -16,6 +16,7 @@ device), listed per group in VARIANTS; a group's ratio is its keep variant over 
 import argparse
 import functools
 import statistics
+import time
 from typing import Callable, Dict, List
 
 import torch
@@ -82,13 +83,31 @@ VARIANTS: Dict[str, List[Callable[[Callable[[], nn.Module]], nn.Module]]] = {
 }
 
 
+def _cpu_times(steps: Dict[str, Callable[[], None]], rounds: int, warmup: int) -> Dict[str, List[float]]:
+    """common.interleaved's rounds (order rotated every round), timed by process CPU time."""
+    names, out = list(steps), {k: [] for k in steps}
+    for r in range(warmup + rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.process_time()
+            steps[k]()
+            if r >= warmup:
+                out[k].append(time.process_time() - t0)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--groups", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="CPU: time each step by the process's CPU time instead of wall time (less sensitive to "
+                         "other processes on a shared machine; with --threads 1 it is the step's work)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     info = env_info(device)
     base = build_model(SPEC, "fp32")
@@ -105,12 +124,18 @@ def main(argv=None):
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, use_cache=False).last_hidden_state.pow(2).mean().backward()
 
-    stats, times = interleaved({k: functools.partial(step, m) for k, m in models.items()}, device, args.rounds,
-                               args.warmup)
+    steps = {k: functools.partial(step, m) for k, m in models.items()}
+    if args.cpu_time:
+        times = _cpu_times(steps, args.rounds, args.warmup)
+        stats = {k: {"median": statistics.median(v), "p20": sorted(v)[len(v) // 5],
+                     "p80": sorted(v)[(4 * len(v)) // 5]} for k, v in times.items()}
+    else:
+        stats, times = interleaved(steps, device, args.rounds, args.warmup)
     info = finish_env(info)
     print(f"{SPEC.describe()}, batch {BATCH}, fp32, {device} ({info['device_name']})")
     print(env_line(info))
-    print(f"{'variant':28s} step ms: median (p20-p80), {args.rounds} interleaved rounds")
+    clock = "process CPU time" if args.cpu_time else "wall time"
+    print(f"{'variant':28s} step ms ({clock}): median (p20-p80), {args.rounds} interleaved rounds")
     for k, s in stats.items():
         print(f"{k:28s} {ms(s)}")
     for group in args.groups:
