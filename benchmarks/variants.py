@@ -346,6 +346,16 @@ class FusedCheckpointing(Variant):
         ckpt_ext.disable_checkpointing(model)
 
 
+class FusedKeepAttention(FusedCheckpointing):
+    """fuse, then enable_checkpointing(keep="attention"): each fused segment keeps its layers' attention output
+    and log-sum-exp in pool slots (saved variables of the segment's node) next to its boundary."""
+    name = "ckpt_ext-fused-keep-attention"
+    summary = 'ckpt_ext.fuse(model), then enable_checkpointing(keep="attention")'
+
+    def setup(self, fresh):
+        return ckpt_ext.enable_checkpointing(ckpt_ext.fuse(fresh()), keep="attention")
+
+
 class EngineBudget(Variant):
     """enable_checkpointing(model, budget=...): --budget, or half the activation bytes of `none` at the
     batch; re-planned whenever the batch changes."""
@@ -433,6 +443,7 @@ VARIANTS: Dict[str, Callable[..., Variant]] = {
     "ckpt_ext-keep-attention": EngineKeepAttention,
     "fused": Fused,
     "ckpt_ext-fused": FusedCheckpointing,
+    "ckpt_ext-fused-keep-attention": FusedKeepAttention,
     "ckpt_ext-budget": EngineBudget,
     "compile-budget": CompileBudget,
 }

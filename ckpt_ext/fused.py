@@ -2,7 +2,8 @@
 
 ``fuse`` replaces every ``BertLayer``, ``RobertaLayer``, ``GPT2Block`` and ``LlamaDecoderLayer`` of a model
 with a :class:`FusedTransformerLayer` whose forward is one call into C++ (csrc/layers/): ATen matmuls,
-``scaled_dot_product_attention`` and the fused ckpt_ext ops, differentiated by C++ autograd. The fused
+the attention kernel ``scaled_dot_product_attention`` chooses and the fused ckpt_ext ops, differentiated by C++
+autograd. The fused
 layer holds the *same* submodules, hence the same ``Parameter`` objects under the same ``state_dict``
 keys, so optimizers, checkpoints and ``load_state_dict`` are unaffected.
 
@@ -295,12 +296,18 @@ def _check_segment_not_capturing():
         "keep the checkpointed part outside the captured region (under torch.no_grad() nothing is checkpointed).")
 
 
-def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict):
+def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_attention: bool = False):
     """Runs consecutive fused layers as one C++ SegmentFunction (checkpointed: one autograd node that
     replays them in backward), calling them with the first layer's arguments as Hugging Face's stack
     does. Returns ``NotImplemented`` when the layers or the call do not allow it (not all fused layers of
     one family and mode, a call the fused path cannot serve, mask or rotary tables requiring grad); the
-    caller then checkpoints the layers' ordinary forwards instead."""
+    caller then checkpoints the layers' ordinary forwards instead.
+
+    ``keep_attention``: each layer's attention kernel output and log-sum-exp (on CUDA with dropout, also
+    the kernel's Philox seed/offset) are kept in the BoundaryPool from forward to backward, and the replay
+    runs the layers without the attention forward (bit-identical gradients). Raises ``ValueError`` naming
+    the layer where its attention runs no kernel with a log-sum-exp (attention dropout in training on
+    CPU: SDPA's math path), and ``NotImplementedError`` under torch.compile."""
     first = layers[0] if layers else None
     if not isinstance(first, FusedTransformerLayer):
         return NotImplemented
@@ -313,13 +320,36 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict):
         return NotImplemented
     if any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
         return NotImplemented
+    if keep_attention:
+        _check_keep_attention(layers, call.hidden)
     if compiled.use_ops():
         return first._as_returned(compiled.fused_segment(layers, call.hidden, call.mask, call.cos, call.sin,
                                                          first.training))
     _check_segment_not_capturing()
     specs, weights = zip(*(layer._call_args() for layer in layers))
     return first._as_returned(_C.segment_apply(list(specs), call.hidden, call.mask, call.cos, call.sin, list(weights),
-                                                first.training))
+                                                first.training, keep_attention))
+
+
+def _check_keep_attention(layers: Sequence["FusedTransformerLayer"], hidden: torch.Tensor):
+    """What keep-attention refuses before any compute (the C++ layer raises for the rest, naming the layer
+    and SDPA's choice): torch.compile, and attention dropout in training on CPU (SDPA's CPU flash kernel has
+    no dropout: the math path runs, which has no log-sum-exp to keep)."""
+    if compiled.use_ops():
+        raise NotImplementedError(
+            "ckpt_ext: keeping the attention of checkpointed fused layers is not supported under torch.compile "
+            "(the ckpt_ext::fused_segment operator keeps only its input); compile with full recompute, or run "
+            "keep-attention eagerly.")
+    if hidden.device.type != "cpu":
+        return
+    for i, layer in enumerate(layers):
+        if layer.training and layer.spec.attn_p > 0:
+            raise ValueError(
+                f"ckpt_ext keep-attention: fused {layer.layer_class} (layer {i} of this checkpointed group of "
+                f"{len(layers)}) has attention dropout {layer.spec.attn_p} in training on CPU, where SDPA's flash "
+                "kernel takes no dropout: attention runs SDPA's math path, which returns no log-sum-exp to keep. "
+                "Train with attention dropout 0 (attention_probs_dropout_prob / attn_pdrop / attention_dropout), "
+                "or checkpoint these layers without keep-attention (full recompute).")
 
 
 def _copy_hooks(src: nn.Module, dst: nn.Module):

@@ -136,14 +136,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "segment_apply",
       [](const std::vector<L::LayerSpec>& specs, const at::Tensor& hidden, const OptTensor& mask,
          const OptTensor& cos, const OptTensor& sin, const std::vector<std::vector<OptTensor>>& weights,
-         bool training) {
+         bool training, bool keep_attention) {
         std::vector<std::vector<at::Tensor>> w;
         w.reserve(weights.size());
         for (const auto& l : weights) w.push_back(undefined_if_absent(l));
-        return ckpt_ext::segment_apply(specs, hidden, layer_inputs(mask, cos, sin), w, training);
+        return ckpt_ext::segment_apply(specs, hidden, layer_inputs(mask, cos, sin), w, training, keep_attention);
       },
       py::arg("specs"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
-      py::arg("training"));
+      py::arg("training"), py::arg("keep_attention") = false);
 
   m.def("pool_stats", [](c10::Device d) { return stats_dict(BoundaryPool::for_device(d)->stats()); });
   m.def("reset_peak_stats", [](c10::Device d) { BoundaryPool::for_device(d)->reset_peak(); });

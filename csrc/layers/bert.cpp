@@ -39,7 +39,8 @@ void check(const LayerSpec& s, const std::vector<Tensor>& w) {
 }
 
 LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, const std::vector<Tensor>& w,
-                    const LayerRng& rng, const Tensor& out_slot, bool /*stop: no last_linear*/) {
+                    const LayerRng& rng, const Tensor& out_slot, bool /*stop: no last_linear*/,
+                    KeptAttention* kept) {
   const double hidden_p = effective(s.hidden_p, rng);
   const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
@@ -48,7 +49,7 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
                                   at::linear(x, wqkv, opt(bqkv)), {H, H, H}, rng);
   const auto [q, k, v] = split_qkv(qkv, s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/false, s.scaling, effective(s.attn_p, rng),
-                                           rng.seed, kAttnProbs));
+                                           rng.seed, kAttnProbs, kept));
   const Tensor h1 = std::get<0>(ops::bias_dropout_add_layer_norm(
       like(plus_lora(at::linear(ctx, w[kAttnOutW]), lora_delta(s, w, kLoraAttnOut, ctx, rng)), x),
                                                                  opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]),

@@ -34,8 +34,9 @@ struct LayerFamily {
   // Shapes and presence of the family's weights (count, device and dtype are checked by the caller).
   void (*check_weights)(const LayerSpec&, const std::vector<Tensor>& weights);
   // `stop`: return before the last linear (only when last_linear is set); `out_slot`: see layer_forward.
+  // `kept`: keep-attention (layer.h), passed on to attention().
   LayerOutput (*forward)(const LayerSpec&, const Tensor& x, const LayerInputs&, const std::vector<Tensor>& w,
-                         const LayerRng&, const Tensor& out_slot, bool stop);
+                         const LayerRng&, const Tensor& out_slot, bool stop, KeptAttention* kept);
   // nullptr when the family's forward cannot stop before its last linear.
   LastLinear (*last_linear)(const LayerSpec&, const std::vector<Tensor>& w, const LayerRng&);
 };
@@ -68,14 +69,16 @@ std::array<Tensor, 3> split_qkv(const Tensor& qkv, int64_t q_heads, int64_t kv_h
 // [B, heads, S, D] -> [B, S, heads * D] (contiguous).
 Tensor merge_heads(const Tensor& ctx);
 
-// Multi-head attention of q [B, heads, S, D] over k, v [B, kv_heads, S, D] -> [B, heads, S, D], always
-// through at::scaled_dot_product_attention (on CUDA the flash kernel for causal/no mask, the efficient
-// or cuDNN kernel for a mask; SDPA's math path on CPU and for what no fused kernel takes). `mask`: see
-// LayerInputs; `causal` applies only when there is no mask (Hugging Face passes causal masks
-// explicitly when padding is present). p > 0: SDPA's dropout, drawn from the device's default
-// generator set to a state derived from (seed, offset) for the call and restored afterwards (rng.h).
+// Multi-head attention of q [B, heads, S, D] over k, v [B, kv_heads, S, D] -> [B, heads, S, D]. The kernel
+// is SDPA's own choice (at::_fused_sdp_choice); a fused kernel with a log-sum-exp (CPU: flash; CUDA: flash,
+// memory-efficient) is called directly, the rest (the math path: attention dropout on CPU; cuDNN) through
+// at::scaled_dot_product_attention. `mask`: see LayerInputs; `causal` applies only when there is no mask
+// (Hugging Face passes causal masks explicitly when padding is present). p > 0: SDPA's dropout, drawn
+// from the device's default generator set to a state derived from (seed, offset) for the call and
+// restored afterwards (rng.h). `kept`: keep-attention (layer.h): fill it (no grad), or replay from it;
+// a kernel without a log-sum-exp then raises, naming kept->who and the reason.
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
-                 double p, int64_t seed, int64_t offset);
+                 double p, int64_t seed, int64_t offset, KeptAttention* kept = nullptr);
 
 // LoRA: the adapter term scaling_j * (dropout(x) A_j^T) B_j^T of projection j (FamilyInfo::lora), or
 // undefined when the projection has no adapter in this call.

@@ -38,12 +38,12 @@ LastLinear last_linear(const LayerSpec& s, const std::vector<Tensor>& w, const L
 }
 
 LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, const std::vector<Tensor>& w,
-                    const LayerRng& rng, const Tensor& out_slot, bool stop) {
+                    const LayerRng& rng, const Tensor& out_slot, bool stop, KeptAttention* kept) {
   const Tensor ln1 = at::layer_norm(x, {s.hidden}, opt(w[kLn1W]), opt(w[kLn1B]), s.eps);
   const Tensor qkv = plus_lora(conv1d(ln1, w[kAttnW], w[kAttnB]), lora_delta(s, w, kLoraAttn, ln1, rng));
   const auto [q, k, v] = split_qkv(qkv, s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
-                                           rng.seed, kAttnProbs));
+                                           rng.seed, kAttnProbs, kept));
   auto [ln2, h1, mean, rstd] =
       ops::bias_dropout_add_layer_norm(like(plus_lora(conv1d_nobias(ctx, w[kAttnProjW]),
                                                  lora_delta(s, w, kLoraAttnProj, ctx, rng)),

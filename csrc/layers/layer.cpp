@@ -150,11 +150,12 @@ bool uses_dropout(const LayerSpec& spec, bool training) {
 }
 
 LayerOutput layer_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
-                          const std::vector<Tensor>& weights, const LayerRng& rng, const Tensor& out_slot) {
+                          const std::vector<Tensor>& weights, const LayerRng& rng, const Tensor& out_slot,
+                          KeptAttention* kept) {
   check_inputs(spec, hidden, in);
   TORCH_CHECK(!out_slot.defined() || !c10::GradMode::is_enabled(),
               "ckpt_ext: a layer writes into a preallocated output only under no_grad");
-  return family(spec.family).forward(spec, hidden, in, weights, rng, out_slot, /*stop=*/false);
+  return family(spec.family).forward(spec, hidden, in, weights, rng, out_slot, /*stop=*/false, kept);
 }
 
 Tensor fused_layer_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
@@ -167,10 +168,10 @@ Tensor fused_layer_forward(const LayerSpec& spec, const Tensor& hidden, const La
 // ---- the segment's replay --------------------------------------------------------------------------------------
 
 LayerOutput replay_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
-                           const std::vector<Tensor>& weights, const LayerRng& rng) {
+                           const std::vector<Tensor>& weights, const LayerRng& rng, KeptAttention* kept) {
   check_inputs(spec, hidden, in);
   const LayerFamily& fam = family(spec.family);
-  return fam.forward(spec, hidden, in, weights, rng, Tensor(), /*stop=*/fam.last_linear != nullptr);
+  return fam.forward(spec, hidden, in, weights, rng, Tensor(), /*stop=*/fam.last_linear != nullptr, kept);
 }
 
 ReplayBackward replay_backward(const LayerSpec& spec, const std::vector<Tensor>& weights, const LayerRng& rng,

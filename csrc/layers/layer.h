@@ -1,5 +1,5 @@
 // Fused transformer layers: pure forward functions of (hidden states, mask / rotary tables, weights,
-// dropout seed) for three families, built from ATen matmuls, at::scaled_dot_product_attention and the
+// dropout seed) for three families, built from ATen matmuls, SDPA's attention kernels and the
 // ckpt_ext ops (called through the dispatcher, so they record C++ autograd when grad mode is on).
 //
 //   BERT/RoBERTa encoder layer  post-LN, exact or tanh GELU, biases, padding mask, hidden and
@@ -117,10 +117,35 @@ struct LayerOutput {
   Tensor residual;
 };
 
+// Keep-attention (a checkpointed segment's keep_attention): what a layer call's attention kernel returned
+// in forward, kept until backward so that the replay runs the layer without the attention forward.
+// Attention runs one of SDPA's fused kernels, chosen as SDPA chooses (CPU: flash; CUDA: flash, or the
+// memory-efficient kernel for a mask), called directly in every mode so that plain, checkpointed and
+// keep-attention runs use the same kernel (attention.cpp). A layer call given an empty KeptAttention
+// (forward, no grad) fills it; one given a filled KeptAttention (replay, grad on) returns the kept `out`
+// as a node whose backward is the kernel's own backward op with the kept `out` and `lse`.
+struct KeptAttention {
+  Tensor out;                         // the kernel's output [B, heads, S, D]
+  Tensor lse;                         // its log-sum-exp (float32)
+  Tensor philox_seed, philox_offset;  // CUDA: the kernel's dropout state (its backward redraws the mask)
+  Tensor cum_seq_q, cum_seq_k;        // CUDA flash: what its backward takes (undefined for dense inputs)
+  int64_t max_q = 0, max_k = 0;       // CUDA flash: sequence lengths its backward takes
+  int64_t kernel = -1;                // SDPA's numbering (_fused_sdp_choice): 1 flash, 2 efficient
+  std::string who;                    // names the layer in errors ("layer 2 (llama) of a checkpointed segment")
+
+  bool filled() const { return out.defined(); }
+  // The tensors, in a fixed order (saved by the segment's node, restored with from_tensors).
+  std::vector<Tensor> tensors() const;
+  void from_tensors(const Tensor* t);
+  static constexpr size_t kTensors = 6;
+};
+
 // One layer. Differentiable through the weights and `hidden` when grad mode is on. `out_slot`
 // (no grad only): where to write the output (contiguous, hidden's shape), e.g. a BoundaryPool slot.
+// `kept`: keep-attention, see KeptAttention (nullptr: attention runs as usual).
 LayerOutput layer_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
-                          const std::vector<Tensor>& weights, const LayerRng& rng, const Tensor& out_slot = Tensor());
+                          const std::vector<Tensor>& weights, const LayerRng& rng, const Tensor& out_slot = Tensor(),
+                          KeptAttention* kept = nullptr);
 
 // The entry point for one layer call outside a segment: checks the weights, draws the call's seed
 // (training with dropout) and runs layer_forward.
@@ -133,7 +158,7 @@ Tensor fused_layer_forward(const LayerSpec& spec, const Tensor& hidden, const La
 // family whose last linear only feeds the residual sum (GPT-2, Llama) stops before it, to compute its
 // gradients directly in replay_backward and save that GEMM; the others run whole.
 LayerOutput replay_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
-                           const std::vector<Tensor>& weights, const LayerRng& rng);
+                           const std::vector<Tensor>& weights, const LayerRng& rng, KeptAttention* kept = nullptr);
 
 // Where backward goes from a replay_forward: autograd::grad(outputs, ..., grads) gives the rest of
 // the gradients; slot_grads are the (weight slot, gradient) pairs computed directly.

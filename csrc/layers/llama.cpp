@@ -43,7 +43,7 @@ LastLinear last_linear(const LayerSpec&, const std::vector<Tensor>& w, const Lay
 }
 
 LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, const std::vector<Tensor>& w,
-                    const LayerRng& rng, const Tensor& out_slot, bool stop) {
+                    const LayerRng& rng, const Tensor& out_slot, bool stop, KeptAttention* kept) {
   TORCH_CHECK(in.cos.defined() && in.sin.defined(),
               "ckpt_ext fused Llama layer: position_embeddings (cos, sin) are required; Hugging Face's LlamaModel "
               "passes them to every layer");
@@ -58,7 +58,7 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const Tensor q = ops::rotary(q_raw, cos, sin);
   const Tensor k = ops::rotary(k_raw, cos, sin);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
-                                           rng.seed, kAttnProbs));
+                                           rng.seed, kAttnProbs, kept));
   auto [n2, h1, rstd] = ops::add_rms_norm(
       like(plus_lora(at::linear(ctx, w[kOW], opt(w[kOB])), lora_delta(s, w, kLoraO, ctx, rng)), x), x, w[kLn2W],
       s.eps);

@@ -40,6 +40,11 @@ struct SegmentState : torch::CustomClassHolder {
   std::vector<int64_t> seeds;  // per layer, drawn once in forward
   bool training = false;
   AutocastSnapshot autocast;   // forward's autocast state, applied again to the replay's layer forwards
+  // Keep-attention: per layer, what its attention kernel returned in forward (layers::KeptAttention). Its
+  // tensors (output and log-sum-exp in pool slots) are moved into the node's saved variables at the end of
+  // forward, so that autograd frees them after backward; here remain the kernel and the layer's name.
+  bool keep_attention = false;
+  std::vector<layers::KeptAttention> kept;
 
   // Throws when a parameter was modified in place since forward (the replay would use new values).
   void check_versions() const {
@@ -81,11 +86,15 @@ class SegmentAutocast {
 // Replays the segment for backward from `x` with the parameters `values` (grad on): the first K-1
 // layers and the last one's replay_forward under forward's autocast, the last one's replay_backward
 // (and the caller's autograd::grad) under the backward's own, as in the un-checkpointed backward.
+// `kept` (keep-attention): per layer, the attention forward's kept outputs; the layers then run no
+// attention forward.
 layers::ReplayBackward replay(const SegmentState& st, const at::Tensor& x, const std::vector<at::Tensor>& values,
-                              const at::Tensor& grad_out, const std::vector<bool>& need_param) {
+                              const at::Tensor& grad_out, const std::vector<bool>& need_param,
+                              std::vector<layers::KeptAttention>* kept) {
   const size_t last = st.specs.size() - 1;
   const auto w = st.weights_of(last, values);
   const layers::LayerRng rng{st.training, st.seeds[last]};
+  auto kept_of = [&](size_t l) { return kept != nullptr ? &(*kept)[l] : nullptr; };
   at::AutoGradMode grad_mode(true);
   RecomputingScope recomputing;
   layers::LayerOutput tail;
@@ -94,9 +103,9 @@ layers::ReplayBackward replay(const SegmentState& st, const at::Tensor& x, const
     at::Tensor h = x;
     for (size_t l = 0; l < last; ++l)
       h = layers::layer_forward(st.specs[l], h, st.inputs, st.weights_of(l, values),
-                                layers::LayerRng{st.training, st.seeds[l]})
+                                layers::LayerRng{st.training, st.seeds[l]}, at::Tensor(), kept_of(l))
               .out;
-    tail = layers::replay_forward(st.specs[last], h, st.inputs, w, rng);
+    tail = layers::replay_forward(st.specs[last], h, st.inputs, w, rng, kept_of(last));
   }
   std::vector<bool> need_slot;
   need_slot.reserve(st.weight_index[last].size());
@@ -106,18 +115,23 @@ layers::ReplayBackward replay(const SegmentState& st, const at::Tensor& x, const
 
 // The segment's K layer forwards without a graph (grad mode off), from `hidden` under the forward's
 // autocast; the output is written by the last layer's last fused op straight into a BoundaryPool slot.
-at::Tensor run_forward(const SegmentState& st, const at::Tensor& hidden) {
+// Keep-attention: each layer's attention output and log-sum-exp go into pool slots too (st.kept).
+at::Tensor run_forward(SegmentState& st, const at::Tensor& hidden) {
   const size_t K = st.specs.size();
   at::NoGradGuard no_grad;
   at::Tensor h = hidden;
   SegmentAutocast autocast(st.autocast, hidden.device());
+  const auto pool = BoundaryPool::for_device(h.device());
   for (size_t l = 0; l < K; ++l) {
     layers::LayerRng rng{st.training, st.seeds[l]};
     at::Tensor slot;
-    if (l + 1 == K) {
-      slot = BoundaryPool::for_device(h.device())->empty(h.sizes(), c10::contiguous_strides(h.sizes()), h.scalar_type());
+    if (l + 1 == K) slot = pool->empty(h.sizes(), c10::contiguous_strides(h.sizes()), h.scalar_type());
+    layers::KeptAttention* kept = st.keep_attention ? &st.kept[l] : nullptr;
+    h = layers::layer_forward(st.specs[l], h, st.inputs, st.weights_of(l, st.params), rng, slot, kept).out;
+    if (kept != nullptr) {  // the kernel's output and log-sum-exp into the pool, their strides kept
+      kept->out = pool->store(kept->out);
+      kept->lse = pool->store(kept->lse);
     }
-    h = layers::layer_forward(st.specs[l], h, st.inputs, st.weights_of(l, st.params), rng, slot).out;
   }
   return h;
 }
@@ -127,14 +141,15 @@ at::Tensor run_forward(const SegmentState& st, const at::Tensor& hidden) {
 // aliases of the parameters, so its graph ends here: neither the caller's inputs nor the parameters'
 // hooks see the inner autograd::grad.
 variable_list replay_grads(const SegmentState& st, const at::Tensor& saved, const at::Tensor& grad_out,
-                           bool need_hidden, const std::vector<bool>& need_param) {
+                           bool need_hidden, const std::vector<bool>& need_param,
+                           std::vector<layers::KeptAttention>* kept = nullptr) {
   const size_t P = st.params.size();
   variable_list result(1 + P);
   at::Tensor x = saved.detach();
   if (need_hidden) x.requires_grad_(true);
   std::vector<at::Tensor> aliases(P);
   for (size_t j = 0; j < P; ++j) aliases[j] = st.params[j].detach().requires_grad_(need_param[j]);
-  const layers::ReplayBackward rep = replay(st, x, aliases, grad_out, need_param);
+  const layers::ReplayBackward rep = replay(st, x, aliases, grad_out, need_param, kept);
   variable_list targets;
   std::vector<size_t> target_slot;  // result index of each target
   if (need_hidden) {
@@ -164,7 +179,12 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
     const at::Tensor& hidden = tensors[0];
     at::Tensor h = run_forward(*st, hidden);
     for (const auto& p : st->params) st->param_versions.push_back(p._version());
-    ctx->save_for_backward({hidden});
+    std::vector<at::Tensor> saved{hidden};
+    for (auto& k : st->kept) {  // keep-attention: held by autograd (freed after backward), not by the state
+      for (auto& t : k.tensors()) saved.push_back(t);
+      k.from_tensors(std::vector<at::Tensor>(layers::KeptAttention::kTensors).data());
+    }
+    ctx->save_for_backward(saved);
     ctx->saved_data["state"] = at::IValue::make_capsule(st);
     return {h};
   }
@@ -188,7 +208,10 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
       any = any || need_param[j];
     }
     if (!any) return result;
-    const variable_list grads = replay_grads(*st, saved[0], grad_out, need_hidden, need_param);
+    std::vector<layers::KeptAttention> kept = st->kept;
+    for (size_t l = 0; l < kept.size(); ++l) kept[l].from_tensors(&saved[1 + l * layers::KeptAttention::kTensors]);
+    const variable_list grads = replay_grads(*st, saved[0], grad_out, need_hidden, need_param,
+                                             st->keep_attention ? &kept : nullptr);
     std::copy(grads.begin(), grads.end(), result.begin() + 1);
     return result;
   }
@@ -238,13 +261,21 @@ c10::intrusive_ptr<SegmentState> make_state(const std::vector<layers::LayerSpec>
 
 at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
                          const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
-                         bool training) {
+                         bool training, bool keep_attention) {
   for (const at::Tensor* t : {&inputs.mask, &inputs.cos, &inputs.sin}) {
     TORCH_CHECK(!t->defined() || !t->requires_grad(),
                 "ckpt_ext fused segment: the attention mask and rotary tables must not require grad (their "
                 "gradients are not computed); use ckpt_ext.checkpoint for that case");
   }
   auto st = make_state(specs, hidden, inputs, weights, training, nullptr);
+  if (keep_attention) {
+    st->keep_attention = true;
+    st->kept.resize(specs.size());
+    for (size_t l = 0; l < specs.size(); ++l) {
+      st->kept[l].who = "layer " + std::to_string(l) + " (" + layers::family_name(specs[l].family) +
+                        ") of a checkpointed segment of " + std::to_string(specs.size());
+    }
+  }
   std::vector<at::Tensor> all;
   all.reserve(1 + st->params.size());
   all.push_back(hidden);

@@ -26,9 +26,13 @@ namespace ckpt_ext {
 
 // `weights[l]`: the weights of layer l (layers::check_weights order; undefined = absent bias).
 // `training`: dropout active. Returns the segment output (pooled, differentiable).
+// `keep_attention`: each layer's attention output and log-sum-exp (CUDA: and dropout state) are kept in
+// pool slots from forward to backward, and the replay runs the layers without the attention forward,
+// calling the attention kernel's backward op with them (layers::KeptAttention). Raises, naming the layer,
+// where a layer's attention runs a kernel without a log-sum-exp (SDPA's math path: attention dropout on CPU).
 at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
                          const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
-                         bool training);
+                         bool training, bool keep_attention = false);
 
 // The operators ckpt_ext::fused_segment(specs, hidden, mask, cos, sin, weights, layout, training, seeds,
 // autocast_dtype) -> out and ckpt_ext::fused_segment_backward(..., needs) -> grads: the same segment as a

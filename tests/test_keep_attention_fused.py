@@ -1,0 +1,217 @@
+"""Keep-attention for checkpointed fused layers (issue 23): a fused segment run with keep_attention=True
+(ckpt_ext.fused.run_segment's seam) keeps each layer's attention output and log-sum-exp in the pool, and its
+replay runs no attention forward. Checked against the fused model without checkpointing (bit-identical:
+outputs, the input gradient, every parameter gradient; hidden dropout on and off, with and without padding),
+against Hugging Face (float32 tolerance), for what the pool holds from forward to backward, and for the
+refusals (attention dropout on CPU, SDPA's math path, torch.compile)."""
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ckpt_ext
+from ckpt_ext import compiled, fuse
+from ckpt_ext.fused import run_segment
+
+transformers = pytest.importorskip("transformers")
+from helpers.devices import DEVICES  # noqa: E402
+from helpers.fused import _seed  # noqa: E402,F401  (an autouse fixture)
+from helpers.hf_models import (B, S, assert_training_parity, embeds_call, inputs_for, layers_of,  # noqa: E402
+                               make_model)
+from helpers.pool import slot_bytes, stats  # noqa: E402
+
+FAMILIES = ["bert", "gpt2", "llama", "llama-gqa"]
+
+
+def _hidden_dropout(family, p):
+    """A model's hidden dropout at p, attention dropout 0 (keep-attention's CPU kernel takes none)."""
+    if family == "bert":
+        return {"hidden_dropout_prob": p, "attention_probs_dropout_prob": 0.0}
+    if family == "gpt2":
+        return {"resid_pdrop": p, "attn_pdrop": 0.0}
+    return {"attention_dropout": 0.0}  # Llama has no hidden dropout
+
+
+def _segments(model, every, keep_attention=True):
+    """Checkpoints the model's fused layers in groups of `every` through run_segment (the seam
+    enable_checkpointing(keep="attention") calls): a group's first layer runs the group, the later ones hand
+    its output on. Returns the model."""
+    layers = list(layers_of(model))
+    for start in range(0, len(layers), every):
+        group = layers[start:start + every]
+
+        def first(*args, _group=group, **kwargs):
+            out = run_segment(_group, args, kwargs, keep_attention=keep_attention)
+            assert out is not NotImplemented
+            return out
+
+        group[0].forward = first
+        for later in group[1:]:
+            later.forward = lambda hidden, *a, _layer=later, **kw: _layer._as_returned(hidden)
+    return model
+
+
+def _pair(family, every, hidden_p=0.0, layers=3, keep_attention=True):
+    model = fuse(make_model(family, layers=layers, **_hidden_dropout(family, hidden_p))).train()
+    return model, _segments(copy.deepcopy(model), every, keep_attention)
+
+
+def _assert_same_step(model, ck, family, kw, autocast=False):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # forward only, as in training
+        torch.manual_seed(7)
+        e_ref, ref = embeds_call(model, family, kw)
+        torch.manual_seed(7)
+        e_ck, out = embeds_call(ck, family, kw)
+    assert torch.equal(out, ref)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    assert torch.equal(e_ck.grad, e_ref.grad)
+    for (name, p), q in zip(model.named_parameters(), ck.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+
+
+# ---- bit-identity with the fused model without checkpointing ------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hidden_p", [0.0, 0.2], ids=["nodrop", "hidden-dropout"])
+@pytest.mark.parametrize("padding", [False, True], ids=["nomask", "padding"])
+@pytest.mark.parametrize("every", [1, 3], ids=["every1", "all"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_keep_attention_equals_not_checkpointed_exactly(family, every, padding, hidden_p, device):
+    if family.startswith("llama") and hidden_p:
+        pytest.skip("Llama has no hidden dropout")
+    model, ck = _pair(family, every, hidden_p)
+    model.to(device)
+    ck.to(device)
+    _assert_same_step(model, ck, family, inputs_for(family, padding=padding, device=device))
+
+
+@pytest.mark.parametrize("mode", ["bf16", "autocast"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"])
+def test_keep_attention_bf16_and_autocast_exactly(family, mode):
+    """bfloat16 weights, and float32 weights under CPU autocast (SDPA's inputs cast as autocast casts them):
+    the kept kernel outputs are bfloat16, the log-sum-exp float32; gradients the same bits."""
+    model, ck = _pair(family, every=2, hidden_p=0.0 if family.startswith("llama") else 0.2)
+    if mode == "bf16":
+        model.bfloat16()
+        ck.bfloat16()
+    _assert_same_step(model, ck, family, inputs_for(family, padding=True), autocast=mode == "autocast")
+
+
+def test_keep_attention_two_steps_and_a_bool_mask():
+    """A second step (new seeds, pool slots reused) and a bool 4-D mask passed to the layers directly."""
+    model, ck = _pair("llama", every=2, layers=2)
+    for _ in range(2):
+        _assert_same_step(model, ck, "llama", inputs_for("llama", padding=True))
+        model.zero_grad()
+        ck.zero_grad()
+    x = torch.randn(B, S, 72)
+    mask = torch.ones(B, 1, S, S, dtype=torch.bool).tril()
+    mask[0, :, :, :4] = False
+    mask[0, :, :4, 0] = True  # no fully masked row
+    rot = model.rotary_emb(x, torch.arange(S).expand(B, S))
+    g = torch.randn_like(x)
+    results = []
+    for m in (model, ck):
+        m.zero_grad()
+        h = xm = x.clone().requires_grad_()
+        for layer in m.layers:
+            h = layer(h, attention_mask=mask, position_embeddings=rot)
+        h.backward(g)
+        results.append((h, xm.grad, [p.grad for p in m.layers.parameters()]))
+    (h0, gx0, gp0), (h1, gx1, gp1) = results
+    assert torch.equal(h0, h1) and torch.equal(gx0, gx1)
+    assert all(torch.equal(a, b) for a, b in zip(gp0, gp1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_keep_attention_matches_hugging_face(family):
+    hf = make_model(family, layers=3).train()
+    assert_training_parity(hf, _segments(fuse(copy.deepcopy(hf)), every=2), family, inputs_for(family, padding=True))
+
+
+# ---- what runs in backward, and what is held from forward to backward ------------------------------------------
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["full-recompute", "keep-attention"])
+def test_replay_runs_no_attention_forward(keep):
+    _, ck = _pair("llama", every=3, keep_attention=keep)
+    out = ck(**inputs_for("llama", padding=False)).last_hidden_state
+    with _Ops() as ops:
+        out.sum().backward()
+    forwards = [op for op in ops.seen if "flash_attention_for_cpu.default" in op]
+    backwards = [op for op in ops.seen if "flash_attention_for_cpu_backward" in op]
+    assert len(backwards) == 3
+    assert len(forwards) == (0 if keep else 3)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama-gqa", "bert"])
+def test_pool_holds_boundaries_kept_outputs_and_lse_only(family):
+    """From forward to backward the pool holds each segment's output (a boundary) and each layer's attention
+    output and log-sum-exp, nothing else; after backward, what it held before."""
+    n = 3
+    model, keep = _pair(family, every=1, layers=n)
+    _, full = _pair(family, every=1, layers=n, keep_attention=False)
+    full.load_state_dict(model.state_dict())
+    kw = inputs_for(family, padding=True)
+    heads = model.config.num_attention_heads
+    hidden = model.config.hidden_size
+    boundary = slot_bytes(torch.empty(B, S, hidden))
+    kept = slot_bytes(torch.empty(B, heads, S, hidden // heads)) + slot_bytes(torch.empty(B, heads, S))
+    for ck, per_layer in ((full, boundary), (keep, boundary + kept)):
+        before = stats()
+        out = ck(**kw).last_hidden_state
+        held = stats()
+        assert held["in_use_bytes"] - before["in_use_bytes"] == n * per_layer
+        assert held["live_slots"] - before["live_slots"] == n * (1 if ck is full else 3)
+        out.sum().backward()
+        del out
+        assert stats()["in_use_bytes"] == before["in_use_bytes"]
+
+
+# ---- refusals -------------------------------------------------------------------------------------------------------
+
+
+def test_attention_dropout_on_cpu_is_refused_naming_the_layer():
+    model = fuse(make_model("gpt2", dropout=0.1, layers=2)).train()
+    _segments(model, every=2)
+    with pytest.raises(ValueError, match=r"GPT2Block \(layer 0 of this checkpointed group of 2\).*attention "
+                                         r"dropout 0.1.*math path"):
+        model(**inputs_for("gpt2", padding=False))
+    # In eval mode there is no dropout: nothing is refused (and nothing is checkpointed: no grad needed).
+    model.eval()
+    with torch.no_grad():
+        model(**inputs_for("gpt2", padding=False))
+
+
+def test_math_path_is_refused_naming_the_layer_and_reason():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, ck = _pair("llama", every=2, layers=2)
+    kw = inputs_for("llama", padding=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        with pytest.raises(RuntimeError, match=r"keep-attention: layer 0 \(llama\) of a checkpointed segment of 2 "
+                                               r"cannot keep its attention: no fused SDPA kernel"):
+            ck(**kw)
+        model(**kw)  # without keep-attention the math path serves
+
+
+def test_keep_attention_under_compile_is_refused(monkeypatch):
+    monkeypatch.setattr(compiled, "USE_OPS_EAGERLY", True)  # the operator path torch.compile takes
+    _, ck = _pair("bert", every=1, layers=1)
+    with pytest.raises(NotImplementedError, match="not supported under torch.compile"):
+        ck(**inputs_for("bert", padding=False))
