@@ -1,7 +1,11 @@
 // Attention and its projections, shared by the families: q/k/v split and merge, Conv1D products, and
 // attention() through at::scaled_dot_product_attention (its dropout drawn from a generator state
-// derived from the layer's seed, rng.h).
+// derived from the layer's seed, rng.h), or on CPU with dropout written out with ckpt_ext's Philox dropout.
 #include <ATen/ATen.h>
+
+#include <limits>
+
+#include "../ops/ops.h"
 
 #include "family.h"
 #include "rng.h"
@@ -70,6 +74,27 @@ Tensor finite_additive_mask(const Tensor& mask) {
 
 constexpr uint64_t kSdpaSalt = 0x5DBA7E11A5EEDULL;  // separates SDPA's generator seeds from our Philox keys
 
+// CPU attention with dropout. SDPA takes its math path there (CPU's flash kernel has no dropout): a
+// bernoulli mask drawn from the generator (set and restored around the call), mask and scale applied in
+// separate passes, and _safe_softmax's guard for fully masked rows (isneginf, all, where) on every call
+// and every replay. Here: scores = mask + scale * q k^T in one pass, softmax, and the dropout site's mask
+// from ckpt_ext's Philox dropout op -- a function of (seed, site) like the residual sites, which its
+// backward regenerates instead of storing. Taken only where no row can be fully masked: an additive mask
+// (made finite by prepared()), none, or a square causal one (the diagonal is always kept).
+bool dropout_written_out(const Tensor& q, const Tensor& k, const Tensor& mask, bool causal) {
+  return q.is_cpu() && (!mask.defined() || mask.scalar_type() != at::kBool) && (!causal || q.size(2) == k.size(2));
+}
+
+Tensor attention_with_philox_dropout(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                                     bool causal, double scale, double p, int64_t seed, int64_t offset) {
+  const Tensor scores = at::matmul(q, k.transpose(-2, -1));
+  Tensor bias = mask;
+  if (causal)
+    bias = at::full({q.size(2), k.size(2)}, -std::numeric_limits<double>::infinity(), scores.options()).triu_(1);
+  const Tensor logits = bias.defined() ? at::add(bias, scores, scale) : scores * scale;
+  return at::matmul(ops::dropout(at::softmax(logits, -1), p, seed, offset), v);
+}
+
 }  // namespace
 
 LayerInputs prepared(const LayerInputs& in) {
@@ -88,6 +113,9 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   std::optional<Tensor> m;
   if (mask.defined()) m = mask;  // additive masks made finite by prepared()
   if (p == 0.0) return at::scaled_dot_product_attention(q, kk, vv, m, 0.0, use_causal, scale, gqa);
+  if (dropout_written_out(q, k, mask, use_causal))
+    return attention_with_philox_dropout(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, use_causal, scale, p,
+                                         seed, offset);
   // SDPA draws its dropout from the device's default generator (CUDA flash/efficient kernels: the
   // philox (seed, offset) they read from it and return for their backward; the math path, CPU: a
   // bernoulli mask from it). Set to a state that is a function of the layer call's seed and this
