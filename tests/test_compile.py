@@ -373,6 +373,20 @@ def test_fused_layers_with_lora_under_compile_raise_a_clear_error():
         compiled(**kw)
 
 
+def test_fused_layer_whose_rotary_tables_require_grad_under_compile_raises_a_clear_error():
+    """The operator does not differentiate the mask or rotary tables: said under torch.compile, not run eagerly."""
+    model, _ = _hf("llama", dropout=0.0, layers=1)
+    ckpt_ext.fuse(model)
+    layer = layers_of(model)[0]
+    x = torch.randn(2, 5, model.config.hidden_size, requires_grad=True)
+    with torch.no_grad():
+        cos, sin = model.rotary_emb(x, torch.arange(5)[None])
+    cos.requires_grad_()
+    compiled = torch.compile(lambda x, cos, sin: layer(x, position_embeddings=(cos, sin)), backend="aot_eager")
+    with pytest.raises(NotImplementedError, match="does not differentiate its attention mask or rotary tables"):
+        compiled(x, cos, sin)
+
+
 def test_compiled_block_inside_checkpoint_keeps_its_dropout_masks():
     """ckpt_ext.checkpoint(torch.compile(block), x), called eagerly: the eager engine runs the compiled
     block in forward and in its replay, with the same random numbers."""

@@ -84,7 +84,8 @@ def test_attention_dropout_rate(p):
 
 
 def test_attention_dropout_changes_only_the_attention():
-    """Attention-probability dropout is applied (SDPA's, seeded from the layer's seed), reproducibly."""
+    """Attention-probability dropout is applied (seeded from the layer's seed: on CPU the Philox dropout op,
+    on CUDA SDPA's), reproducibly."""
     model = make_model("llama", dropout=0.3, layers=1).train()
     layer = model.layers[0]
     fused = FusedTransformerLayer(layer)

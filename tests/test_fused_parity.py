@@ -166,7 +166,8 @@ def test_low_precision_error_within_a_multiple_of_hugging_faces(family, dtype, d
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_explicit_attention_path_matches(family, padding, attn):
     """With attention dropout the fused layer calls SDPA with dropout from a generator state derived from the
-    layer's seed (on CPU SDPA's math path, not the flash kernel of p = 0). At p = 1e-9 the mask keeps
+    layer's seed (on CPU: SDPA's math path for bool masks, else attention written out with the Philox dropout
+    op; not the flash kernel of p = 0). At p = 1e-9 the mask keeps
     everything, so it must match Hugging Face without dropout: checks the masking (bool, additive -- fully
     masked rows included -- causal) and GQA of that path."""
     model = make_model(family, layers=2, attn=attn, **{

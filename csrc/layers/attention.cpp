@@ -2,7 +2,7 @@
 // attention(): SDPA's own kernel choice, the fused kernels (which return a log-sum-exp) called directly,
 // their dropout drawn from a generator state derived from the layer's seed (rng.h), and keep-attention
 // (layer.h's KeptAttention: the kernel's output and log-sum-exp kept from forward, its backward op called
-// in the replay).
+// in the replay); on CPU with dropout, attention written out with ckpt_ext's Philox dropout.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -10,6 +10,7 @@
 
 #include <limits>
 
+#include "../ops/ops.h"
 #include "family.h"
 #include "rng.h"
 
@@ -76,6 +77,28 @@ Tensor finite_additive_mask(const Tensor& mask) {
 }
 
 constexpr uint64_t kSdpaSalt = 0x5DBA7E11A5EEDULL;  // separates SDPA's generator seeds from our Philox keys
+
+// CPU attention with dropout. SDPA takes its math path there (CPU's flash kernel has no dropout): a
+// bernoulli mask drawn from the generator (set and restored around the call), mask and scale applied in
+// separate passes, and _safe_softmax's guard for fully masked rows (isneginf, all, where) on every call
+// and every replay. Here: scores = mask + scale * q k^T in one pass, softmax, and the dropout site's mask
+// from ckpt_ext's Philox dropout op -- a function of (seed, site) like the residual sites, which its
+// backward regenerates instead of storing. Taken only where no row can be fully masked: an additive mask
+// (made finite by prepared()), none, or a square causal one (the diagonal is always kept).
+bool dropout_written_out(const Tensor& q, const Tensor& k, const Tensor& mask, bool causal) {
+  return q.is_cpu() && (!mask.defined() || mask.scalar_type() != at::kBool) && (!causal || q.size(2) == k.size(2));
+}
+
+Tensor attention_with_philox_dropout(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                                     bool causal, double scale, double p, int64_t seed, int64_t offset) {
+  const Tensor scores = at::matmul(q, k.transpose(-2, -1));
+  Tensor bias = mask;
+  if (causal)
+    bias = at::full({q.size(2), k.size(2)}, -std::numeric_limits<double>::infinity(), scores.options()).triu_(1);
+  const Tensor logits = bias.defined() ? at::add(bias, scores, scale) : scores * scale;
+  return at::matmul(ops::dropout(at::softmax(logits, -1), p, seed, offset), v);
+}
+
 
 }  // namespace
 
@@ -254,6 +277,9 @@ Tensor attention(const Tensor& q_in, const Tensor& k, const Tensor& v, const Ten
   // Grouped-query attention: SDPA's own GQA support when there is no mask (the fast kernels need
   // none), repeated heads otherwise -- Hugging Face's rule.
   const bool gqa = n_rep > 1 && !mask.defined();
+  if (p > 0 && kept == nullptr && dropout_written_out(q_in, k, mask, use_causal))
+    return attention_with_philox_dropout(q_in, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, use_causal, scale, p,
+                                         seed, offset);
   Tensor q = q_in, kk = gqa ? k : repeat_kv(k, n_rep), vv = gqa ? v : repeat_kv(v, n_rep);
   Tensor m = mask;  // additive masks made finite by prepared()
   // Autocast: SDPA is on autocast's lower-precision list; the fused kernels called below may not be, so the
