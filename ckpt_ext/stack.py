@@ -5,7 +5,6 @@ any model whose repeated blocks sit in an ``nn.ModuleList`` or ``nn.Sequential``
 ``forward`` is wrapped on the instance (hooks stay outside the checkpoint, as in Hugging Face), so
 parameters, state_dict keys and optimizers are untouched.
 """
-import inspect
 import types
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -103,10 +102,6 @@ class _Pending:
         return out, tuple(_strong(a) for a in self.args), {k: _strong(v) for k, v in self.kwargs.items()}
 
 
-# run_segment(..., keep_attention=...) once the fused segment keeps attention (issue 23, fused part)
-_FUSED_KEEP_ATTENTION = "keep_attention" in inspect.signature(run_segment).parameters
-
-
 class _Group:
     """Consecutive layers checkpointed as one call. The first layer's forward runs the whole group;
     the others hand the group's output on when the stack's loop reaches them. A `kept` group (chosen
@@ -148,13 +143,7 @@ class _Group:
 
     def fused_segment(self, layers: List[nn.Module], layer_args: Tuple, layer_kwargs: Dict):
         """run_segment (fused layers as one C++ SegmentFunction) with this group's keep=."""
-        if self.keep == "attention":
-            if not _FUSED_KEEP_ATTENTION:
-                if isinstance(layers[0], FusedTransformerLayer):
-                    raise _fused_keep_error()
-                return NotImplemented
-            return run_segment(layers, layer_args, layer_kwargs, keep_attention=True)
-        return run_segment(layers, layer_args, layer_kwargs)
+        return run_segment(layers, layer_args, layer_kwargs, keep_attention=self.keep == "attention")
 
     def _running(self) -> int:
         return self.running
@@ -230,13 +219,6 @@ class _Group:
 
 def _layer_name(stack: str, i: int, layer: nn.Module) -> str:
     return f"{stack}.{i} ({type(layer).__name__})" if stack else f"layer {i} ({type(layer).__name__})"
-
-
-def _fused_keep_error() -> ValueError:
-    return ValueError(
-        "ckpt_ext.enable_checkpointing(keep='attention') is not available for fused layers in this build "
-        "(ckpt_ext.fuse): their checkpointed segments keep only their inputs. Use keep='boundaries' (the default) with fused "
-        "layers, or keep='attention' on the unfused model.")
 
 
 def _alone(self: nn.Module, group: "_Group", args: Tuple, kwargs: Dict):
@@ -515,12 +497,10 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
 
 
 def _check_attention(model: nn.Module, layers: List[nn.Module]):
-    """keep="attention" needs attention through SDPA: refuses fused layers (in this build) and Hugging Face
-    models configured for another attention implementation (known now; other models are checked at the
-    first training step, layer by layer)."""
+    """keep="attention" needs attention through SDPA: refuses Hugging Face models configured for another
+    attention implementation (known now; other models are checked at the first training step, layer by layer;
+    fused layers call SDPA's kernels themselves and refuse in their segment, naming the layer)."""
     fused = [m for m in layers if isinstance(m, FusedTransformerLayer)]
-    if fused and not _FUSED_KEEP_ATTENTION:
-        raise _fused_keep_error()
     if fused and len(fused) == len(layers):
         return  # fused layers run SDPA themselves, whatever the Hugging Face config says
     impl = attention_implementation(model, layers)

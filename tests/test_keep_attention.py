@@ -362,13 +362,28 @@ def test_hugging_face_attention_dropout_on_cpu_warns():
     _assert_equal(got, ref)
 
 
-def test_fused_layers_refuse_keep_attention_in_this_build():
-    model = ckpt_ext.fuse(make_model("llama", layers=2))
-    if ckpt_ext.stack._FUSED_KEEP_ATTENTION:
-        pytest.skip("this build's fused segments keep attention")
-    with pytest.raises(ValueError, match="not available for fused layers in this build"):
-        _quiet_enable(model, keep="attention")
-    assert not ckpt_ext.stack.is_enabled(model)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("every", [1, 2])
+def test_fused_layers_through_enable_checkpointing_exactly(family, every):
+    """enable_checkpointing(fuse(model), keep="attention"): the fused segments keep their attention (C++),
+    gradients bitwise those of the fused model without checkpointing; no attention forward in the replay."""
+    model = ckpt_ext.fuse(make_model(family, layers=2)).train()
+    kw = inputs_for(family, padding=True)
+    ref = _grads(model, _hf_call(kw))
+    keep = _quiet_enable(copy.deepcopy(model), every=every, keep="attention")
+    got = _grads(keep, _hf_call(kw))
+    _assert_equal(got, ref)
+    assert ref[2] == 2 and got[2] == 2  # one attention kernel per layer in forward, none replayed
+    full = _grads(_quiet_enable(copy.deepcopy(model), every=every), _hf_call(kw))
+    _assert_equal(full, ref)
+    assert full[2] == 4  # full recompute runs each layer's attention again
+
+
+def test_fused_attention_dropout_on_cpu_is_refused_through_enable_checkpointing():
+    model = ckpt_ext.fuse(make_model("gpt2", layers=2, attn_pdrop=0.1)).train()
+    keep = _quiet_enable(model, keep="attention")
+    with pytest.raises(ValueError, match="(?i)dropout"):
+        keep(**inputs_for("gpt2", padding=False))
 
 
 def test_explain_and_disable():
