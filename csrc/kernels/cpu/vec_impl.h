@@ -131,14 +131,16 @@ struct DoubleSum {
 
 // ---- activations ---------------------------------------------------------------------------------------
 //
-// Fast = true (float16 / bfloat16, whose 8 or 11 bits of mantissa hide a few float ulps): exp is
-// at::vec's inline exp_u20 (error <= 20 float ulps) rather than Sleef's out-of-line exp (1 ulp), and erf
-// and tanh are built on it. float32 keeps at::vec's erf/exp/tanh (Sleef), what ATen's own float kernels
-// call; its GELU derivative computes erf by at::vec's formula itself, to share the one exp.
+// exp is at::vec's inline exp_u20 (error <= 20 float ulps, 2.4e-6 relative) in every dtype: Sleef's
+// out-of-line exp (1 ulp), which at::vec's erf and exp call, costs more than the rest of the GELU / SiLU
+// together, and the 20 ulps are below the error of the erf formula below (1.5e-7 absolute, what ATen's
+// float GELU has) and of the float32 tests' tolerance. Fast = true (float16 / bfloat16, whose 8 or 11
+// bits of mantissa hide a few float ulps) also takes reciprocals from the hardware estimate and tanh from
+// exp; float32 keeps a Newton step and at::vec's (Sleef) tanh.
 
 template <bool Fast>
 inline fVec exp_(const fVec& x) {
-  return Fast ? x.exp_u20() : x.exp();
+  return x.exp_u20();
 }
 
 // 1 / d for d >= 1: the hardware estimate and one Newton step (relative error ~2^-23 or better).
@@ -151,19 +153,36 @@ inline fVec recip_fast(const fVec& d) {
   return r * (fVec(2.f) - d * r);
 }
 
-// erf(xs) by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), the formula of at::vec's erf, given
-// e = exp(-xs * xs), which the GELU derivative shares (one exp per element, not two). Fast: 1 / d by
-// recip_fast rather than a division.
+// 1 / d for d >= 1 from the hardware estimate alone: relative error <= 2^-14 with AVX-512 (rcp14), hidden
+// by a float16/bfloat16 result; AVX2's estimate (1.5 * 2^-12) gets the Newton step.
+inline fVec recip_estimate(const fVec& d) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return fVec(_mm512_rcp14_ps(d));
+#else
+  return recip_fast(d);
+#endif
+}
+
+// erf(xs) by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), the formula of at::vec's erf, written for
+// speed: erf(|xs|) = 1 - poly(t) * e with t = 1 / (1 + p |xs|) and e = exp(-xs^2), which the GELU
+// derivative shares (returned in e: one exp per element), then the sign of xs put back by a bit
+// operation. Fast: t from the reciprocal estimate; float32: with a Newton step. Horner in FMAs (this file is otherwise fp-contract=off: here the float32
+// kernels need not match the portable loops bit for bit, which run ATen's GELU).
 template <bool Fast>
-inline fVec erf_(const fVec& xs, const fVec& e) {
-  const fVec one(1.f);
-  // |xs| capped where e is 0 anyway, so that an infinite input keeps t finite (erf(+-inf) = +-1)
-  const fVec d = one + fVec(0.3275911f) * at::vec::minimum(xs.abs(), fVec(16.f));
-  const fVec t = Fast ? recip_fast(d) : one / d;
-  const fVec poly = ((((fVec(1.061405429f) * t + fVec(-1.453152027f)) * t + fVec(1.421413741f)) * t +
-                      fVec(-0.284496736f)) * t + fVec(0.254829592f)) * t;
-  const fVec y = one - poly * e;
-  return fVec::blendv(y, y.neg(), xs < fVec(0.f));
+inline fVec erf_(const fVec& xs, fVec& e) {
+  const fVec one(1.f), sign_bit(-0.f);
+  const fVec ax = xs.abs();
+  // |xs| capped (erf(9) rounds to 1; e is 0 there anyway) so that t stays finite; NaN passes through
+  const fVec d = at::vec::fmadd(fVec(0.3275911f), at::vec::clamp_max(ax, fVec(9.f)), one);
+  const fVec t = Fast ? recip_estimate(d) : recip_fast(d);
+  fVec poly = at::vec::fmadd(fVec(1.061405429f), t, fVec(-1.453152027f));
+  poly = at::vec::fmadd(poly, t, fVec(1.421413741f));
+  poly = at::vec::fmadd(poly, t, fVec(-0.284496736f));
+  poly = at::vec::fmadd(poly, t, fVec(0.254829592f));
+  poly = poly * t;
+  e = exp_<Fast>((ax * ax) ^ sign_bit);  // exp(-xs^2): 0 for huge |xs|, not an overflow
+  const fVec erf_abs = at::vec::fmadd(poly ^ sign_bit, e, one);
+  return erf_abs ^ (xs & sign_bit);
 }
 
 template <bool Fast>
@@ -183,9 +202,8 @@ inline fVec gelu(const fVec& x, bool tanh) {
                        (x + fVec(static_cast<float>(math::kGeluKappa)) * x * x * x);
     return half * x * (one + tanh_<Fast>(inner));
   }
-  const fVec xs = x * fVec(static_cast<float>(M_SQRT1_2));
-  if (!Fast) return half * x * (one + xs.erf());  // at::vec's, as ATen's float GELU
-  return half * x * (one + erf_<true>(xs, exp_<true>((xs * xs).neg())));
+  fVec e;
+  return half * x * (one + erf_<Fast>(x * fVec(static_cast<float>(M_SQRT1_2)), e));
 }
 
 template <bool Fast>
@@ -196,10 +214,9 @@ inline fVec gelu_derivative(const fVec& x, bool tanh) {
     const fVec t = tanh_<Fast>(beta * (x + kappa * x * x * x));
     return half * (one + t) + half * x * (one - t * t) * beta * (one + fVec(3.f) * kappa * x * x);
   }
-  const fVec xs = x * fVec(static_cast<float>(M_SQRT1_2));
-  const fVec e = exp_<Fast>(fVec(-0.5f) * x * x);  // exp(-xs^2): the normal density and erf's exponential
-  const fVec cdf = half * (one + erf_<Fast>(xs, e));
-  return cdf + x * e * fVec(static_cast<float>(math::kInvSqrt2Pi));
+  fVec e;  // exp(-x^2 / 2): erf's exponential and the normal density
+  const fVec cdf = half * (one + erf_<Fast>(x * fVec(static_cast<float>(M_SQRT1_2)), e));
+  return at::vec::fmadd(x * e, fVec(static_cast<float>(math::kInvSqrt2Pi)), cdf);
 }
 
 template <bool Fast>
@@ -210,8 +227,11 @@ inline fVec sigmoid(const fVec& x) {
 template <typename T>
 constexpr bool kFast = !std::is_same<T, float>::value;
 
-template <typename T>
-void bias_gelu(const T* x, const T* bias, T* out, int64_t n, bool tanh) {
+// The loops below take the GELU kind as a template argument, so that no branch sits in the loop and the
+// compiler keeps the formula's constants in registers.
+template <typename T, bool Tanh>
+void bias_gelu_loop(const T* x, const T* bias, T* out, int64_t n) {
+  constexpr bool tanh = Tanh;
   for (int64_t i = 0; i < n; i += kStep) {
     const int64_t c = std::min(kStep, n - i);
     fVec a, b;
@@ -221,8 +241,9 @@ void bias_gelu(const T* x, const T* bias, T* out, int64_t n, bool tanh) {
   }
 }
 
-template <typename T>
-void bias_gelu_backward(const T* grad, const T* x, const T* bias, T* grad_x, int64_t n, bool tanh) {
+template <typename T, bool Tanh>
+void bias_gelu_backward_loop(const T* grad, const T* x, const T* bias, T* grad_x, int64_t n) {
+  constexpr bool tanh = Tanh;
   for (int64_t i = 0; i < n; i += kStep) {
     const int64_t c = std::min(kStep, n - i);
     fVec a, b, ga, gb;
@@ -231,6 +252,16 @@ void bias_gelu_backward(const T* grad, const T* x, const T* bias, T* grad_x, int
     IO<T>::load(grad + i, c, ga, gb);
     IO<T>::store(grad_x + i, c, ga * gelu_derivative<kFast<T>>(a, tanh), gb * gelu_derivative<kFast<T>>(b, tanh));
   }
+}
+
+template <typename T>
+void bias_gelu(const T* x, const T* bias, T* out, int64_t n, bool tanh) {
+  (tanh ? bias_gelu_loop<T, true> : bias_gelu_loop<T, false>)(x, bias, out, n);
+}
+
+template <typename T>
+void bias_gelu_backward(const T* grad, const T* x, const T* bias, T* grad_x, int64_t n, bool tanh) {
+  (tanh ? bias_gelu_backward_loop<T, true> : bias_gelu_backward_loop<T, false>)(grad, x, bias, grad_x, n);
 }
 
 template <typename T>
