@@ -354,7 +354,8 @@ inline void zero_tail(int64_t n, fVec& a, fVec& b) {
 }
 
 template <typename T>
-void layer_norm_forward(NormRow<T>& r) {
+void layer_norm_forward(NormRow<T>& row) {
+  const NormRow<T> r = row;  // a local copy: the stores through T* below cannot alias it, so no reloads
   const int64_t H = r.hidden;
   float* v = r.scratch;  // the stored pre-norm row in float
   DoubleSum sum;
@@ -385,8 +386,8 @@ void layer_norm_forward(NormRow<T>& r) {
     var.add(b * b);
   }
   const float rs = static_cast<float>(1 / std::sqrt(var.total() / H + r.eps));
-  r.mean = mu;
-  r.rstd = rs;
+  row.mean = mu;
+  row.rstd = rs;
   const fVec vrs(rs);
   for (int64_t i = 0; i < H; i += kStep) {
     const int64_t c = std::min(kStep, H - i);
@@ -401,7 +402,8 @@ void layer_norm_forward(NormRow<T>& r) {
 }
 
 template <typename T>
-void layer_norm_backward(NormRow<T>& r) {
+void layer_norm_backward(NormRow<T>& row) {
+  const NormRow<T> r = row;  // a local copy: the stores through T* below cannot alias it, so no reloads
   const int64_t H = r.hidden;
   const fVec mu(r.mean), rs(r.rstd);
   DoubleSum sum_dy, sum_dy_xhat;  // dy = grad_out * weight
@@ -445,7 +447,8 @@ void layer_norm_backward(NormRow<T>& r) {
 }
 
 template <typename T>
-void rms_norm_forward(NormRow<T>& r) {
+void rms_norm_forward(NormRow<T>& row) {
+  const NormRow<T> r = row;  // a local copy: the stores through T* below cannot alias it, so no reloads
   const int64_t H = r.hidden;
   DoubleSum sum_sq;
   for (int64_t i = 0; i < H; i += kStep) {
@@ -459,7 +462,7 @@ void rms_norm_forward(NormRow<T>& r) {
     sum_sq.add_square(b);
   }
   const float rs_f = static_cast<float>(1 / std::sqrt(sum_sq.total() / H + r.eps));
-  r.rstd = rs_f;
+  row.rstd = rs_f;
   const fVec rs(rs_f);
   for (int64_t i = 0; i < H; i += kStep) {
     const int64_t c = std::min(kStep, H - i);
@@ -474,7 +477,8 @@ void rms_norm_forward(NormRow<T>& r) {
 }
 
 template <typename T>
-void rms_norm_backward(NormRow<T>& r) {
+void rms_norm_backward(NormRow<T>& row) {
+  const NormRow<T> r = row;  // a local copy: the stores through T* below cannot alias it, so no reloads
   const int64_t H = r.hidden;
   const fVec rs(r.rstd);
   DoubleSum sum_dn_n;  // dn = grad_out * weight, n = sum * rstd
