@@ -8,7 +8,7 @@ as in training, both sides on inputs that require grad: eager's autograd keeps w
 its backward needs (add_layer_norm's sum, mean, rstd) -- without grad, eager frees x + r at once while
 ours hands it back, an unequal amount of work (--no-grad-forward measures that way all the same). The
 eager backward is autograd through the eager forward (retain_graph), what a model without the fused op
-runs.
+runs; the LayerNorm's weight and bias both require grad there, as ours returns both gradients.
 
     python benchmarks/bench_ops.py                       # best device: CUDA bf16 rows 16384, else CPU fp32 + bf16 rows 2048
     python benchmarks/bench_ops.py --hidden 1024,4096,8192 --dtype bfloat16,float16
@@ -85,11 +85,12 @@ def cases(rows: int, hidden: int, dtype, device, grad_forward: bool = True) -> L
          4 * n * e),
         ("bias_dropout_add_layer_norm_backward",
          lambda: ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, P, SEED, 0),
-         _grad(lambda t, u, v: F.layer_norm(F.dropout(t + b, P) + u, (hidden,), v, b, EPS), x, r, w), 4 * n * e),
+         _grad(lambda t, u, v, lb: F.layer_norm(F.dropout(t + b, P) + u, (hidden,), v, lb, EPS), x, r, w, b),
+         4 * n * e),
         ("add_layer_norm", fwd(lambda t, u, ww, bb: ops.add_layer_norm(t, u, ww, bb, EPS), x, r, w, b),
          fwd(lambda t, u, ww, bb: F.layer_norm(t + u, (hidden,), ww, bb, EPS), x, r, w, b), 4 * n * e),
         ("add_layer_norm_backward", lambda: ops.add_layer_norm_backward(g, None, s_ln, w, m_ln, r_ln),
-         _grad(lambda t, v: F.layer_norm(t, (hidden,), v, b, EPS), s_ln, w), 3 * n * e),
+         _grad(lambda t, v, lb: F.layer_norm(t, (hidden,), v, lb, EPS), s_ln, w, b), 3 * n * e),
         ("add_rms_norm", fwd(lambda t, u, ww: ops.add_rms_norm(t, u, ww, EPS), x, r, w),
          fwd(lambda t, u, ww: _rms_norm(t + u, ww, EPS), x, r, w), 4 * n * e),
         ("add_rms_norm_backward", lambda: ops.add_rms_norm_backward(g, None, s_rms, w, r_rms),
