@@ -2,8 +2,13 @@
 
 Per op, forward and backward: median time per call over interleaved rounds (ours and eager alternate),
 with 20th/80th percentiles, and effective bandwidth = bytes the op must move (each input read once,
-each output written once; per-row statistics and vectors of length hidden ignored) / time. The eager
-backward is autograd through the eager forward (retain_graph), what a model without the fused op runs.
+each output written once; per-row statistics and vectors of length hidden ignored) / time. Forwards run
+as in training, both sides on inputs that require grad: eager's autograd keeps what its backward needs
+(layer_norm's input x + r, mean and rstd; dropout's mask; gelu's input), as ours returns or saves what
+its backward needs (add_layer_norm's sum, mean, rstd) -- without grad, eager frees x + r at once while
+ours hands it back, an unequal amount of work (--no-grad-forward measures that way all the same). The
+eager backward is autograd through the eager forward (retain_graph), what a model without the fused op
+runs; the LayerNorm's weight and bias both require grad there, as ours returns both gradients.
 
     python benchmarks/bench_ops.py                       # best device: CUDA bf16 rows 16384, else CPU fp32 + bf16 rows 2048
     python benchmarks/bench_ops.py --hidden 1024,4096,8192 --dtype bfloat16,float16
@@ -38,8 +43,17 @@ def _grad(fn, *inputs):
     return lambda: torch.autograd.grad(out, leaves, g, retain_graph=True)
 
 
-def cases(rows: int, hidden: int, dtype, device) -> List[tuple]:
+def _fwd(fn, *inputs, grad: bool = True):
+    """A forward as in training: fn on copies of inputs that require grad (None, ints: passed as they are)."""
+    if grad:
+        inputs = [t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                  for t in inputs]
+    return lambda: fn(*inputs)
+
+
+def cases(rows: int, hidden: int, dtype, device, grad_forward: bool = True) -> List[tuple]:
     """(op, ours, eager, bytes moved)."""
+    fwd = lambda fn, *inputs: _fwd(fn, *inputs, grad=grad_forward)  # noqa: E731
     kw = {"device": device, "dtype": dtype}
     inter = 4 * hidden
     x, r, g = (torch.randn(rows, hidden, **kw) for _ in range(3))
@@ -57,30 +71,35 @@ def cases(rows: int, hidden: int, dtype, device) -> List[tuple]:
     _, s_ln, m_ln, r_ln = ops.add_layer_norm(x, r, w, b, EPS)
     _, s_rms, r_rms = ops.add_rms_norm(x, r, w, EPS)
     return [
-        ("bias_gelu", lambda: ops.bias_gelu(xi, bi), lambda: F.gelu(xi + bi), 2 * ni * e),
+        ("bias_gelu", fwd(ops.bias_gelu, xi, bi), fwd(lambda t, u: F.gelu(t + u), xi, bi), 2 * ni * e),
         ("bias_gelu_backward", lambda: ops.bias_gelu_backward(gi, xi, bi), _grad(lambda t: F.gelu(t + bi), xi),
          3 * ni * e),
-        ("bias_dropout_add", lambda: ops.bias_dropout_add(x, b, r, P, SEED, 0), lambda: F.dropout(x + b, P) + r,
-         3 * n * e),
-        ("dropout", lambda: ops.dropout(g, P, SEED, 0), lambda: g * mask / (1 - P), 2 * n * e),
+        ("bias_dropout_add", fwd(lambda t, u, v: ops.bias_dropout_add(t, u, v, P, SEED, 0), x, b, r),
+         fwd(lambda t, u, v: F.dropout(t + u, P) + v, x, b, r), 3 * n * e),
+        ("dropout", fwd(lambda t: ops.dropout(t, P, SEED, 0), g), fwd(lambda t: t * mask / (1 - P), g), 2 * n * e),
         ("dropout_mask", lambda: ops.dropout_mask(n, P, SEED, 0, device),
          lambda: torch.rand(n, device=device) >= P, n),
-        ("bias_dropout_add_layer_norm", lambda: ops.bias_dropout_add_layer_norm(x, b, r, w, b, P, EPS, SEED, 0),
-         lambda: F.layer_norm(F.dropout(x + b, P) + r, (hidden,), w, b, EPS), 4 * n * e),
+        ("bias_dropout_add_layer_norm",
+         fwd(lambda t, u, v, ww, bb: ops.bias_dropout_add_layer_norm(t, u, v, ww, bb, P, EPS, SEED, 0), x, b, r, w, b),
+         fwd(lambda t, u, v, ww, bb: F.layer_norm(F.dropout(t + u, P) + v, (hidden,), ww, bb, EPS), x, b, r, w, b),
+         4 * n * e),
         ("bias_dropout_add_layer_norm_backward",
          lambda: ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, P, SEED, 0),
-         _grad(lambda t, u, v: F.layer_norm(F.dropout(t + b, P) + u, (hidden,), v, b, EPS), x, r, w), 4 * n * e),
-        ("add_layer_norm", lambda: ops.add_layer_norm(x, r, w, b, EPS),
-         lambda: F.layer_norm(x + r, (hidden,), w, b, EPS), 4 * n * e),
+         _grad(lambda t, u, v, lb: F.layer_norm(F.dropout(t + b, P) + u, (hidden,), v, lb, EPS), x, r, w, b),
+         4 * n * e),
+        ("add_layer_norm", fwd(lambda t, u, ww, bb: ops.add_layer_norm(t, u, ww, bb, EPS), x, r, w, b),
+         fwd(lambda t, u, ww, bb: F.layer_norm(t + u, (hidden,), ww, bb, EPS), x, r, w, b), 4 * n * e),
         ("add_layer_norm_backward", lambda: ops.add_layer_norm_backward(g, None, s_ln, w, m_ln, r_ln),
-         _grad(lambda t, v: F.layer_norm(t, (hidden,), v, b, EPS), s_ln, w), 3 * n * e),
-        ("add_rms_norm", lambda: ops.add_rms_norm(x, r, w, EPS), lambda: _rms_norm(x + r, w, EPS), 4 * n * e),
+         _grad(lambda t, v, lb: F.layer_norm(t, (hidden,), v, lb, EPS), s_ln, w, b), 3 * n * e),
+        ("add_rms_norm", fwd(lambda t, u, ww: ops.add_rms_norm(t, u, ww, EPS), x, r, w),
+         fwd(lambda t, u, ww: _rms_norm(t + u, ww, EPS), x, r, w), 4 * n * e),
         ("add_rms_norm_backward", lambda: ops.add_rms_norm_backward(g, None, s_rms, w, r_rms),
          _grad(lambda t, v: _rms_norm(t, v, EPS), s_rms, w), 3 * n * e),
-        ("swiglu", lambda: ops.swiglu(xi, ui), lambda: F.silu(xi) * ui, 3 * ni * e),
+        ("swiglu", fwd(ops.swiglu, xi, ui), fwd(lambda t, u: F.silu(t) * u, xi, ui), 3 * ni * e),
         ("swiglu_backward", lambda: ops.swiglu_backward(gi, xi, ui), _grad(lambda t, u: F.silu(t) * u, xi, ui),
          5 * ni * e),
-        ("rotary", lambda: ops.rotary(xq, cos, sin), lambda: xq * cos + _rotate_half(xq) * sin, 2 * nq * e),
+        ("rotary", fwd(lambda t: ops.rotary(t, cos, sin), xq), fwd(lambda t: t * cos + _rotate_half(t) * sin, xq),
+         2 * nq * e),
         ("rotary_backward", lambda: ops.rotary_backward(xq, cos, sin),
          _grad(lambda t: t * cos + _rotate_half(t) * sin, xq), 2 * nq * e),
     ]
@@ -99,10 +118,11 @@ def time_pair(ours: Callable, eager: Callable, device, rounds: int, inner: int):
     return quantiles(t["ours"]), quantiles(t["eager"])
 
 
-def run(device, dtypes, rows: int, hiddens: List[int], rounds: int, inner: int, only=None) -> List[dict]:
+def run(device, dtypes, rows: int, hiddens: List[int], rounds: int, inner: int, only=None,
+        grad_forward: bool = True) -> List[dict]:
     out = []
     for dtype, hidden in ((d, h) for d in dtypes for h in hiddens):
-        for name, ours, eager, nbytes in cases(rows, hidden, dtype, device):
+        for name, ours, eager, nbytes in cases(rows, hidden, dtype, device, grad_forward):
             if only and name not in only:
                 continue
             row = {"op": name, "rows": rows, "hidden": hidden, "dtype": str(dtype).replace("torch.", ""),
@@ -136,6 +156,9 @@ def to_markdown(info: dict, rows: List[dict], cfg: dict) -> str:
     lines += ["", "- GB/s: bytes the op must move (inputs read once, outputs written once; vectors of length hidden "
               "and per-row statistics ignored) / median time. GELU and SwiGLU run on the intermediate width "
               "(4 x hidden); rotary on [4, hidden/128 heads, rows/4, 128].",
+              "- forwards: " + ("both on inputs that require grad, as in training (eager's autograd keeps what its "
+                                "backward needs, ours returns it)" if cfg.get("grad_forward", True) else
+                                "--no-grad-forward: no autograd (eager frees its intermediates at once)") + ".",
               "- eager backward: autograd through the eager forward's graph (retain_graph)."]
     return "\n".join(lines) + "\n"
 
@@ -151,9 +174,16 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=None, help="default CUDA 20, CPU 7")
     p.add_argument("--inner", type=int, default=None, help="calls per timing (default CUDA 20, CPU 3)")
     p.add_argument("--ops", default=None, help="comma list of op names (default: every op)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (CPU; default torch's). 1 keeps OpenMP's barriers out of the "
+                        "comparison on a machine shared with other work")
+    p.add_argument("--no-grad-forward", action="store_true",
+                   help="forwards on inputs without grad (eager then frees what its backward would keep)")
     add_output_args(p)
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = device.type == "cuda"
     names = (args.dtype or ("bfloat16" if cuda else "float32,bfloat16")).split(",")
     if not names or any(n not in ("float32", "bfloat16", "float16") for n in names):
@@ -165,8 +195,9 @@ def main(argv=None) -> dict:
     only = set(args.ops.split(",")) if args.ops else None
     info = env_info(device)
     print(f"fused ops on {device}: rows {rows}, hidden {hiddens}, {', '.join(names)} ...", file=sys.stderr)
-    result_rows = run(device, dtypes, rows, hiddens, rounds, inner, only)
+    result_rows = run(device, dtypes, rows, hiddens, rounds, inner, only, not args.no_grad_forward)
     cfg = {"rows": rows, "hidden": hiddens, "dtype": ",".join(names), "rounds": rounds, "inner": inner,
+           "grad_forward": not args.no_grad_forward,
            "argv": list(sys.argv[1:] if argv is None else argv)}
     md = to_markdown(finish_env(info), result_rows, cfg)
     print(md)

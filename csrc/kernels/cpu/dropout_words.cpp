@@ -1,7 +1,11 @@
 // Philox words of 4-element groups in blocks, for the CPU dropout masks (common.h: philox_words):
-// scalar, or 32 groups at a time with AVX2 where the CPU has it. Same bits as philox.h's per-element
-// cursor, which the CUDA kernels and the reference use.
+// scalar, 32 groups at a time with AVX2, or 64 at a time with AVX-512 where the CPU has it and ATen's
+// capability is AVX512 (ATEN_CPU_CAPABILITY=avx2 caps it, as it caps vec.h's kernels). Same bits as
+// philox.h's per-element cursor, which the CUDA kernels and the reference use.
+#include <ATen/Version.h>
+
 #include <cstdint>
+#include <string>
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -89,9 +93,87 @@ __attribute__((target("avx2"))) void philox_words_avx2(const philox::Dropout& d,
   philox_words_scalar(d, g0 + static_cast<uint64_t>(j), n - j, out + 4 * j);
 }
 
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
+// The same rounds on 16 lanes: four independent 16-lane streams, 64 groups per step.
+__attribute__((target("avx512f"), always_inline)) inline __m512i mulhilo_avx512(__m512i a, __m512i m, __m512i* hi) {
+  const __m512i even = _mm512_mul_epu32(a, m);
+  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
+  *hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+}
+
+__attribute__((target("avx512f"))) void philox_words_avx512(const philox::Dropout& d, uint64_t g0, int64_t n,
+                                                            uint32_t* out) {
+  constexpr int U = 4;
+  const __m512i m0 = _mm512_set1_epi32(static_cast<int>(philox::kMul0));
+  const __m512i m1 = _mm512_set1_epi32(static_cast<int>(philox::kMul1));
+  const __m512i off_lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(d.offset)));
+  const __m512i off_hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(d.offset >> 32)));
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t j = 0;
+  for (; j + 16 * U <= n; j += 16 * U) {
+    __m512i x[U], y[U], z[U], w[U];
+    const uint64_t g = g0 + static_cast<uint64_t>(j);
+    // the step's 64 counters g .. g + 63; their high words differ only where the low word wraps
+    const bool wraps = static_cast<uint32_t>(g) > UINT32_MAX - (16 * U - 1);
+    for (int u = 0; u < U; ++u) {
+      if (!wraps) {
+        x[u] = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(g) + 16 * u)), iota);
+        y[u] = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(g >> 32)));
+      } else {
+        alignas(64) uint32_t lo[16], hi[16];
+        for (int l = 0; l < 16; ++l) {
+          const uint64_t gl = g + static_cast<uint64_t>(16 * u + l);
+          lo[l] = static_cast<uint32_t>(gl);
+          hi[l] = static_cast<uint32_t>(gl >> 32);
+        }
+        x[u] = _mm512_load_si512(lo);
+        y[u] = _mm512_load_si512(hi);
+      }
+      z[u] = off_lo;
+      w[u] = off_hi;
+    }
+    uint32_t k0 = static_cast<uint32_t>(d.seed), k1 = static_cast<uint32_t>(d.seed >> 32);
+    for (int r = 0; r < 10; ++r) {
+      const __m512i key0 = _mm512_set1_epi32(static_cast<int>(k0)), key1 = _mm512_set1_epi32(static_cast<int>(k1));
+      for (int u = 0; u < U; ++u) {
+        __m512i hi0, hi1;
+        const __m512i lo0 = mulhilo_avx512(x[u], m0, &hi0);
+        const __m512i lo1 = mulhilo_avx512(z[u], m1, &hi1);
+        x[u] = _mm512_ternarylogic_epi32(hi1, y[u], key0, 0x96);  // hi1 ^ y ^ key0
+        z[u] = _mm512_ternarylogic_epi32(hi0, w[u], key1, 0x96);
+        y[u] = lo1;
+        w[u] = lo0;
+      }
+      k0 += philox::kWeyl0;
+      k1 += philox::kWeyl1;
+    }
+    for (int u = 0; u < U; ++u) {
+      // Within each 128-bit lane k: a0..a3 = groups 4k, 4k+1, 4k+2, 4k+3 as (x, y, z, w).
+      const __m512i t0 = _mm512_unpacklo_epi32(x[u], y[u]), t1 = _mm512_unpackhi_epi32(x[u], y[u]);
+      const __m512i t2 = _mm512_unpacklo_epi32(z[u], w[u]), t3 = _mm512_unpackhi_epi32(z[u], w[u]);
+      const __m512i a0 = _mm512_unpacklo_epi64(t0, t2), a1 = _mm512_unpackhi_epi64(t0, t2);
+      const __m512i a2 = _mm512_unpacklo_epi64(t1, t3), a3 = _mm512_unpackhi_epi64(t1, t3);
+      const __m512i b0 = _mm512_shuffle_i32x4(a0, a1, 0x44), b1 = _mm512_shuffle_i32x4(a2, a3, 0x44);
+      const __m512i b2 = _mm512_shuffle_i32x4(a0, a1, 0xEE), b3 = _mm512_shuffle_i32x4(a2, a3, 0xEE);
+      uint32_t* o = out + 4 * (j + 16 * u);
+      _mm512_storeu_si512(o, _mm512_shuffle_i32x4(b0, b1, 0x88));       // groups 0..3
+      _mm512_storeu_si512(o + 16, _mm512_shuffle_i32x4(b0, b1, 0xDD));  // groups 4..7
+      _mm512_storeu_si512(o + 32, _mm512_shuffle_i32x4(b2, b3, 0x88));  // groups 8..11
+      _mm512_storeu_si512(o + 48, _mm512_shuffle_i32x4(b2, b3, 0xDD));  // groups 12..15
+    }
+  }
+  philox_words_avx2(d, g0 + static_cast<uint64_t>(j), n - j, out + 4 * j);
+}
+
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+Isa isa() {
+  static const Isa i = [] {
+    if (!__builtin_cpu_supports("avx2")) return Isa::kScalar;
+    const bool avx512 = __builtin_cpu_supports("avx512f") && at::get_cpu_capability() == "AVX512";
+    return avx512 ? Isa::kAvx512 : Isa::kAvx2;
+  }();
+  return i;
 }
 #endif
 
@@ -99,7 +181,14 @@ bool cpu_has_avx2() {
 
 void philox_words(const philox::Dropout& d, uint64_t g0, int64_t n, uint32_t* out) {
 #ifdef CKPT_EXT_X86_AVX2
-  if (cpu_has_avx2()) return philox_words_avx2(d, g0, n, out);
+  switch (isa()) {
+    case Isa::kAvx512:
+      return philox_words_avx512(d, g0, n, out);
+    case Isa::kAvx2:
+      return philox_words_avx2(d, g0, n, out);
+    case Isa::kScalar:
+      break;
+  }
 #endif
   philox_words_scalar(d, g0, n, out);
 }

@@ -67,6 +67,16 @@ struct IO<float> {
   static void round(fVec&, fVec&) {}
 };
 
+// A prefetch of the line kAhead bytes past p, in the loops that stream their inputs from memory: the
+// compute-heavy ones (GELU, SiLU) run too few iterations in the out-of-order window to keep enough cache
+// misses in flight on their own (bfloat16 GELU backward, 2048 x 4096, one thread: 13.5 -> 6 ms); the norms'
+// first pass over a row likewise. A prefetch never faults, past the end of a buffer included.
+constexpr int64_t kAhead = 1024;
+template <typename T>
+inline void prefetch_ahead(const T* p) {
+  __builtin_prefetch(reinterpret_cast<const char*>(p) + kAhead);
+}
+
 // x += y over n (<= kStep) elements, zeros where y is absent.
 template <typename T>
 inline void add_opt(const T* y, int64_t n, fVec& a, fVec& b) {
@@ -131,14 +141,16 @@ struct DoubleSum {
 
 // ---- activations ---------------------------------------------------------------------------------------
 //
-// Fast = true (float16 / bfloat16, whose 8 or 11 bits of mantissa hide a few float ulps): exp is
-// at::vec's inline exp_u20 (error <= 20 float ulps) rather than Sleef's out-of-line exp (1 ulp), and erf
-// and tanh are built on it. float32 keeps at::vec's erf/exp/tanh (Sleef), what ATen's own float kernels
-// call; its GELU derivative computes erf by at::vec's formula itself, to share the one exp.
+// exp is at::vec's inline exp_u20 (error <= 20 float ulps, 2.4e-6 relative) in every dtype: Sleef's
+// out-of-line exp (1 ulp), which at::vec's erf and exp call, costs more than the rest of the GELU / SiLU
+// together, and the 20 ulps are below the error of the erf formula below (1.5e-7 absolute, what ATen's
+// float GELU has) and of the float32 tests' tolerance. Fast = true (float16 / bfloat16, whose 8 or 11
+// bits of mantissa hide a few float ulps) also takes reciprocals from the hardware estimate and tanh from
+// exp; float32 keeps a Newton step and at::vec's (Sleef) tanh.
 
 template <bool Fast>
 inline fVec exp_(const fVec& x) {
-  return Fast ? x.exp_u20() : x.exp();
+  return x.exp_u20();
 }
 
 // 1 / d for d >= 1: the hardware estimate and one Newton step (relative error ~2^-23 or better).
@@ -151,19 +163,36 @@ inline fVec recip_fast(const fVec& d) {
   return r * (fVec(2.f) - d * r);
 }
 
-// erf(xs) by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), the formula of at::vec's erf, given
-// e = exp(-xs * xs), which the GELU derivative shares (one exp per element, not two). Fast: 1 / d by
-// recip_fast rather than a division.
+// 1 / d for d >= 1 from the hardware estimate alone: relative error <= 2^-14 with AVX-512 (rcp14), hidden
+// by a float16/bfloat16 result; AVX2's estimate (1.5 * 2^-12) gets the Newton step.
+inline fVec recip_estimate(const fVec& d) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return fVec(_mm512_rcp14_ps(d));
+#else
+  return recip_fast(d);
+#endif
+}
+
+// erf(xs) by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), the formula of at::vec's erf, written for
+// speed: erf(|xs|) = 1 - poly(t) * e with t = 1 / (1 + p |xs|) and e = exp(-xs^2), which the GELU
+// derivative shares (returned in e: one exp per element), then the sign of xs put back by a bit
+// operation. Fast: t from the reciprocal estimate; float32: with a Newton step. Horner in FMAs (this file is otherwise fp-contract=off: here the float32
+// kernels need not match the portable loops bit for bit, which run ATen's GELU).
 template <bool Fast>
-inline fVec erf_(const fVec& xs, const fVec& e) {
-  const fVec one(1.f);
-  // |xs| capped where e is 0 anyway, so that an infinite input keeps t finite (erf(+-inf) = +-1)
-  const fVec d = one + fVec(0.3275911f) * at::vec::minimum(xs.abs(), fVec(16.f));
-  const fVec t = Fast ? recip_fast(d) : one / d;
-  const fVec poly = ((((fVec(1.061405429f) * t + fVec(-1.453152027f)) * t + fVec(1.421413741f)) * t +
-                      fVec(-0.284496736f)) * t + fVec(0.254829592f)) * t;
-  const fVec y = one - poly * e;
-  return fVec::blendv(y, y.neg(), xs < fVec(0.f));
+inline fVec erf_(const fVec& xs, fVec& e) {
+  const fVec one(1.f), sign_bit(-0.f);
+  const fVec ax = xs.abs();
+  // |xs| capped (erf(9) rounds to 1; e is 0 there anyway) so that t stays finite; NaN passes through
+  const fVec d = at::vec::fmadd(fVec(0.3275911f), at::vec::clamp_max(ax, fVec(9.f)), one);
+  const fVec t = Fast ? recip_estimate(d) : recip_fast(d);
+  fVec poly = at::vec::fmadd(fVec(1.061405429f), t, fVec(-1.453152027f));
+  poly = at::vec::fmadd(poly, t, fVec(1.421413741f));
+  poly = at::vec::fmadd(poly, t, fVec(-0.284496736f));
+  poly = at::vec::fmadd(poly, t, fVec(0.254829592f));
+  poly = poly * t;
+  e = exp_<Fast>((ax * ax) ^ sign_bit);  // exp(-xs^2): 0 for huge |xs|, not an overflow
+  const fVec erf_abs = at::vec::fmadd(poly ^ sign_bit, e, one);
+  return erf_abs ^ (xs & sign_bit);
 }
 
 template <bool Fast>
@@ -183,9 +212,8 @@ inline fVec gelu(const fVec& x, bool tanh) {
                        (x + fVec(static_cast<float>(math::kGeluKappa)) * x * x * x);
     return half * x * (one + tanh_<Fast>(inner));
   }
-  const fVec xs = x * fVec(static_cast<float>(M_SQRT1_2));
-  if (!Fast) return half * x * (one + xs.erf());  // at::vec's, as ATen's float GELU
-  return half * x * (one + erf_<true>(xs, exp_<true>((xs * xs).neg())));
+  fVec e;
+  return half * x * (one + erf_<Fast>(x * fVec(static_cast<float>(M_SQRT1_2)), e));
 }
 
 template <bool Fast>
@@ -196,10 +224,9 @@ inline fVec gelu_derivative(const fVec& x, bool tanh) {
     const fVec t = tanh_<Fast>(beta * (x + kappa * x * x * x));
     return half * (one + t) + half * x * (one - t * t) * beta * (one + fVec(3.f) * kappa * x * x);
   }
-  const fVec xs = x * fVec(static_cast<float>(M_SQRT1_2));
-  const fVec e = exp_<Fast>(fVec(-0.5f) * x * x);  // exp(-xs^2): the normal density and erf's exponential
-  const fVec cdf = half * (one + erf_<Fast>(xs, e));
-  return cdf + x * e * fVec(static_cast<float>(math::kInvSqrt2Pi));
+  fVec e;  // exp(-x^2 / 2): erf's exponential and the normal density
+  const fVec cdf = half * (one + erf_<Fast>(x * fVec(static_cast<float>(M_SQRT1_2)), e));
+  return at::vec::fmadd(x * e, fVec(static_cast<float>(math::kInvSqrt2Pi)), cdf);
 }
 
 template <bool Fast>
@@ -210,27 +237,44 @@ inline fVec sigmoid(const fVec& x) {
 template <typename T>
 constexpr bool kFast = !std::is_same<T, float>::value;
 
-template <typename T>
-void bias_gelu(const T* x, const T* bias, T* out, int64_t n, bool tanh) {
+// The loops below take the GELU kind as a template argument, so that no branch sits in the loop and the
+// compiler keeps the formula's constants in registers.
+template <typename T, bool Tanh>
+void bias_gelu_loop(const T* x, const T* bias, T* out, int64_t n) {
+  constexpr bool tanh = Tanh;
   for (int64_t i = 0; i < n; i += kStep) {
     const int64_t c = std::min(kStep, n - i);
     fVec a, b;
+    prefetch_ahead(x + i);
     IO<T>::load(x + i, c, a, b);
     add_opt(bias ? bias + i : nullptr, c, a, b);
     IO<T>::store(out + i, c, gelu<kFast<T>>(a, tanh), gelu<kFast<T>>(b, tanh));
   }
 }
 
-template <typename T>
-void bias_gelu_backward(const T* grad, const T* x, const T* bias, T* grad_x, int64_t n, bool tanh) {
+template <typename T, bool Tanh>
+void bias_gelu_backward_loop(const T* grad, const T* x, const T* bias, T* grad_x, int64_t n) {
+  constexpr bool tanh = Tanh;
   for (int64_t i = 0; i < n; i += kStep) {
     const int64_t c = std::min(kStep, n - i);
     fVec a, b, ga, gb;
+    prefetch_ahead(x + i);
+    prefetch_ahead(grad + i);
     IO<T>::load(x + i, c, a, b);
     add_opt(bias ? bias + i : nullptr, c, a, b);
     IO<T>::load(grad + i, c, ga, gb);
     IO<T>::store(grad_x + i, c, ga * gelu_derivative<kFast<T>>(a, tanh), gb * gelu_derivative<kFast<T>>(b, tanh));
   }
+}
+
+template <typename T>
+void bias_gelu(const T* x, const T* bias, T* out, int64_t n, bool tanh) {
+  (tanh ? bias_gelu_loop<T, true> : bias_gelu_loop<T, false>)(x, bias, out, n);
+}
+
+template <typename T>
+void bias_gelu_backward(const T* grad, const T* x, const T* bias, T* grad_x, int64_t n, bool tanh) {
+  (tanh ? bias_gelu_backward_loop<T, true> : bias_gelu_backward_loop<T, false>)(grad, x, bias, grad_x, n);
 }
 
 template <typename T>
@@ -262,6 +306,8 @@ void swiglu(const T* gate, const T* up, T* out, int64_t n) {
   for (int64_t i = 0; i < n; i += kStep) {
     const int64_t c = std::min(kStep, n - i);
     fVec ga, gb, ua, ub;
+    prefetch_ahead(gate + i);
+    prefetch_ahead(up + i);
     IO<T>::load(gate + i, c, ga, gb);
     IO<T>::load(up + i, c, ua, ub);
     IO<T>::store(out + i, c, ga * sigmoid<kFast<T>>(ga) * ua, gb * sigmoid<kFast<T>>(gb) * ub);
@@ -274,6 +320,9 @@ void swiglu_backward(const T* grad, const T* gate, const T* up, T* grad_gate, T*
   for (int64_t i = 0; i < n; i += kStep) {
     const int64_t c = std::min(kStep, n - i);
     fVec g[2], u[2], dy[2], dg[2], du[2];
+    prefetch_ahead(gate + i);
+    prefetch_ahead(up + i);
+    prefetch_ahead(grad + i);
     IO<T>::load(gate + i, c, g[0], g[1]);
     IO<T>::load(up + i, c, u[0], u[1]);
     IO<T>::load(grad + i, c, dy[0], dy[1]);
@@ -323,13 +372,16 @@ inline void zero_tail(int64_t n, fVec& a, fVec& b) {
 }
 
 template <typename T>
-void layer_norm_forward(NormRow<T>& r) {
+void layer_norm_forward(NormRow<T>& row) {
+  const NormRow<T> r = row;  // a local copy: the stores through T* below cannot alias it, so no reloads
   const int64_t H = r.hidden;
   float* v = r.scratch;  // the stored pre-norm row in float
   DoubleSum sum;
   for (int64_t i = 0; i < H; i += kStep) {
     const int64_t c = std::min(kStep, H - i);
     fVec a, b;
+    prefetch_ahead(r.x + i);
+    if (r.residual) prefetch_ahead(r.residual + i);
     IO<T>::load(r.x + i, c, a, b);
     add_opt(r.bias ? r.bias + i : nullptr, c, a, b);
     if (r.drop.words) apply_dropout(r.drop, r.drop.words + i, c, a, b);
@@ -354,8 +406,8 @@ void layer_norm_forward(NormRow<T>& r) {
     var.add(b * b);
   }
   const float rs = static_cast<float>(1 / std::sqrt(var.total() / H + r.eps));
-  r.mean = mu;
-  r.rstd = rs;
+  row.mean = mu;
+  row.rstd = rs;
   const fVec vrs(rs);
   for (int64_t i = 0; i < H; i += kStep) {
     const int64_t c = std::min(kStep, H - i);
@@ -370,13 +422,16 @@ void layer_norm_forward(NormRow<T>& r) {
 }
 
 template <typename T>
-void layer_norm_backward(NormRow<T>& r) {
+void layer_norm_backward(NormRow<T>& row) {
+  const NormRow<T> r = row;  // a local copy: the stores through T* below cannot alias it, so no reloads
   const int64_t H = r.hidden;
   const fVec mu(r.mean), rs(r.rstd);
   DoubleSum sum_dy, sum_dy_xhat;  // dy = grad_out * weight
   for (int64_t i = 0; i < H; i += kStep) {
     const int64_t c = std::min(kStep, H - i);
     fVec g[2], v[2], w[2], pw[2], pb[2];
+    prefetch_ahead(r.grad + i);
+    prefetch_ahead(r.x + i);
     IO<T>::load(r.grad + i, c, g[0], g[1]);  // zero-filled past the row's end: those lanes add 0
     IO<T>::load(r.x + i, c, v[0], v[1]);
     IO<T>::load(r.weight + i, c, w[0], w[1]);
@@ -414,12 +469,15 @@ void layer_norm_backward(NormRow<T>& r) {
 }
 
 template <typename T>
-void rms_norm_forward(NormRow<T>& r) {
+void rms_norm_forward(NormRow<T>& row) {
+  const NormRow<T> r = row;  // a local copy: the stores through T* below cannot alias it, so no reloads
   const int64_t H = r.hidden;
   DoubleSum sum_sq;
   for (int64_t i = 0; i < H; i += kStep) {
     const int64_t c = std::min(kStep, H - i);
     fVec a, b;
+    prefetch_ahead(r.x + i);
+    if (r.residual) prefetch_ahead(r.residual + i);
     IO<T>::load(r.x + i, c, a, b);
     add_opt(r.residual ? r.residual + i : nullptr, c, a, b);
     IO<T>::store(r.pre + i, c, a, b);
@@ -428,7 +486,7 @@ void rms_norm_forward(NormRow<T>& r) {
     sum_sq.add_square(b);
   }
   const float rs_f = static_cast<float>(1 / std::sqrt(sum_sq.total() / H + r.eps));
-  r.rstd = rs_f;
+  row.rstd = rs_f;
   const fVec rs(rs_f);
   for (int64_t i = 0; i < H; i += kStep) {
     const int64_t c = std::min(kStep, H - i);
@@ -443,13 +501,16 @@ void rms_norm_forward(NormRow<T>& r) {
 }
 
 template <typename T>
-void rms_norm_backward(NormRow<T>& r) {
+void rms_norm_backward(NormRow<T>& row) {
+  const NormRow<T> r = row;  // a local copy: the stores through T* below cannot alias it, so no reloads
   const int64_t H = r.hidden;
   const fVec rs(r.rstd);
   DoubleSum sum_dn_n;  // dn = grad_out * weight, n = sum * rstd
   for (int64_t i = 0; i < H; i += kStep) {
     const int64_t c = std::min(kStep, H - i);
     fVec g[2], n[2], w[2], pw[2];
+    prefetch_ahead(r.grad + i);
+    prefetch_ahead(r.x + i);
     IO<T>::load(r.grad + i, c, g[0], g[1]);
     IO<T>::load(r.x + i, c, n[0], n[1]);
     IO<T>::load(r.weight + i, c, w[0], w[1]);
