@@ -6,6 +6,8 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 MAX_JOBS ?= 2
 export MAX_JOBS
+# pytest workers (pytest-xdist): one per core on CI's 2-core machine; PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: venv build test test-compat bench check-cuda check-headers clean
 
@@ -24,7 +26,7 @@ venv: $(VENV)/.ready
 # registry serves (a canary), each in an overlay venv .venv-compat/<set>; COMPAT_SETS picks (tools/compat.py).
 COMPAT_SETS ?= oldest newest
 test-compat: build
-	$(PY) tools/compat.py $(COMPAT_SETS)
+	$(PY) tools/compat.py $(COMPAT_SETS) -- -n $(PYTEST_WORKERS)
 
 # Skipped when csrc/, setup.py, torch and the build environment are unchanged (stamp: build/.build-stamp);
 # otherwise an in-place build whose objects persist in build/temp-*, so ninja recompiles only what changed.
@@ -32,7 +34,7 @@ build: venv
 	$(PY) tools/build.py
 
 test: build check-cuda check-headers
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) tests
 
 # The benchmarks' own dependencies are the pyproject extra [bench] (read from there, so that installing
 # them does not rebuild the extension). Results go to bench-out/ (untracked); --save-results writes the
