@@ -26,7 +26,7 @@ venv: $(VENV)/.ready
 # registry serves (a canary), each in an overlay venv .venv-compat/<set>; COMPAT_SETS picks (tools/compat.py).
 COMPAT_SETS ?= oldest newest
 test-compat: build
-	$(PY) tools/compat.py $(COMPAT_SETS) -- -n $(PYTEST_WORKERS)
+	$(PY) tools/compat.py $(COMPAT_SETS)
 
 # Skipped when csrc/, setup.py, torch and the build environment are unchanged (stamp: build/.build-stamp);
 # otherwise an in-place build whose objects persist in build/temp-*, so ninja recompiles only what changed.

@@ -61,8 +61,10 @@ def versions(py: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sets", nargs="*", default=list(DEFAULT), help=f"of {', '.join(SETS)}")
-    ap.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: passed to pytest")
-    args = ap.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # argparse would take what follows -- as sets
+    args = ap.parse_args(argv[:cut])
+    args.pytest_args = argv[cut + 1:]  # after --: passed to pytest
     unknown = [s for s in args.sets if s not in SETS]
     if unknown:
         ap.error(f"unknown set(s) {unknown}; known: {', '.join(SETS)}")
@@ -75,8 +77,7 @@ def main() -> int:
             failed.append(f"{name} (install)")
             continue
         print(f"compat[{name}]: {versions(py)}", flush=True)
-        extra = [a for a in args.pytest_args if a != "--"]
-        rc = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, *extra]).returncode
+        rc = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, *args.pytest_args]).returncode
         print(f"compat[{name}]: {'passed' if rc == 0 else 'FAILED'} in {time.time() - start:.0f} s", flush=True)
         if rc != 0:
             failed.append(name)
