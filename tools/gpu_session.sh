@@ -46,6 +46,12 @@ gpu_arch_list() {
   nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | sort -u | paste -sd';'
 }
 
+yardsticks_dir() {  # where side_by_side.py is: $YARDSTICKS, .yardsticks (carried), shared/gpu, ../shared/gpu
+  for d in "${YARDSTICKS:-}" .yardsticks shared/gpu ../shared/gpu; do
+    if [ -n "$d" ] && [ -f "$d/side_by_side.py" ]; then echo "$d"; return; fi
+  done
+}
+
 for step in "$@"; do
   start=$(date +%s)
   case "$step" in
@@ -78,10 +84,7 @@ for step in "$@"; do
           --variants none,hf-torch-nonreentrant,ckpt_ext,fused,ckpt_ext-fused 2>&1 | tee "$OUT/suite-lora-$model.log" | tail -25 || status=1
       done ;;
     yardsticks)
-      dir=""
-      for d in "${YARDSTICKS:-}" .yardsticks shared/gpu ../shared/gpu; do
-        if [ -n "$d" ] && [ -f "$d/side_by_side.py" ]; then dir=$d; break; fi
-      done
+      dir=$(yardsticks_dir)
       if [ -z "$dir" ]; then
         echo "yardsticks: side_by_side.py not found; copy ../shared/gpu/*.py into .yardsticks/ and carry it"; status=1
       else
@@ -94,10 +97,7 @@ for step in "$@"; do
         (cd "$dir" && "$PY" kernel_bandwidth.py) 2>&1 | tee "$OUT/kernel_bandwidth.log" | tail -30 || status=1
       fi ;;
     yardsticks-new)
-      dir=""
-      for d in "${YARDSTICKS:-}" .yardsticks shared/gpu ../shared/gpu; do
-        if [ -n "$d" ] && [ -f "$d/side_by_side.py" ]; then dir=$d; break; fi
-      done
+      dir=$(yardsticks_dir)
       if [ -z "$dir" ]; then
         echo "yardsticks-new: side_by_side.py not found; copy ../shared/gpu/*.py into .yardsticks/ and carry it"; status=1
       else
