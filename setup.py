@@ -75,7 +75,18 @@ CXX_STD = toolchain.cxx_standard(cpp_extension.include_paths()[0])
 cpp_sources = sources("*.cpp")
 cu_sources = sources("*.cu")
 cxx_flags = ["-O3", f"-std={CXX_STD}"]
+link_flags = []
 define_macros = []
+
+# Every CPU kernel splits its work with at::parallel_for, a header template: under torch's OpenMP backend
+# it runs in parallel only in code compiled with -fopenmp, and on one thread otherwise, whatever
+# torch.get_num_threads() says. GCC's -fopenmp links libgomp.so.1, the soname torch ships in torch/lib and
+# has already loaded, so the kernels run on torch's own OpenMP runtime and thread count (tests/test_build.py
+# checks that they do). CKPT_EXT_NO_OPENMP=1 builds without it (a compiler without OpenMP).
+OPENMP = bool(torch._C.has_openmp) and sys.platform.startswith("linux") and os.environ.get("CKPT_EXT_NO_OPENMP", "0") != "1"
+if OPENMP:
+    cxx_flags.append("-fopenmp")
+    link_flags.append("-fopenmp")
 
 if with_cuda:
     if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
@@ -86,6 +97,7 @@ if with_cuda:
         cpp_sources + cu_sources,
         define_macros=define_macros,
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", f"-std={CXX_STD}", "--expt-relaxed-constexpr", "-lineinfo"]},
+        extra_link_args=link_flags,
     )
     KIND = (f"CUDA extension (torch {torch.__version__}, CUDA {torch.version.cuda}, toolkit {cuda_home}, "
             f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}, -std={CXX_STD})")
@@ -95,10 +107,12 @@ else:
     if os.environ.get("CKPT_EXT_FORCE_CPU", "0") == "1":
         reason = "CKPT_EXT_FORCE_CPU=1"
     ext = cpp_extension.CppExtension(
-        "ckpt_ext._C", cpp_sources, define_macros=define_macros, extra_compile_args={"cxx": cxx_flags}
+        "ckpt_ext._C", cpp_sources, define_macros=define_macros, extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
     )
     KIND = f"CPU extension (torch {torch.__version__}, -std={CXX_STD}; {reason})"
     SKIPPED = cu_sources
+KIND += ", OpenMP" if OPENMP else ", no OpenMP (the CPU kernels run on one thread)"
 
 
 class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):

@@ -1,6 +1,12 @@
 // Python bindings of ckpt_ext._C. Each room of csrc/ exposes its C++ API; this file only binds it.
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
+#include <mutex>
+#include <set>
+#include <thread>
+
 #include "checkpoint/checkpoint_frame.h"
 #include "replay/replay_context.h"
 #include "common/optional.h"
@@ -44,6 +50,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   ckpt_ext::bind_checkpoint(m);
   m.def("is_recomputing", &ckpt_ext::is_recomputing);
+  // The threads at::parallel_for runs n one-item tasks on, compiled as the kernels are (tests/test_build.py:
+  // built with OpenMP, the kernels follow torch.get_num_threads()).
+  m.def("parallel_threads", [](int64_t n) {
+    std::mutex mu;
+    std::set<std::thread::id> ids;
+    at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+      std::lock_guard<std::mutex> lock(mu);
+      ids.insert(std::this_thread::get_id());
+    });
+    return static_cast<int64_t>(ids.size());
+  });
 
   namespace L = ckpt_ext::layers;
   auto make_spec = [](int64_t family, int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

@@ -92,6 +92,19 @@ def test_built_extension_uses_the_shared_libstdcxx():
     assert _toolchain().shared_object_linkage(ckpt_ext._C.__file__) == "dynamic"
 
 
+@pytest.mark.skipif(not torch._C.has_openmp, reason="torch's parallel backend is not OpenMP")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernels_parallelise_as_torch_does(threads):
+    # at::parallel_for is a header template: an extension compiled without -fopenmp ran every CPU kernel
+    # on one thread whatever torch.get_num_threads() said (found on a 2-core machine: no kernel scaled).
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert ckpt_ext._C.parallel_threads(64) == threads
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_source
 @needs_gxx
 def test_setup_refuses_a_static_libstdcxx_compiler(tmp_path):
