@@ -52,6 +52,26 @@ void reduce_chunks(const std::vector<A>& partial, int64_t chunks, int64_t hidden
   });
 }
 
+// A norm's weight and bias in float for the SIMD row kernels (NormRow), converted once per call rather
+// than once per row.
+struct FloatParams {
+  std::vector<float> wbuf, bbuf;
+  const float* weight;
+  const float* bias;
+  FloatParams(const at::Tensor& w, const at::Tensor& b)
+      : weight(as_float(w, wbuf)), bias(b.defined() ? as_float(b, bbuf) : nullptr) {}
+
+  static const float* as_float(const at::Tensor& t, std::vector<float>& buf) {
+    if (t.scalar_type() == at::kFloat) return t.const_data_ptr<float>();
+    buf.resize(static_cast<size_t>(t.numel()));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "ckpt_ext::norm_params", [&] {
+      const scalar_t* p = t.const_data_ptr<scalar_t>();
+      for (int64_t j = 0; j < t.numel(); ++j) buf[j] = static_cast<float>(p[j]);
+    });
+    return buf.data();
+  }
+};
+
 }  // namespace
 
 void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
@@ -69,13 +89,14 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
         float* mp = mean.mutable_data_ptr<float>();
         float* sp = rstd.mutable_data_ptr<float>();
         const float scale = dropout_scale<float>(dropout);
+        const FloatParams params(weight, ln_bias);
         at::parallel_for(0, x.numel() / hidden, row_grain(hidden), [&](int64_t begin, int64_t end) {
           std::vector<float> scratch(hidden);
           DropoutWords mask(dropout.philox());
           NormRow<T> row{};
           row.bias = bp;
-          row.weight = weight.const_data_ptr<T>();
-          row.ln_bias = ptr_or_null<T>(ln_bias);
+          row.weight = params.weight;
+          row.ln_bias = params.bias;
           row.scratch = scratch.data();
           row.hidden = hidden;
           row.eps = eps;
@@ -159,10 +180,11 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         const float scale = dropout_scale<float>(dropout);
         const RowChunks chunks(rows);
         std::vector<float> partial_w(chunks.count * hidden, 0.f), partial_b(chunks.count * hidden, 0.f);
+        const FloatParams params(weight, at::Tensor());
         at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
           DropoutWords mask(dropout.philox());
           NormRow<T> row{};
-          row.weight = weight.const_data_ptr<T>();
+          row.weight = params.weight;
           row.hidden = hidden;
           for (int64_t c = c0; c < c1; ++c) {
             row.partial_w = partial_w.data() + c * hidden;
@@ -250,9 +272,10 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
         T* op = out.mutable_data_ptr<T>();
         T* sump = sum.mutable_data_ptr<T>();
         float* sp = rstd.mutable_data_ptr<float>();
+        const FloatParams params(weight, at::Tensor());
         at::parallel_for(0, x.numel() / hidden, row_grain(hidden), [&](int64_t begin, int64_t end) {
           NormRow<T> row{};
-          row.weight = weight.const_data_ptr<T>();
+          row.weight = params.weight;
           row.hidden = hidden;
           row.eps = eps;
           for (int64_t r = begin; r < end; ++r) {
@@ -314,9 +337,10 @@ void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, c
         T* dinp = grad_input.mutable_data_ptr<T>();
         const RowChunks chunks(rows);
         std::vector<float> partial_w(chunks.count * hidden, 0.f);
+        const FloatParams params(weight, at::Tensor());
         at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
           NormRow<T> row{};
-          row.weight = weight.const_data_ptr<T>();
+          row.weight = params.weight;
           row.hidden = hidden;
           for (int64_t c = c0; c < c1; ++c) {
             row.partial_w = partial_w.data() + c * hidden;

@@ -34,8 +34,8 @@ struct NormRow {
   const T* residual;   // forward: added after dropout
   const T* grad;       // backward: grad_out
   const T* grad_pre;   // backward: gradient flowing into the pre-norm tensor directly
-  const T* weight;
-  const T* ln_bias;
+  const float* weight;  // the norm's weight and bias in float (norms.cpp converts them once per call)
+  const float* ln_bias;
   T* out;              // forward: normalised output / backward: grad of the pre-norm tensor
   T* pre;              // forward: stored pre-norm tensor / backward: grad_x (dropout applied), may be null
   float* partial_w;    // backward: per-chunk grad_weight accumulators (float)

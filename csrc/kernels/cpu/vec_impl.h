@@ -15,6 +15,13 @@ namespace cpu {
 namespace CKPT_EXT_VEC_NS {
 namespace {
 
+// The helpers below are forced inline: left to GCC's heuristics, IO<BFloat16>::load stayed a call in
+// layer_norm_forward, its vectors passed through memory and the row sums' accumulators spilled to the stack
+// (bfloat16 add_layer_norm, one thread: half eager's speed).
+#ifndef CKPT_EXT_VEC_INLINE
+#define CKPT_EXT_VEC_INLINE inline __attribute__((always_inline))
+#endif
+
 using fVec = at::vec::Vectorized<float>;
 using dVec = at::vec::Vectorized<double>;
 constexpr int64_t kF = fVec::size();
@@ -25,10 +32,10 @@ template <typename T>
 struct IO {
   using V = at::vec::Vectorized<T>;
   static_assert(V::size() == kStep, "a 16-bit vector holds two float vectors");
-  static void load(const T* p, int64_t n, fVec& a, fVec& b) {
+  static CKPT_EXT_VEC_INLINE void load(const T* p, int64_t n, fVec& a, fVec& b) {
     std::tie(a, b) = at::vec::convert_to_float<T>(n == kStep ? V::loadu(p) : V::loadu(p, n));
   }
-  static void store(T* p, int64_t n, const fVec& a, const fVec& b) {
+  static CKPT_EXT_VEC_INLINE void store(T* p, int64_t n, const fVec& a, const fVec& b) {
     const V v = at::vec::convert_from_float<T>(a, b);
     if (n == kStep)
       v.store(p);
@@ -36,12 +43,21 @@ struct IO {
       v.store(p, n);
   }
   // a, b rounded to T and back (what a store and a reload would give).
-  static void round(fVec& a, fVec& b) { std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b)); }
+  static CKPT_EXT_VEC_INLINE void round(fVec& a, fVec& b) { std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b)); }
+  // store, then a, b set to what was stored (one conversion for both).
+  static CKPT_EXT_VEC_INLINE void store_round(T* p, int64_t n, fVec& a, fVec& b) {
+    const V v = at::vec::convert_from_float<T>(a, b);
+    if (n == kStep)
+      v.store(p);
+    else
+      v.store(p, n);
+    std::tie(a, b) = at::vec::convert_to_float<T>(v);
+  }
 };
 
 template <>
 struct IO<float> {
-  static void load(const float* p, int64_t n, fVec& a, fVec& b) {
+  static CKPT_EXT_VEC_INLINE void load(const float* p, int64_t n, fVec& a, fVec& b) {
     if (n == kStep) {
       a = fVec::loadu(p);
       b = fVec::loadu(p + kF);
@@ -53,7 +69,7 @@ struct IO<float> {
       b = fVec(0.f);
     }
   }
-  static void store(float* p, int64_t n, const fVec& a, const fVec& b) {
+  static CKPT_EXT_VEC_INLINE void store(float* p, int64_t n, const fVec& a, const fVec& b) {
     if (n == kStep) {
       a.store(p);
       b.store(p + kF);
@@ -64,7 +80,8 @@ struct IO<float> {
       a.store(p, n);
     }
   }
-  static void round(fVec&, fVec&) {}
+  static CKPT_EXT_VEC_INLINE void round(fVec&, fVec&) {}
+  static CKPT_EXT_VEC_INLINE void store_round(float* p, int64_t n, fVec& a, fVec& b) { store(p, n, a, b); }
 };
 
 // A prefetch of the line kAhead bytes past p, in the loops that stream their inputs from memory: the
@@ -73,13 +90,13 @@ struct IO<float> {
 // first pass over a row likewise. A prefetch never faults, past the end of a buffer included.
 constexpr int64_t kAhead = 1024;
 template <typename T>
-inline void prefetch_ahead(const T* p) {
+CKPT_EXT_VEC_INLINE void prefetch_ahead(const T* p) {
   __builtin_prefetch(reinterpret_cast<const char*>(p) + kAhead);
 }
 
 // x += y over n (<= kStep) elements, zeros where y is absent.
 template <typename T>
-inline void add_opt(const T* y, int64_t n, fVec& a, fVec& b) {
+CKPT_EXT_VEC_INLINE void add_opt(const T* y, int64_t n, fVec& a, fVec& b) {
   if (!y) return;
   fVec ya, yb;
   IO<T>::load(y, n, ya, yb);
@@ -87,22 +104,36 @@ inline void add_opt(const T* y, int64_t n, fVec& a, fVec& b) {
   b = b + yb;
 }
 
+// All-ones in the lanes of the kF words at w that dropout keeps ((w >> 8) >= threshold; both sides below
+// 2^25, so a signed compare with threshold - 1 decides it).
+CKPT_EXT_VEC_INLINE fVec keep_lanes(const uint32_t* w, uint32_t threshold) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i v = _mm512_srli_epi32(_mm512_loadu_si512(w), 8);
+  const __mmask16 k = _mm512_cmpgt_epi32_mask(v, _mm512_set1_epi32(static_cast<int>(threshold) - 1));
+  return fVec(_mm512_castsi512_ps(_mm512_maskz_mov_epi32(k, _mm512_set1_epi32(-1))));
+#else
+  const __m256i v = _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), 8);
+  return fVec(_mm256_castsi256_ps(_mm256_cmpgt_epi32(v, _mm256_set1_epi32(static_cast<int>(threshold) - 1))));
+#endif
+}
+
 // Dropout of n (<= kStep) elements whose words start at w: kept * scale, dropped +0 (a select, as the
 // portable loops store 0, not v * 0).
-inline void apply_dropout(const VecDropout& d, const uint32_t* w, int64_t n, fVec& a, fVec& b) {
-  alignas(64) uint32_t m[kStep];
-  if (n == kStep) {
-    for (int64_t k = 0; k < kStep; ++k) m[k] = (w[k] >> 8) >= d.threshold ? 0xFFFFFFFFu : 0u;
-  } else {
-    for (int64_t k = 0; k < kStep; ++k) m[k] = k < n && (w[k] >> 8) >= d.threshold ? 0xFFFFFFFFu : 0u;
-  }
+CKPT_EXT_VEC_INLINE void apply_dropout(const VecDropout& d, const uint32_t* w, int64_t n, fVec& a, fVec& b) {
   const fVec zero(0.f), scale(d.scale);
+  if (n == kStep) {  // the words of a partial step may end before kStep: those take the scalar compare
+    a = fVec::blendv(zero, a * scale, keep_lanes(w, d.threshold));
+    b = fVec::blendv(zero, b * scale, keep_lanes(w + kF, d.threshold));
+    return;
+  }
+  alignas(64) uint32_t m[kStep];
+  for (int64_t k = 0; k < kStep; ++k) m[k] = k < n && (w[k] >> 8) >= d.threshold ? 0xFFFFFFFFu : 0u;
   a = fVec::blendv(zero, a * scale, fVec::loadu(m));
   b = fVec::blendv(zero, b * scale, fVec::loadu(m + kF));
 }
 
 // The two halves of a float vector in double.
-inline void to_double(const fVec& v, dVec& lo, dVec& hi) {
+CKPT_EXT_VEC_INLINE void to_double(const fVec& v, dVec& lo, dVec& hi) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 x = v;
   lo = dVec(_mm512_cvtps_pd(_mm512_castps512_ps256(x)));
@@ -117,19 +148,19 @@ inline void to_double(const fVec& v, dVec& lo, dVec& hi) {
 // Row sums in double (vec.h): acc += v (or v * v, squared in double).
 struct DoubleSum {
   dVec s0{0.0}, s1{0.0};
-  void add(const fVec& v) {
+  CKPT_EXT_VEC_INLINE void add(const fVec& v) {
     dVec lo, hi;
     to_double(v, lo, hi);
     s0 = s0 + lo;
     s1 = s1 + hi;
   }
-  void add_square(const fVec& v) {
+  CKPT_EXT_VEC_INLINE void add_square(const fVec& v) {
     dVec lo, hi;
     to_double(v, lo, hi);
     s0 = at::vec::fmadd(lo, lo, s0);
     s1 = at::vec::fmadd(hi, hi, s1);
   }
-  double total() const {
+  CKPT_EXT_VEC_INLINE double total() const {
     alignas(64) double t[2 * dVec::size()];
     s0.store(t);
     s1.store(t + dVec::size());
@@ -138,6 +169,18 @@ struct DoubleSum {
     return r;
   }
 };
+
+// body(i, c) over H elements (a row, or a segment) in steps of kStep: the full steps in the loop -- body inlined there
+// with c == kStep a constant, so its loads and stores take no branch -- then the partial last step.
+#ifndef CKPT_EXT_VEC_LAMBDA
+#define CKPT_EXT_VEC_LAMBDA __attribute__((always_inline))
+#endif
+template <typename F>
+CKPT_EXT_VEC_INLINE void for_steps(int64_t H, const F& body) {
+  int64_t i = 0;
+  for (; i + kStep <= H; i += kStep) body(i, kStep);
+  if (i < H) body(i, H - i);
+}
 
 // ---- activations ---------------------------------------------------------------------------------------
 //
@@ -149,12 +192,12 @@ struct DoubleSum {
 // exp; float32 keeps a Newton step and at::vec's (Sleef) tanh.
 
 template <bool Fast>
-inline fVec exp_(const fVec& x) {
+CKPT_EXT_VEC_INLINE fVec exp_(const fVec& x) {
   return x.exp_u20();
 }
 
 // 1 / d for d >= 1: the hardware estimate and one Newton step (relative error ~2^-23 or better).
-inline fVec recip_fast(const fVec& d) {
+CKPT_EXT_VEC_INLINE fVec recip_fast(const fVec& d) {
 #if defined(CPU_CAPABILITY_AVX512)
   const fVec r(_mm512_rcp14_ps(d));
 #else
@@ -165,7 +208,7 @@ inline fVec recip_fast(const fVec& d) {
 
 // 1 / d for d >= 1 from the hardware estimate alone: relative error <= 2^-14 with AVX-512 (rcp14), hidden
 // by a float16/bfloat16 result; AVX2's estimate (1.5 * 2^-12) gets the Newton step.
-inline fVec recip_estimate(const fVec& d) {
+CKPT_EXT_VEC_INLINE fVec recip_estimate(const fVec& d) {
 #if defined(CPU_CAPABILITY_AVX512)
   return fVec(_mm512_rcp14_ps(d));
 #else
@@ -179,7 +222,7 @@ inline fVec recip_estimate(const fVec& d) {
 // operation. Fast: t from the reciprocal estimate; float32: with a Newton step. Horner in FMAs (this file is otherwise fp-contract=off: here the float32
 // kernels need not match the portable loops bit for bit, which run ATen's GELU).
 template <bool Fast>
-inline fVec erf_(const fVec& xs, fVec& e) {
+CKPT_EXT_VEC_INLINE fVec erf_(const fVec& xs, fVec& e) {
   const fVec one(1.f), sign_bit(-0.f);
   const fVec ax = xs.abs();
   // |xs| capped (erf(9) rounds to 1; e is 0 there anyway) so that t stays finite; NaN passes through
@@ -196,7 +239,7 @@ inline fVec erf_(const fVec& xs, fVec& e) {
 }
 
 template <bool Fast>
-inline fVec tanh_(const fVec& x) {
+CKPT_EXT_VEC_INLINE fVec tanh_(const fVec& x) {
   if (!Fast) return x.tanh();
   const fVec one(1.f);
   // tanh(9) rounds to 1 in float; the cap keeps exp finite for recip_fast
@@ -205,7 +248,7 @@ inline fVec tanh_(const fVec& x) {
 }
 
 template <bool Fast>
-inline fVec gelu(const fVec& x, bool tanh) {
+CKPT_EXT_VEC_INLINE fVec gelu(const fVec& x, bool tanh) {
   const fVec half(0.5f), one(1.f);
   if (tanh) {
     const fVec inner = fVec(static_cast<float>(math::kSqrt2OverPi)) *
@@ -217,7 +260,7 @@ inline fVec gelu(const fVec& x, bool tanh) {
 }
 
 template <bool Fast>
-inline fVec gelu_derivative(const fVec& x, bool tanh) {
+CKPT_EXT_VEC_INLINE fVec gelu_derivative(const fVec& x, bool tanh) {
   const fVec half(0.5f), one(1.f);
   if (tanh) {
     const fVec beta(static_cast<float>(math::kSqrt2OverPi)), kappa(static_cast<float>(math::kGeluKappa));
@@ -230,7 +273,7 @@ inline fVec gelu_derivative(const fVec& x, bool tanh) {
 }
 
 template <bool Fast>
-inline fVec sigmoid(const fVec& x) {
+CKPT_EXT_VEC_INLINE fVec sigmoid(const fVec& x) {
   return fVec(1.f) / (fVec(1.f) + exp_<Fast>(x.neg()));
 }
 
@@ -242,21 +285,19 @@ constexpr bool kFast = !std::is_same<T, float>::value;
 template <typename T, bool Tanh>
 void bias_gelu_loop(const T* x, const T* bias, T* out, int64_t n) {
   constexpr bool tanh = Tanh;
-  for (int64_t i = 0; i < n; i += kStep) {
-    const int64_t c = std::min(kStep, n - i);
+  for_steps(n, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec a, b;
     prefetch_ahead(x + i);
     IO<T>::load(x + i, c, a, b);
     add_opt(bias ? bias + i : nullptr, c, a, b);
     IO<T>::store(out + i, c, gelu<kFast<T>>(a, tanh), gelu<kFast<T>>(b, tanh));
-  }
+  });
 }
 
 template <typename T, bool Tanh>
 void bias_gelu_backward_loop(const T* grad, const T* x, const T* bias, T* grad_x, int64_t n) {
   constexpr bool tanh = Tanh;
-  for (int64_t i = 0; i < n; i += kStep) {
-    const int64_t c = std::min(kStep, n - i);
+  for_steps(n, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec a, b, ga, gb;
     prefetch_ahead(x + i);
     prefetch_ahead(grad + i);
@@ -264,7 +305,7 @@ void bias_gelu_backward_loop(const T* grad, const T* x, const T* bias, T* grad_x
     add_opt(bias ? bias + i : nullptr, c, a, b);
     IO<T>::load(grad + i, c, ga, gb);
     IO<T>::store(grad_x + i, c, ga * gelu_derivative<kFast<T>>(a, tanh), gb * gelu_derivative<kFast<T>>(b, tanh));
-  }
+  });
 }
 
 template <typename T>
@@ -279,46 +320,42 @@ void bias_gelu_backward(const T* grad, const T* x, const T* bias, T* grad_x, int
 
 template <typename T>
 void bias_dropout_add(const T* x, const T* bias, const T* residual, T* out, int64_t n, VecDropout d) {
-  for (int64_t i = 0; i < n; i += kStep) {
-    const int64_t c = std::min(kStep, n - i);
+  for_steps(n, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec a, b;
     IO<T>::load(x + i, c, a, b);
     add_opt(bias ? bias + i : nullptr, c, a, b);
     if (d.words) apply_dropout(d, d.words + i, c, a, b);
     add_opt(residual + i, c, a, b);
     IO<T>::store(out + i, c, a, b);
-  }
+  });
 }
 
 template <typename T>
 void dropout(const T* x, T* out, int64_t n, VecDropout d) {
-  for (int64_t i = 0; i < n; i += kStep) {
-    const int64_t c = std::min(kStep, n - i);
+  for_steps(n, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec a, b;
     IO<T>::load(x + i, c, a, b);
     apply_dropout(d, d.words + i, c, a, b);
     IO<T>::store(out + i, c, a, b);
-  }
+  });
 }
 
 template <typename T>
 void swiglu(const T* gate, const T* up, T* out, int64_t n) {
-  for (int64_t i = 0; i < n; i += kStep) {
-    const int64_t c = std::min(kStep, n - i);
+  for_steps(n, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec ga, gb, ua, ub;
     prefetch_ahead(gate + i);
     prefetch_ahead(up + i);
     IO<T>::load(gate + i, c, ga, gb);
     IO<T>::load(up + i, c, ua, ub);
     IO<T>::store(out + i, c, ga * sigmoid<kFast<T>>(ga) * ua, gb * sigmoid<kFast<T>>(gb) * ub);
-  }
+  });
 }
 
 template <typename T>
 void swiglu_backward(const T* grad, const T* gate, const T* up, T* grad_gate, T* grad_up, int64_t n) {
   const fVec one(1.f);
-  for (int64_t i = 0; i < n; i += kStep) {
-    const int64_t c = std::min(kStep, n - i);
+  for_steps(n, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec g[2], u[2], dy[2], dg[2], du[2];
     prefetch_ahead(gate + i);
     prefetch_ahead(up + i);
@@ -333,13 +370,12 @@ void swiglu_backward(const T* grad, const T* gate, const T* up, T* grad_gate, T*
     }
     IO<T>::store(grad_up + i, c, du[0], du[1]);
     IO<T>::store(grad_gate + i, c, dg[0], dg[1]);
-  }
+  });
 }
 
 template <typename T>
 void rotary(const T* x, const T* cos, const T* sin, T* y, int64_t half, bool backward) {
-  for (int64_t j = 0; j < half; j += kStep) {
-    const int64_t c = std::min(kStep, half - j);
+  for_steps(half, [&](int64_t j, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec x1[2], x2[2], c1[2], c2[2], s1[2], s2[2], y1[2], y2[2];
     IO<T>::load(x + j, c, x1[0], x1[1]);
     IO<T>::load(x + half + j, c, x2[0], x2[1]);
@@ -358,13 +394,13 @@ void rotary(const T* x, const T* cos, const T* sin, T* y, int64_t half, bool bac
     }
     IO<T>::store(y + j, c, y1[0], y1[1]);
     IO<T>::store(y + half + j, c, y2[0], y2[1]);
-  }
+  });
 }
 
 // ---- norms (one row) -----------------------------------------------------------------------------------
 
 // a, b with the lanes from n on set to 0.
-inline void zero_tail(int64_t n, fVec& a, fVec& b) {
+CKPT_EXT_VEC_INLINE void zero_tail(int64_t n, fVec& a, fVec& b) {
   if (n == kStep) return;
   const fVec zero(0.f);
   a = fVec::set(zero, a, std::min(n, kF));
@@ -377,8 +413,7 @@ void layer_norm_forward(NormRow<T>& row) {
   const int64_t H = r.hidden;
   float* v = r.scratch;  // the stored pre-norm row in float
   DoubleSum sum;
-  for (int64_t i = 0; i < H; i += kStep) {
-    const int64_t c = std::min(kStep, H - i);
+  for_steps(H, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec a, b;
     prefetch_ahead(r.x + i);
     if (r.residual) prefetch_ahead(r.residual + i);
@@ -386,39 +421,34 @@ void layer_norm_forward(NormRow<T>& row) {
     add_opt(r.bias ? r.bias + i : nullptr, c, a, b);
     if (r.drop.words) apply_dropout(r.drop, r.drop.words + i, c, a, b);
     add_opt(r.residual ? r.residual + i : nullptr, c, a, b);
-    IO<T>::store(r.pre + i, c, a, b);
-    IO<T>::round(a, b);  // normalise exactly what is stored (and what backward reads)
+    IO<T>::store_round(r.pre + i, c, a, b);  // normalise exactly what is stored (and what backward reads)
     IO<float>::store(v + i, c, a, b);
-    sum.add(a);  // zero-filled past the row's end
-    sum.add(b);
-  }
+    sum.add(a + b);  // zero-filled past the row's end; the pair in float, the row's sum in double
+  });
   const float mu = static_cast<float>(sum.total() / H);
   const fVec vmu(mu);
   DoubleSum var;
-  for (int64_t i = 0; i < H; i += kStep) {
-    const int64_t c = std::min(kStep, H - i);
+  for_steps(H, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec a, b;
     IO<float>::load(v + i, c, a, b);
     a = a - vmu;
     b = b - vmu;
     zero_tail(c, a, b);
-    var.add(a * a);
-    var.add(b * b);
-  }
+    var.add(a * a + b * b);
+  });
   const float rs = static_cast<float>(1 / std::sqrt(var.total() / H + r.eps));
   row.mean = mu;
   row.rstd = rs;
   const fVec vrs(rs);
-  for (int64_t i = 0; i < H; i += kStep) {
-    const int64_t c = std::min(kStep, H - i);
+  for_steps(H, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec a, b, wa, wb;
     IO<float>::load(v + i, c, a, b);
-    IO<T>::load(r.weight + i, c, wa, wb);
+    IO<float>::load(r.weight + i, c, wa, wb);
     a = (a - vmu) * vrs * wa;
     b = (b - vmu) * vrs * wb;
-    add_opt(r.ln_bias ? r.ln_bias + i : nullptr, c, a, b);
+    add_opt<float>(r.ln_bias ? r.ln_bias + i : nullptr, c, a, b);
     IO<T>::store(r.out + i, c, a, b);
-  }
+  });
 }
 
 template <typename T>
@@ -427,34 +457,34 @@ void layer_norm_backward(NormRow<T>& row) {
   const int64_t H = r.hidden;
   const fVec mu(r.mean), rs(r.rstd);
   DoubleSum sum_dy, sum_dy_xhat;  // dy = grad_out * weight
-  for (int64_t i = 0; i < H; i += kStep) {
-    const int64_t c = std::min(kStep, H - i);
+  for_steps(H, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec g[2], v[2], w[2], pw[2], pb[2];
     prefetch_ahead(r.grad + i);
     prefetch_ahead(r.x + i);
     IO<T>::load(r.grad + i, c, g[0], g[1]);  // zero-filled past the row's end: those lanes add 0
     IO<T>::load(r.x + i, c, v[0], v[1]);
-    IO<T>::load(r.weight + i, c, w[0], w[1]);
+    IO<float>::load(r.weight + i, c, w[0], w[1]);
     IO<float>::load(r.partial_w + i, c, pw[0], pw[1]);
     IO<float>::load(r.partial_b + i, c, pb[0], pb[1]);
+    fVec dy[2], dy_xhat[2];
     for (int h = 0; h < 2; ++h) {
       const fVec xhat = (v[h] - mu) * rs;
-      const fVec dy = g[h] * w[h];
-      sum_dy.add(dy);
-      sum_dy_xhat.add(dy * xhat);
+      dy[h] = g[h] * w[h];
+      dy_xhat[h] = dy[h] * xhat;
       pw[h] = pw[h] + g[h] * xhat;
       pb[h] = pb[h] + g[h];
     }
+    sum_dy.add(dy[0] + dy[1]);  // the pair in float, the row's sum in double
+    sum_dy_xhat.add(dy_xhat[0] + dy_xhat[1]);
     IO<float>::store(r.partial_w + i, c, pw[0], pw[1]);
     IO<float>::store(r.partial_b + i, c, pb[0], pb[1]);
-  }
+  });
   const fVec c_mean(static_cast<float>(sum_dy.total() / H)), c_xhat(static_cast<float>(sum_dy_xhat.total() / H));
-  for (int64_t i = 0; i < H; i += kStep) {
-    const int64_t c = std::min(kStep, H - i);
+  for_steps(H, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec g[2], v[2], w[2], d[2];
     IO<T>::load(r.grad + i, c, g[0], g[1]);
     IO<T>::load(r.x + i, c, v[0], v[1]);
-    IO<T>::load(r.weight + i, c, w[0], w[1]);
+    IO<float>::load(r.weight + i, c, w[0], w[1]);
     for (int h = 0; h < 2; ++h) {
       const fVec xhat = (v[h] - mu) * rs;
       d[h] = rs * (g[h] * w[h] - c_mean - xhat * c_xhat);
@@ -465,7 +495,7 @@ void layer_norm_backward(NormRow<T>& row) {
       if (r.drop.words) apply_dropout(r.drop, r.drop.words + i, c, d[0], d[1]);
       IO<T>::store(r.pre + i, c, d[0], d[1]);
     }
-  }
+  });
 }
 
 template <typename T>
@@ -473,31 +503,28 @@ void rms_norm_forward(NormRow<T>& row) {
   const NormRow<T> r = row;  // a local copy: the stores through T* below cannot alias it, so no reloads
   const int64_t H = r.hidden;
   DoubleSum sum_sq;
-  for (int64_t i = 0; i < H; i += kStep) {
-    const int64_t c = std::min(kStep, H - i);
+  for_steps(H, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec a, b;
     prefetch_ahead(r.x + i);
     if (r.residual) prefetch_ahead(r.residual + i);
     IO<T>::load(r.x + i, c, a, b);
     add_opt(r.residual ? r.residual + i : nullptr, c, a, b);
-    IO<T>::store(r.pre + i, c, a, b);
-    IO<T>::round(a, b);
+    IO<T>::store_round(r.pre + i, c, a, b);
     sum_sq.add_square(a);
     sum_sq.add_square(b);
-  }
+  });
   const float rs_f = static_cast<float>(1 / std::sqrt(sum_sq.total() / H + r.eps));
   row.rstd = rs_f;
   const fVec rs(rs_f);
-  for (int64_t i = 0; i < H; i += kStep) {
-    const int64_t c = std::min(kStep, H - i);
+  for_steps(H, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec a, b, wa, wb;
     IO<T>::load(r.pre + i, c, a, b);
     a = a * rs;
     b = b * rs;
     IO<T>::round(a, b);  // LlamaRMSNorm: normalise in float, cast to the input dtype, then times the weight
-    IO<T>::load(r.weight + i, c, wa, wb);
+    IO<float>::load(r.weight + i, c, wa, wb);
     IO<T>::store(r.out + i, c, wa * a, wb * b);
-  }
+  });
 }
 
 template <typename T>
@@ -506,33 +533,30 @@ void rms_norm_backward(NormRow<T>& row) {
   const int64_t H = r.hidden;
   const fVec rs(r.rstd);
   DoubleSum sum_dn_n;  // dn = grad_out * weight, n = sum * rstd
-  for (int64_t i = 0; i < H; i += kStep) {
-    const int64_t c = std::min(kStep, H - i);
+  for_steps(H, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec g[2], n[2], w[2], pw[2];
     prefetch_ahead(r.grad + i);
     prefetch_ahead(r.x + i);
     IO<T>::load(r.grad + i, c, g[0], g[1]);
     IO<T>::load(r.x + i, c, n[0], n[1]);
-    IO<T>::load(r.weight + i, c, w[0], w[1]);
+    IO<float>::load(r.weight + i, c, w[0], w[1]);
     IO<float>::load(r.partial_w + i, c, pw[0], pw[1]);
     n[0] = n[0] * rs;
     n[1] = n[1] * rs;
-    sum_dn_n.add(g[0] * w[0] * n[0]);
-    sum_dn_n.add(g[1] * w[1] * n[1]);
+    sum_dn_n.add(g[0] * w[0] * n[0] + g[1] * w[1] * n[1]);
     IO<T>::round(n[0], n[1]);  // out = weight * to_dtype(n)
     IO<float>::store(r.partial_w + i, c, pw[0] + g[0] * n[0], pw[1] + g[1] * n[1]);
-  }
+  });
   const fVec c_n(static_cast<float>(sum_dn_n.total() / H));
-  for (int64_t i = 0; i < H; i += kStep) {
-    const int64_t c = std::min(kStep, H - i);
+  for_steps(H, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec g[2], n[2], w[2], d[2];
     IO<T>::load(r.grad + i, c, g[0], g[1]);
     IO<T>::load(r.x + i, c, n[0], n[1]);
-    IO<T>::load(r.weight + i, c, w[0], w[1]);
+    IO<float>::load(r.weight + i, c, w[0], w[1]);
     for (int h = 0; h < 2; ++h) d[h] = rs * (g[h] * w[h] - n[h] * rs * c_n);
     add_opt(r.grad_pre ? r.grad_pre + i : nullptr, c, d[0], d[1]);
     IO<T>::store(r.out + i, c, d[0], d[1]);
-  }
+  });
 }
 
 }  // namespace
