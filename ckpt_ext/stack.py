@@ -23,12 +23,17 @@ from .hf.cache import drop_cache, remember_signature
 from .hf.layers import attention_implementation
 from .hf.trainer import (hf_checkpointing_host, ride_hf_checkpointing, rides_hf, rides_hf_keep, double_checkpointing_error,
                          install_take_over, layer_hf_checkpointed, refuse_hf_checkpointing_on, remove_take_over)
-from .planner import fmt_bytes, parse_bytes
-from .stack_plan import StackPlanner
+from .planner import ATTENTION, fmt_bytes, parse_bytes
+from .pool import is_pooled, pool_stats
+from .stack_plan import _POOL_ALIGNMENT, StackPlanner
 
 __all__ = ["enable_checkpointing", "disable_checkpointing", "explain"]
 
 _ATTR = "_ckpt_ext_group"
+
+
+def is_fused_layer(m: nn.Module) -> bool:
+    return isinstance(m, FusedTransformerLayer)
 
 
 def _hidden_of(out: Any):
@@ -142,8 +147,28 @@ class _Group:
                            context_fn=self.context_fn)
 
     def fused_segment(self, layers: List[nn.Module], layer_args: Tuple, layer_kwargs: Dict):
-        """run_segment (fused layers as one C++ SegmentFunction) with this group's keep=."""
-        return run_segment(layers, layer_args, layer_kwargs, keep_attention=self.keep == "attention")
+        """run_segment (fused layers as one C++ SegmentFunction) with this group's keep=. Keeping attention, the
+        pool slots the segment takes besides its output are its layers' kept attention outputs and LSEs:
+        explain() reports them."""
+        keep = self.keep == "attention"
+        if keep and self.planner is not None and self.planner.keep == "auto" and torch.compiler.is_compiling():
+            # The planner chose keep-attention in eager steps; a compiled fused segment keeps only its input
+            # (less memory than planned, the attention recomputed; the same gradients).
+            keep = False
+        hidden = layer_args[0] if layer_args and isinstance(layer_args[0], torch.Tensor) else None
+        if not keep or layers is not self.layers or torch.compiler.is_compiling() or hidden is None or \
+                not is_fused_layer(layers[0]):
+            return run_segment(layers, layer_args, layer_kwargs, keep_attention=keep)
+        before = pool_stats(hidden.device)["in_use_bytes"]
+        out = run_segment(layers, layer_args, layer_kwargs, keep_attention=True)
+        if out is not NotImplemented:
+            kept = pool_stats(hidden.device)["in_use_bytes"] - before
+            h = _hidden_of(out)
+            if isinstance(h, torch.Tensor) and is_pooled(h):
+                kept -= -(-h.untyped_storage().nbytes() // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
+            for k in range(len(layers)):
+                self.attention[k] = (max(0, kept) // len(layers), None)
+        return out
 
     def _running(self) -> int:
         return self.running
@@ -152,7 +177,8 @@ class _Group:
         self.attention[layer] = (kept_bytes, reason)
 
     def keeps(self, k: int) -> str:
-        """What layer k of the group keeps from forward to backward (explain)."""
+        """What layer k of the group keeps from forward to backward (explain). Fused layers' kept bytes are the
+        group's pool slots besides its output, shared out evenly."""
         if self.kept:
             return "everything it saves (not checkpointed)"
         if self.keep == "boundaries":
@@ -234,14 +260,17 @@ def _alone(self: nn.Module, group: "_Group", args: Tuple, kwargs: Dict):
                        context_fn=context_fn)
 
 
-def _attach_planned(planner: StackPlanner, segments: List[Tuple[int, int, bool]]):
-    """Installs a planner's groups: a checkpointed segment is one group, a kept layer a group of its own."""
+def _attach_planned(planner: StackPlanner, segments: List[Tuple[int, int, Union[bool, str]]]):
+    """Installs a planner's groups: a checkpointed segment is one group (keeping attention when the plan says
+    so), a kept layer a group of its own."""
     groups = []
-    for s, e, ckpt in segments:
-        if ckpt:
-            groups.append(_Group(planner.layers[s:e], s, planner))
+    for s, e, how in segments:
+        if how:
+            groups.append(_Group(planner.layers[s:e], s, planner, keep="attention" if how == ATTENTION else "boundaries",
+                                 stack=planner.name))
         else:
-            groups.extend(_Group([planner.layers[i]], i, planner, kept=True) for i in range(s, e))
+            groups.extend(_Group([planner.layers[i]], i, planner, kept=True, stack=planner.name)
+                          for i in range(s, e))
     _attach_groups(groups)
 
 
@@ -486,7 +515,7 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     for name, stack in stacks:
         mods = list(stack)
         if budget_bytes is not None:
-            StackPlanner(name, mods, budget_bytes, _attach_planned).install_probe_groups()
+            StackPlanner(name, mods, budget_bytes, _attach_planned, keep).install_probe_groups()
             continue
         _attach_groups([_Group(mods[start:start + every], start, keep=keep, stack=name)
                         for start in range(0, len(mods), every)])
@@ -519,11 +548,9 @@ def _check_options(every, budget, keep=None) -> Tuple[int, Optional[int], str]:
     if budget is not None and every is not None:
         raise ValueError("give either every= (fixed groups) or budget= (planned groups), not both")
     budget_bytes = parse_bytes(budget) if budget is not None else None
-    keep = check_keep(keep)
-    if budget_bytes is not None and keep != "boundaries":
-        raise ValueError(f"keep={keep!r} cannot be combined with budget= yet: the planner chooses among keeping a "
-                         "layer whole and boundary-only recompute. Give keep= with every= (or alone), or budget= "
-                         "alone.")
+    # budget= alone: the planner chooses per group among keeping the layers whole, checkpointing them keeping
+    # their attention, and boundary-only recompute ("auto"); keep= given restricts what a checkpointed group keeps.
+    keep = "auto" if budget_bytes is not None and keep is None else check_keep(keep)
     every = 1 if every is None else every
     if isinstance(every, bool) or not isinstance(every, int):
         raise TypeError(f"every must be a positive int, got {every!r}")
@@ -585,6 +612,7 @@ def explain(model: nn.Module) -> Explanation:
                 more = (f" (also planned for {', '.join(map(str, others))}; a larger input is planned for when "
                         "it comes)") if others else " (a larger input is planned for when it comes)"
                 parts.append(f"{head}; plan {state}, for input shape {p.shape}{more}\n{p.plan.describe()}")
+                parts += _planned_layers(model, p)
         text = "\n".join(parts)
     else:
         sizes = sorted({len(g.layers) for g in groups})
@@ -596,6 +624,30 @@ def explain(model: nn.Module) -> Explanation:
             lines = [f"  {name}: keeps {g.keeps(k)}" for g in groups for k, name in enumerate(g.names)]
             text += ", keep='attention'. From forward to backward:\n" + "\n".join(lines)
     return Explanation(text)
+
+
+def _planned_layers(model: nn.Module, p: StackPlanner) -> List[str]:
+    """explain() of a plan: what each layer keeps (after a step, what it kept), and why layers cannot keep their
+    attention (measured)."""
+    lines = []
+    if p.installed:
+        lines.append("  each layer, from forward to backward:")
+        seen = set()
+        for layer in p.layers:
+            g = layer.__dict__.get(_ATTR)
+            if g is None or g.planner is not p or id(g) in seen:
+                continue
+            seen.add(id(g))
+            lines += [f"    {name}: keeps {g.keeps(k)}" for k, name in enumerate(g.names)]
+    if p.keep == "auto":
+        reasons = {}
+        for i, why in enumerate(p.why):
+            if why is not None:
+                reasons.setdefault(why, []).append(i)
+        for why, idx in reasons.items():
+            lines.append(f"  layers {', '.join(map(str, idx))} cannot keep their attention (so the planner never "
+                         f"chose it for them), because {why}")
+    return lines
 
 
 def disable_checkpointing(model: nn.Module) -> nn.Module:
