@@ -447,10 +447,14 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     ``budget`` ("20GiB", "512MiB" or bytes) replaces ``every``: the planner chooses which layers to
     checkpoint and how to group them so that the activation bytes held from forward to backward (saved
     tensors and pooled boundaries, not parameters, gradients or optimizer state) plus the largest replay
-    fit the budget with the least recompute. It measures each layer during the first training step and
-    plans for that step's input size (and again, during its step, for an input larger in a dimension);
-    a budget below the least achievable raises ValueError stating the minimum. ``ckpt_ext.explain(model)``
-    describes the plan.
+    fit the budget with the least recompute, choosing per group among keeping its layers whole,
+    checkpointing them keeping their attention (as keep="attention" below, where the layers' attention can be
+    kept) and boundary-only recompute; ``keep="boundaries"`` never keeps attention, ``keep="attention"``
+    always does in checkpointed groups. It measures each layer during the first training step (bytes saved,
+    forward time, attention time and kept bytes) and plans for that step's input size (and again, during its
+    step, for an input larger in a dimension); a budget below the least achievable raises ValueError stating
+    the minimum. ``ckpt_ext.explain(model)`` describes the plan: each layer's choice, the predicted peak
+    and the predicted overhead.
 
     ``keep`` is what a checkpointed layer keeps from forward to backward besides its input (the segment
     boundary): ``"boundaries"`` (the default; None means it) keeps nothing else and the replay runs the

@@ -571,12 +571,15 @@ def _step(model, call, seed):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, held
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_hugging_face_budget_keeps_attention_where_it_pays(family, fused):
+@pytest.mark.parametrize("family,fused,autocast", [
+    ("llama", False, False), ("llama", True, False), ("gpt2", False, False), ("gpt2", True, False),
+    ("llama", False, True), ("llama", True, True)],
+    ids=["llama-plain", "llama-fused", "gpt2-plain", "gpt2-fused", "llama-plain-autocast", "llama-fused-autocast"])
+def test_hugging_face_budget_keeps_attention_where_it_pays(family, fused, autocast):
     """A budget with room for every layer checkpointed alone keeping its attention, but not for a layer kept
     whole: the planner keeps attention (it replays less), the bytes held fit the budget and equal the predicted
-    ones, and every gradient is bitwise that of training without checkpointing (GPT-2 with residual dropout)."""
+    ones, and every gradient is bitwise that of training without checkpointing (GPT-2 with residual dropout;
+    fp32, and CPU autocast bfloat16)."""
     hf = _hf()
     over = {"attn_pdrop": 0.0, "resid_pdrop": 0.1, "embd_pdrop": 0.1} if family == "gpt2" else {}
     model = hf.make_model(family, layers=4, **over).train()
@@ -584,7 +587,11 @@ def test_hugging_face_budget_keeps_attention_where_it_pays(family, fused):
         model = ckpt_ext.fuse(model)
     torch.manual_seed(0)
     kw = hf.inputs_for(family, padding=True)
-    call = lambda m: m(**kw).last_hidden_state  # noqa: E731
+
+    def call(m):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            return m(**kw).last_hidden_state.float()
+
     ref = _step(copy.deepcopy(model), call, seed=1)  # no checkpointing
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no keep-attention warning: the planner keeps it only where it can
