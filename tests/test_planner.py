@@ -686,3 +686,17 @@ def test_budget_with_bad_keep_values():
     with pytest.raises(ValueError, match=r"either every= \(fixed groups\) or budget="):
         ckpt_ext.enable_checkpointing(model, budget="1GiB", every=2, keep="attention")
     assert not ckpt_ext.stack.is_enabled(model)
+
+
+def test_128_layers_with_attention_choices_plan_in_seconds():
+    # Three ways per segment: about twice the time of two (benchmarks/bench_planner.py, "varied+attn").
+    rng = random.Random(3)
+    costs = [LayerCost(c.act_bytes, c.boundary_bytes, c.compute, rng.randint(2, 20) << 20,
+                       c.compute * rng.uniform(0.1, 0.5)) for c in _varied(128, seed=1)]
+    total = sum(c.act_bytes for c in costs)
+    start = time.perf_counter()
+    plan = plan_chain(costs, int(0.3 * total))
+    elapsed = time.perf_counter() - start
+    assert elapsed < 20, f"planning 128 layers with keep-attention choices took {elapsed:.1f} s"
+    assert plan.need_bytes <= int(0.3 * total) and any(how == ATTENTION for *_, how in plan.segments)
+    assert plan.recompute < plan_chain(costs, int(0.3 * total), keep="boundaries").recompute
