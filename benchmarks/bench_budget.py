@@ -19,7 +19,8 @@ Predictions, read from the plan after its measuring step: bytes held from forwar
 (plan.recompute: the layers' measured forward times, less the attention forwards a group keeping attention skips).
 The planner does not time the rest of a step, so the predicted step time is the measured step without
 checkpointing plus the predicted recompute; the ratio predicted / measured is taken per round (both in the same
-round) and its median reported, wall and CPU time (time.process_time). Measured bytes: the storages the layer stack
+round) and its median reported, wall and CPU time (time.process_time; the CPU prediction uses the process CPU
+time of the planner's probe runs). Measured bytes: the storages the layer stack
 created or received that are still alive after the forward (its last output excepted) plus the pool slots it took
 (a dispatch mode records them; a separate, untimed step).
 """
@@ -37,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 import ckpt_ext
 from ckpt_ext.planner import ATTENTION, fmt_bytes, parse_bytes, plan_chain
+from ckpt_ext.stack_plan import recompute_cpu_seconds
 from common import add_output_args, env_info, env_line, finish_env, interleaved, output_dir, quantiles, write_results
 from variants import ModelSpec, Variant, Workload
 
@@ -135,6 +137,7 @@ def run(config: str, budget, rounds: int, warmup: int, device) -> dict:
             for _ in range(2):
                 work.step(plain, models[name], batch)
         plans = {name: planner_of(models[name]).plan for name in ("planned", "boundaries")}
+        cpu_recompute = {name: recompute_cpu_seconds(planner_of(models[name]), plans[name]) for name in plans}
         explain = str(ckpt_ext.explain(models["planned"]))
         held = {name: stack_held(m, lambda m=m: work.forward(plain, m, batch)) for name, m in models.items()}
         cpu: Dict[str, List[float]] = {name: [] for name in models}
@@ -151,13 +154,13 @@ def run(config: str, budget, rounds: int, warmup: int, device) -> dict:
         plan = plans.get(name)
         row = {"variant": name, "step_s": stats[name], "cpu_s": quantiles(cpu[name]), "held_bytes": held[name]}
         if plan is not None:
-            rc = plan.recompute
+            rc, rc_cpu = plan.recompute, cpu_recompute[name]
             row.update(
                 segments=plan.segments, predicted_held=plan.held_bytes, predicted_peak=plan.need_bytes,
-                predicted_recompute_s=rc,
+                predicted_recompute_s=rc, predicted_recompute_cpu_s=rc_cpu,
                 held_ratio=plan.held_bytes / held[name] if held[name] else None,
                 step_ratio=statistics.median((n + rc) / x for n, x in zip(raw["none"], raw[name])),
-                cpu_step_ratio=statistics.median((n + rc) / x for n, x in zip(cpu["none"], cpu[name])),
+                cpu_step_ratio=statistics.median((n + rc_cpu) / x for n, x in zip(cpu["none"], cpu[name])),
                 measured_overhead_s=statistics.median(x - n for n, x in zip(raw["none"], raw[name])),
                 measured_cpu_overhead_s=statistics.median(x - n for n, x in zip(cpu["none"], cpu[name])))
         rows.append(row)
@@ -176,7 +179,7 @@ def to_markdown(info: dict, res: dict, cfg: dict) -> str:
              "", f"{res['model']}, batch {res['batch']}, fp32; budget {fmt_bytes(res['budget'])} ({res['budget']} "
              f"bytes); {cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up round(s).", "",
              "| variant | plan (layer: choice) | step ms median (p20-p80) | CPU ms | held fwd→bwd, measured | predicted "
-             "held (pred/meas) | predicted peak | predicted recompute ms | measured overhead ms (wall; CPU) | "
+             "held (pred/meas) | predicted peak | predicted recompute ms (wall; CPU) | measured overhead ms (wall; CPU) | "
              "predicted step / measured (wall; CPU) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         s = r["step_s"]
@@ -186,10 +189,11 @@ def to_markdown(info: dict, res: dict, cfg: dict) -> str:
             lines.append(head + " - | - | - | - | - |")
             continue
         lines.append(head + f" {fmt_bytes(r['predicted_held'])} ({r['held_ratio']:.3f}) | {fmt_bytes(r['predicted_peak'])} "
-                     f"| {ms(r['predicted_recompute_s'])} | {ms(r['measured_overhead_s'])}; "
+                     f"| {ms(r['predicted_recompute_s'])}; {ms(r['predicted_recompute_cpu_s'])} | {ms(r['measured_overhead_s'])}; "
                      f"{ms(r['measured_cpu_overhead_s'])} | {r['step_ratio']:.3f}; {r['cpu_step_ratio']:.3f} |")
     lines += ["", "- predicted step = the measured step without checkpointing (same round) + the plan's predicted "
-              "recompute; ratios are medians of per-round ratios.", "",
+              "recompute (wall: the planner's own prediction; CPU: the process CPU time of the same probe runs); "
+              "ratios are medians of per-round ratios.", "",
               "explain() of the planned model:", "", "```", res["explain"], "```", ""]
     return "\n".join(lines)
 

@@ -308,12 +308,13 @@ class _ReplayMode(TorchFunctionMode):
 class AttentionProbe(TorchFunctionMode):
     """The budget planner's probe of one layer forward: for each SDPA call, the seconds it took and what
     keep="attention" would keep (the fused kernel's outputs' bytes), or why nothing (the math path).
-    ``calls``: [(seconds, kept bytes or None, reason or None)]."""
+    ``calls``: [(seconds, kept bytes or None, reason or None)]; ``cpu_seconds``: the calls' process CPU time."""
 
     def __init__(self, synchronize: Optional[Callable[[], None]] = None):
         super().__init__()
         self.calls: List[Tuple[float, Optional[List[int]], Optional[str]]] = []
         self.synchronize = synchronize or (lambda: None)
+        self.cpu_seconds = 0.0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -321,11 +322,12 @@ class AttentionProbe(TorchFunctionMode):
             return func(*args, **kwargs)
         capture = _Capture()
         self.synchronize()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         with capture:
             out = _SDPA(*args, **kwargs)
         self.synchronize()
         elapsed = time.perf_counter() - start
+        self.cpu_seconds += time.process_time() - cpu
         if capture.kept:
             self.calls.append((elapsed, [t.untyped_storage().nbytes() for k in capture.kept for t in _tensors(k.outputs)],
                                None))

@@ -11,7 +11,7 @@ from torch import nn
 
 from .fused import FusedTransformerLayer
 from .keep import AttentionProbe
-from .planner import LayerCost, Plan, plan_chain
+from .planner import ATTENTION, LayerCost, Plan, plan_chain
 from .pool import is_pooled
 
 __all__ = ["StackPlanner"]
@@ -37,6 +37,7 @@ class StackPlanner:
         self.costs: List[Optional[LayerCost]] = [None] * len(layers)
         self.why: List[Optional[str]] = [None] * len(layers)  # why a layer cannot keep its attention (measured)
         self.shared: Dict[int, int] = {}  # while measuring: storages the layers receive besides the hidden state
+        self.cpu_costs: List[Tuple[float, float]] = [(0.0, 0.0)] * len(layers)  # (forward, attention) CPU seconds
         self.chained: List[bool] = [True] * len(layers)  # layer i is called on layer i-1's output
         self.outputs: List[Optional[weakref.ref]] = [None] * len(layers)  # while measuring: what each passed on
         self.plan: Optional[Plan] = None
@@ -89,21 +90,21 @@ class StackPlanner:
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         fused = isinstance(layer, FusedTransformerLayer)
         attention = self.keep != "boundaries"
-        # Two runs, the faster one's times kept: the first forward of a layer pays one-time costs (the
-        # allocator's first blocks, kernels' set-up) that training steps do not. A plain layer's runs also
-        # time its SDPA calls and measure what keep="attention" would keep; a fused layer's attention is
-        # C++, so its Hugging Face layer runs the same attention through SDPA for that.
         # The tensors the layer receives besides its hidden state (a mask, rotary tables): held once while any
         # layer holds them, whatever the plan (a checkpointed segment keeps them as inputs, a kept layer saves
         # them), so counted once for the stack and in no layer's bytes.
         shared = {st.data_ptr(): st.nbytes() for st in _storages((args[1:], kwargs))
                   if hidden is None or st.data_ptr() != hidden.untyped_storage().data_ptr()}
-        saved, elapsed, probe = None, None, None
+        # Two runs, the faster one's times kept: the first forward of a layer pays one-time costs (the
+        # allocator's first blocks, kernels' set-up) that training steps do not. A plain layer's runs also
+        # time its SDPA calls and measure what keep="attention" would keep; a fused layer's attention is
+        # C++, so its Hugging Face layer runs the same attention through SDPA for that.
+        saved, elapsed, probe, cpu = None, None, None, 0.0
         for _ in range(_PROBE_RUNS):
             spy = AttentionProbe(sync) if attention and not fused else None
-            storages, seconds = _measure(layer, args, kwargs, device, sync, spy)
+            storages, seconds, cpu_seconds = _measure(layer, args, kwargs, device, sync, spy)
             if elapsed is None or seconds < elapsed:
-                elapsed, probe = seconds, spy
+                elapsed, probe, cpu = seconds, spy, cpu_seconds
             if saved is None:
                 saved = sum(n for ptr, n in storages.items() if ptr not in shared)
         self.shared.update(shared)
@@ -121,6 +122,8 @@ class StackPlanner:
         if hidden is not None and is_pooled(hidden):  # the output of a fused segment before: a pool slot
             boundary = -(-boundary // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
         self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0)
+        # the same runs' process CPU time (the benchmarks compare it on a shared machine)
+        self.cpu_costs[i] = (cpu, probe.cpu_seconds if attn_bytes is not None else 0.0)
         if i == 0:
             self.shape = _shape_of(args)
         if all(c is not None for c in self.costs):
@@ -139,9 +142,19 @@ class StackPlanner:
                 raise
 
 
+def recompute_cpu_seconds(planner: "StackPlanner", plan: Plan) -> float:
+    """The recompute of `plan` in process CPU seconds, from the planner's measurements (the benchmarks)."""
+    total = 0.0
+    for s, e, how in plan.segments:
+        if how:
+            total += sum(f - (a if how == ATTENTION else 0.0) for f, a in planner.cpu_costs[s:e])
+    return total
+
+
 def _measure(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, spy, hf: bool = False):
     """One throw-away forward of `layer` (its Hugging Face layer's with `hf`) with the RNG forked: ({address: bytes}
-    of the storages it saves for backward, parameters excluded; seconds), under `spy` when given."""
+    of the storages it saves for backward, parameters excluded; seconds; process CPU seconds), under `spy` when
+    given."""
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     storages: Dict[int, torch.UntypedStorage] = {}
 
@@ -158,18 +171,18 @@ def _measure(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, 
 
     if sync is not None:
         sync()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked), \
             (spy if spy is not None else contextlib.nullcontext()):
         out = layer._hf_forward(args, kwargs) if hf else type(layer).forward(layer, *args, **kwargs)
     if sync is not None:
         sync()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     del out
     saved = {ptr: st.nbytes() for ptr, st in storages.items()}
     storages.clear()
-    return saved, elapsed
+    return saved, elapsed, cpu
 
 
 def _storages(tree) -> List[torch.UntypedStorage]:
