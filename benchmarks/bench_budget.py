@@ -157,7 +157,7 @@ def run(config: str, budget, rounds: int, warmup: int, device) -> dict:
             rc, rc_cpu = plan.recompute, cpu_recompute[name]
             row.update(
                 segments=plan.segments, predicted_held=plan.held_bytes, predicted_peak=plan.need_bytes,
-                predicted_recompute_s=rc, predicted_recompute_cpu_s=rc_cpu,
+                predicted_recompute_s=rc, predicted_recompute_cpu_s=rc_cpu, base_time_s=plan.base_time,
                 held_ratio=plan.held_bytes / held[name] if held[name] else None,
                 step_ratio=statistics.median((n + rc) / x for n, x in zip(raw["none"], raw[name])),
                 cpu_step_ratio=statistics.median((n + rc_cpu) / x for n, x in zip(cpu["none"], cpu[name])),
@@ -191,6 +191,11 @@ def to_markdown(info: dict, res: dict, cfg: dict) -> str:
         lines.append(head + f" {fmt_bytes(r['predicted_held'])} ({r['held_ratio']:.3f}) | {fmt_bytes(r['predicted_peak'])} "
                      f"| {ms(r['predicted_recompute_s'])}; {ms(r['predicted_recompute_cpu_s'])} | {ms(r['measured_overhead_s'])}; "
                      f"{ms(r['measured_cpu_overhead_s'])} | {r['step_ratio']:.3f}; {r['cpu_step_ratio']:.3f} |")
+    for r in res["rows"]:
+        if r.get("base_time_s"):
+            lines.append(f"- {r['variant']}: the planner's own measurement of the layers' forward + backward without "
+                         f"checkpointing (its measuring step) was {ms(r['base_time_s'])} ms; the whole step without "
+                         f"checkpointing measured {ms(res['rows'][0]['step_s']['median'])} ms here.")
     lines += ["", "- predicted step = the measured step without checkpointing (same round) + the plan's predicted "
               "recompute (wall: the planner's own prediction; CPU: the process CPU time of the same probe runs); "
               "ratios are medians of per-round ratios.", "",

@@ -368,11 +368,13 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     if layer_hf_checkpointed(self):
         raise double_checkpointing_error(self, group.index + group.layers.index(self))
     planner = group.planner
+    measuring = False
     if planner is not None:
         if self is planner.layers[0]:
             planner.begin_step(args)  # a new step: install the plan, or plan again for a larger input
             group = getattr(self, _ATTR)
-        if planner.plan is None:
+        measuring = planner.plan is None  # (the last layer's probe makes the plan)
+        if measuring:
             planner.probe(self, *drop_cache(self, args, kwargs))
     if group.siblings and group.layers[0] is self:
         _check_order(group, args)
@@ -381,8 +383,9 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     if group.layers[0] is self:
         args, kwargs = drop_cache(self, args, kwargs)
         out = group.checkpointed(args, kwargs)
-        if planner is not None and planner.plan is None:
-            planner.passed_on(self, _hidden_of(out))  # measuring: which layer takes which one's output
+        if measuring:
+            # measuring: which layer takes which one's output, and how long its backward takes
+            planner.passed_on(self, _hidden_of(out), args[0] if args else None)
         if len(group.layers) > 1:
             group.pending = _Pending(out, 1, args, kwargs)
         return out

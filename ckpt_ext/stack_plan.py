@@ -38,6 +38,7 @@ class StackPlanner:
         self.why: List[Optional[str]] = [None] * len(layers)  # why a layer cannot keep its attention (measured)
         self.shared: Dict[int, int] = {}  # while measuring: storages the layers receive besides the hidden state
         self.cpu_costs: List[Tuple[float, float]] = [(0.0, 0.0)] * len(layers)  # (forward, attention) CPU seconds
+        self.backward: List[Optional[float]] = [None] * len(layers)  # measuring: each layer's replay + backward
         self.chained: List[bool] = [True] * len(layers)  # layer i is called on layer i-1's output
         self.outputs: List[Optional[weakref.ref]] = [None] * len(layers)  # while measuring: what each passed on
         self.plan: Optional[Plan] = None
@@ -66,10 +67,37 @@ class StackPlanner:
         self.plan, self.shape, self.installed = None, None, False
         self.install_probe_groups()
 
-    def passed_on(self, layer: nn.Module, hidden):
-        """While measuring: the hidden state `layer` returned (the next layer is chained to it if called on it)."""
+    def passed_on(self, layer: nn.Module, hidden, received=None):
+        """While measuring: the hidden state `layer` returned (the next layer is chained to it if called on it).
+        Its backward is timed too: from its output's gradient to its input's (the layer is checkpointed alone in
+        the measuring step, so that is its replay and its backward: what its forward and backward take without
+        checkpointing); the sum over the layers is the plan's base_time (explain's step time)."""
         i = self.index[id(layer)]
         self.outputs[i] = weakref.ref(hidden) if isinstance(hidden, torch.Tensor) else None
+        if i == 0:
+            self.backward = [None] * len(self.layers)
+        if not (isinstance(hidden, torch.Tensor) and isinstance(received, torch.Tensor) and hidden.requires_grad
+                and received.requires_grad) or torch.compiler.is_compiling():
+            return
+        device, times = hidden.device, self.backward
+        start: List[float] = []
+
+        def now():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        def began(_):
+            start.append(now())
+
+        def ended(_):
+            if start and times[i] is None:
+                times[i] = now() - start[0]
+                if all(t is not None for t in times) and self.plan is not None:
+                    self.plan.base_time = sum(times)
+
+        hidden.register_hook(began)
+        received.register_hook(ended)
 
     def install_probe_groups(self):
         """Every layer checkpointed alone (and probed), until a plan is made."""
