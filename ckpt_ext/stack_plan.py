@@ -76,9 +76,11 @@ class StackPlanner:
         self.outputs[i] = weakref.ref(hidden) if isinstance(hidden, torch.Tensor) else None
         if i == 0:
             self.backward = [None] * len(self.layers)
-        if not (isinstance(hidden, torch.Tensor) and isinstance(received, torch.Tensor) and hidden.requires_grad
-                and received.requires_grad) or torch.compiler.is_compiling():
+        if not (isinstance(hidden, torch.Tensor) and hidden.requires_grad) or torch.compiler.is_compiling():
             return
+        # An input that needs no gradient (the first layer's, under frozen embeddings): the layer's backward
+        # ends with the backward pass (what runs after it in the pass is not the stack's, and little).
+        to_end = isinstance(received, torch.Tensor) and received.requires_grad
         device, times = hidden.device, self.backward
         start: List[float] = []
 
@@ -89,6 +91,8 @@ class StackPlanner:
 
         def began(_):
             start.append(now())
+            if not to_end:
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: ended(None))
 
         def ended(_):
             if start and times[i] is None:
@@ -97,7 +101,8 @@ class StackPlanner:
                     self.plan.base_time = sum(times)
 
         hidden.register_hook(began)
-        received.register_hook(ended)
+        if to_end:
+            received.register_hook(ended)
 
     def install_probe_groups(self):
         """Every layer checkpointed alone (and probed), until a plan is made."""

@@ -255,6 +255,8 @@ def test_budget_plans_fit_and_give_identical_gradients():
         out2, grads2, held = _grads(model, x, seed=1)
         text = ckpt_ext.explain(model)
         assert "in use" in text and "predicted" in text
+        # its first layer's input needs no gradient: its backward is timed to the end of the pass
+        assert "without checkpointing took" in text, text
         assert held <= budget, (frac, held, budget)
         assert torch.equal(out2, ref_out)
         for n in ref_grads:
@@ -619,6 +621,8 @@ def test_hugging_face_budget_keeps_attention_where_it_pays(family, fused, autoca
     assert held >= 0.9 * plan.held_bytes, (held, plan.held_bytes)  # the prediction is the measurement
     text = ckpt_ext.explain(model)
     assert "in use" in text and "predicted peak" in text and "predicted overhead" in text, text
+    # the layers' forward + backward timed in the measuring step: the step time without checkpointing
+    assert plan.base_time and plan.base_time > 0 and "without checkpointing took" in text, text
     assert "keeping its input and attention outputs + LSEs" in text
     assert "the replay skips the attention forward" in text and "checked at the first" not in text, text
     ckpt_ext.disable_checkpointing(model)
