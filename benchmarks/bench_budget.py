@@ -188,8 +188,9 @@ def to_markdown(info: dict, res: dict, cfg: dict) -> str:
         if "segments" not in r:
             lines.append(head + " - | - | - | - | - |")
             continue
-        lines.append(head + f" {fmt_bytes(r['predicted_held'])} ({r['held_ratio']:.3f}) | {fmt_bytes(r['predicted_peak'])} "
-                     f"| {ms(r['predicted_recompute_s'])}; {ms(r['predicted_recompute_cpu_s'])} | {ms(r['measured_overhead_s'])}; "
+        lines.append(head + f" {fmt_bytes(r['predicted_held'])} ({r['held_ratio']:.3f}) | "
+                     f"{fmt_bytes(r['predicted_peak'])} | {ms(r['predicted_recompute_s'])}; "
+                     f"{ms(r['predicted_recompute_cpu_s'])} | {ms(r['measured_overhead_s'])}; "
                      f"{ms(r['measured_cpu_overhead_s'])} | {r['step_ratio']:.3f}; {r['cpu_step_ratio']:.3f} |")
     for r in res["rows"]:
         if r.get("base_time_s"):

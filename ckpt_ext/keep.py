@@ -329,8 +329,8 @@ class AttentionProbe(TorchFunctionMode):
         elapsed = time.perf_counter() - start
         self.cpu_seconds += time.process_time() - cpu
         if capture.kept:
-            self.calls.append((elapsed, [t.untyped_storage().nbytes() for k in capture.kept for t in _tensors(k.outputs)],
-                               None))
+            sizes = [t.untyped_storage().nbytes() for k in capture.kept for t in _tensors(k.outputs)]
+            self.calls.append((elapsed, sizes, None))
         else:
             self.calls.append((elapsed, None, _math_path_reason(args, kwargs)))
         capture.kept.clear()

@@ -266,8 +266,8 @@ def _attach_planned(planner: StackPlanner, segments: List[Tuple[int, int, Union[
     groups = []
     for s, e, how in segments:
         if how:
-            groups.append(_Group(planner.layers[s:e], s, planner, keep="attention" if how == ATTENTION else "boundaries",
-                                 stack=planner.name))
+            keep = "attention" if how == ATTENTION else "boundaries"
+            groups.append(_Group(planner.layers[s:e], s, planner, keep=keep, stack=planner.name))
         else:
             groups.extend(_Group([planner.layers[i]], i, planner, kept=True, stack=planner.name)
                           for i in range(s, e))

@@ -436,7 +436,8 @@ def test_keep_choices_match_brute_force(costs, frac, keep):
     assert plan.recompute == min(p.recompute for p in plans if p.need_bytes <= budget)
     # the plan's own accounting is _finish's
     again = _finish(costs, plan.segments, budget)
-    assert (again.held_bytes, again.replay_bytes, again.recompute) == (plan.held_bytes, plan.replay_bytes, plan.recompute)
+    assert (again.held_bytes, again.replay_bytes, again.recompute) == \
+        (plan.held_bytes, plan.replay_bytes, plan.recompute)
     assert all(how in (False, True, ATTENTION) for *_, how in plan.segments)
     if keep == "boundaries":
         assert not any(how == ATTENTION for *_, how in plan.segments)
@@ -526,8 +527,8 @@ class _Created(TorchDispatchMode):
 def _stack_held(model, layers, call):
     """Runs call(model) (a forward); returns (output, bytes held from forward to backward by the layer stack):
     the storages still alive after the forward among those the stack's layers created (parameters -- a weight's
-    transpose -- and the last layer's output, which the model goes on with, excepted) and those the stack received (the first layer's arguments: its input,
-    a mask, rotary tables), plus the pool slots the stack took (fused segments' outputs, their kept attention)."""
+    transpose -- and the last layer's output, which the model goes on with, excepted) and those the stack received
+    (the first layer's arguments: its input, a mask, rotary tables), plus the pool slots the stack took (fused segments' outputs, their kept attention)."""
     created = _Created()
     received, window, last = [], [], []
 
