@@ -460,8 +460,8 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     and the predicted overhead.
 
     ``keep`` is what a checkpointed layer keeps from forward to backward besides its input (the segment
-    boundary): ``"boundaries"`` (the default; None means it) keeps nothing else and the replay runs the
-    whole layer; ``"attention"`` also keeps its attention kernel's output and log-sum-exp (and, with
+    boundary): ``"boundaries"`` (the default without budget=; None means it there) keeps nothing else and
+    the replay runs the whole layer; ``"attention"`` also keeps its attention kernel's output and log-sum-exp (and, with
     dropout on CUDA, the Philox seed/offset the kernel used), and the replay runs the layer without the
     attention forward, the attention backward using the kept output and log-sum-exp (gradients
     bit-identical to no checkpointing). It needs attention through
