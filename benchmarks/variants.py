@@ -358,13 +358,24 @@ class FusedKeepAttention(FusedCheckpointing):
 
 class EngineBudget(Variant):
     """enable_checkpointing(model, budget=...): --budget, or half the activation bytes of `none` at the
-    batch; re-planned whenever the batch changes."""
+    batch; re-planned whenever the batch changes. The planner may keep attention in some groups: those kept
+    outputs and LSEs live outside autograd's saved tensors and are recorded, as for ckpt_ext-keep-attention."""
     name = "ckpt_ext-budget"
     summary = "ckpt_ext.enable_checkpointing(model, budget=...)"
     recomputes = True
 
     def __init__(self, budget: Optional[int] = None):
         self.budget, self.batch, self.used = budget, None, None
+        self.kept: list = []
+
+    @contextlib.contextmanager
+    def context(self):
+        with recording_kept() as refs:
+            self.kept = refs  # only the current forward's
+            yield
+
+    def extra_saved(self):
+        return [t for t in (r() for r in self.kept) if t is not None]
 
     def prepare(self, model, batch, workload, none_bytes):
         if batch != self.batch:

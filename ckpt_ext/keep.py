@@ -30,6 +30,7 @@ them and recomputes the rest.
 import contextlib
 import functools
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
@@ -42,7 +43,8 @@ from torch.utils._pytree import tree_map
 
 from ._user_frame import user_stacklevel
 
-__all__ = ["KEEP_VALUES", "check_keep", "keep_attention", "KeepAttention", "LSE_OPS", "compiled_context_fn"]
+__all__ = ["KEEP_VALUES", "check_keep", "keep_attention", "KeepAttention", "AttentionProbe", "LSE_OPS",
+           "compiled_context_fn"]
 
 # The documented values of keep=, with what each keeps besides the checkpointed segments' inputs.
 KEEP_VALUES = {
@@ -301,6 +303,49 @@ class _ReplayMode(TorchFunctionMode):
         if func is _SDPA:
             return self.region.replay(args, kwargs or {})
         return func(*args, **(kwargs or {}))
+
+
+class AttentionProbe(TorchFunctionMode):
+    """The budget planner's probe of one layer forward: for each SDPA call, the seconds it took and what
+    keep="attention" would keep (the fused kernel's outputs' bytes), or why nothing (the math path).
+    ``calls``: [(seconds, kept bytes or None, reason or None)]; ``cpu_seconds``: the calls' process CPU time."""
+
+    def __init__(self, synchronize: Optional[Callable[[], None]] = None):
+        super().__init__()
+        self.calls: List[Tuple[float, Optional[List[int]], Optional[str]]] = []
+        self.synchronize = synchronize or (lambda: None)
+        self.cpu_seconds = 0.0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not _SDPA:
+            return func(*args, **kwargs)
+        capture = _Capture()
+        self.synchronize()
+        start, cpu = time.perf_counter(), time.process_time()
+        with capture:
+            out = _SDPA(*args, **kwargs)
+        self.synchronize()
+        elapsed = time.perf_counter() - start
+        self.cpu_seconds += time.process_time() - cpu
+        if capture.kept:
+            sizes = [t.untyped_storage().nbytes() for k in capture.kept for t in _tensors(k.outputs)]
+            self.calls.append((elapsed, sizes, None))
+        else:
+            self.calls.append((elapsed, None, _math_path_reason(args, kwargs)))
+        capture.kept.clear()
+        return out
+
+    def result(self, alignment: int = 1) -> Tuple[Optional[int], float, Optional[str]]:
+        """(kept bytes, attention seconds, why nothing) of the layer: bytes None when a call kept nothing or
+        there was no call. Each kept tensor counts in whole multiples of `alignment` bytes (a pool slot's)."""
+        if not self.calls:
+            return None, 0.0, ("it called no torch.nn.functional.scaled_dot_product_attention (eager attention, or "
+                               "attention written out by hand)")
+        why = next((r for _, b, r in self.calls if b is None), None)
+        seconds = sum(t for t, _, _ in self.calls)
+        kept = None if why else sum(-(-n // alignment) * alignment for _, sizes, _ in self.calls for n in sizes)
+        return kept, seconds, why
 
 
 class KeepAttention:

@@ -1,17 +1,27 @@
-"""The memory-budget planner: which layers of a chain to checkpoint, and how to group them.
+"""The memory-budget planner: which layers of a chain to checkpoint, how to group them, and what each
+checkpointed group keeps.
 
 Each layer i of a chain has
   act_bytes[i]       bytes its forward keeps for backward when it is not checkpointed,
   boundary_bytes[i]  bytes of its input (what a checkpointed segment starting at i keeps),
-  compute[i]         the cost of its forward (what replaying it costs).
-A plan splits the chain into consecutive segments, each either *kept* (ordinary autograd) or
-*checkpointed* (only its input boundary is kept; replayed in backward). Its memory is
+  compute[i]         the cost of its forward (what replaying it costs),
+and, where it can keep its attention (keep="attention": an SDPA kernel with a log-sum-exp),
+  attn_bytes[i]      bytes of its attention kernel's output and log-sum-exp (None: it cannot keep them),
+  attn_compute[i]    the cost of its attention forward (what a keep-attention replay skips).
+A plan splits the chain into consecutive segments, each either *kept* (ordinary autograd),
+*checkpointed* (only its input boundary is kept; replayed in backward) or *checkpointed keeping
+attention* (its input boundary and its layers' attention outputs and LSEs are kept; replayed in backward
+without the attention forwards). Its memory is
 
   need = held + largest replay
   held    = sum of act_bytes over kept layers + boundary_bytes of each checkpointed segment's first layer
-  replay  = act_bytes of a checkpointed segment, rebuilt while that segment's backward runs,
+            (+ the attn_bytes of its layers when it keeps attention)
+  replay  = act_bytes of a checkpointed segment, rebuilt while that segment's backward runs (less its
+            attn_bytes when it keeps attention: the replay is handed the kept tensors, already counted),
 
-and its cost is the recompute: the compute of every checkpointed layer. `plan_chain` finds the plan
+and its cost is the recompute: the compute of every checkpointed layer (less its attn_compute in a
+segment keeping attention). A plan's segments are (start, end, how): how is False (kept), True
+(checkpointed, boundary only) or "attention" (checkpointed keeping attention). `plan_chain` finds the plan
 of least recompute whose need fits the budget (within 1%, certified; exact on small integer computes:
 a dynamic program over (layers, recompute units) inside a branch and bound over the largest replay,
 explained below), in well under a second for 128 layers; `sqrt_plan` is Chen et al.'s sqrt(n)
@@ -31,17 +41,41 @@ class LayerCost:
     act_bytes: int
     boundary_bytes: int
     compute: float
+    attn_bytes: Optional[int] = None  # None: the layer cannot keep its attention
+    attn_compute: float = 0.0
+
+    @property
+    def keeps_attention(self) -> bool:
+        return self.attn_bytes is not None
+
+    def recompute(self, how) -> float:
+        """What replaying the layer costs in a segment checkpointed `how` (True or "attention")."""
+        return max(0.0, self.compute - self.attn_compute) if how == ATTENTION else self.compute
+
+
+ATTENTION = "attention"  # a plan segment's `how`: checkpointed keeping attention
+
+
+def segment_bytes(costs: Sequence[LayerCost], s: int, e: int, how) -> Tuple[int, int]:
+    """(held, replay) bytes of segment [s, e) checkpointed `how` (True or "attention")."""
+    if how == ATTENTION:
+        kept = sum(c.attn_bytes or 0 for c in costs[s:e])
+        return costs[s].boundary_bytes + kept, sum(max(0, c.act_bytes - (c.attn_bytes or 0)) for c in costs[s:e])
+    return costs[s].boundary_bytes, sum(c.act_bytes for c in costs[s:e])
 
 
 @dataclass
 class Plan:
-    segments: List[Tuple[int, int, bool]]  # (start, end exclusive, checkpointed)
+    segments: List[Tuple[int, int, Union[bool, str]]]  # (start, end exclusive, False | True | "attention")
     held_bytes: int
     replay_bytes: int
     recompute: float
     total_compute: float = 0.0
     budget: Optional[int] = None
     costs: List[LayerCost] = field(default_factory=list, repr=False)
+    # seconds the layers' forward and backward took without checkpointing, when measured (explain's step time)
+    base_time: Optional[float] = None
+    shared_bytes: int = 0  # of held_bytes: tensors every layer receives (a mask, rotary tables), counted once
 
     @property
     def need_bytes(self) -> int:
@@ -51,22 +85,40 @@ class Plan:
         return [i for s, e, c in self.segments if c for i in range(s, e)]
 
     def describe(self) -> str:
+        """The plan in words: the budget, the predicted peak and overhead, and each segment's choice (computes
+        in seconds, as the stack planner measures them)."""
         lines = []
         if self.budget is not None:
             lines.append(f"budget {fmt_bytes(self.budget)}")
-        lines.append(f"predicted: {fmt_bytes(self.held_bytes)} held from forward to backward + "
+        shared = (f" (of which {fmt_bytes(self.shared_bytes)} the tensors every layer receives)"
+                  if self.shared_bytes else "")
+        lines.append(f"predicted peak: {fmt_bytes(self.held_bytes)} held from forward to backward{shared} + "
                      f"{fmt_bytes(self.replay_bytes)} for the largest replay = {fmt_bytes(self.need_bytes)}")
         share = self.recompute / self.total_compute if self.total_compute else 0.0
-        lines.append(f"predicted recompute: {share:.0%} of one forward ({len(self.checkpointed_layers())} of "
-                     f"{sum(e - s for s, e, _ in self.segments)} layers replayed)")
-        for s, e, c in self.segments:
+        n = sum(e - s for s, e, _ in self.segments)
+        replayed = len(self.checkpointed_layers())
+        attention = sum(e - s for s, e, how in self.segments if how == ATTENTION)
+        overhead = (f"predicted overhead: +{self.recompute * 1e3:.1f} ms of recompute per training step = {share:.0%} "
+                    f"of one forward of the layers")
+        if self.base_time:
+            overhead += (f"; the layers' forward and backward without checkpointing took "
+                         f"{self.base_time * 1e3:.1f} ms, so {self.base_time * 1e3:.1f} -> "
+                         f"{(self.base_time + self.recompute) * 1e3:.1f} ms (+{self.recompute / self.base_time:.1%})")
+        lines.append(overhead)
+        lines.append(f"{replayed} of {n} layers replayed ({attention} of them keeping attention), {n - replayed} kept "
+                     "whole")
+        for s, e, how in self.segments:
             name = f"layers {s}-{e - 1}" if e - s > 1 else f"layer {s}"
-            if c:
-                held = self.costs[s].boundary_bytes if self.costs else 0
-                lines.append(f"  {name}: checkpointed as one segment (keeps {fmt_bytes(held)})")
+            if how:
+                held, replay = segment_bytes(self.costs, s, e, how) if self.costs else (0, 0)
+                rc = sum(c.recompute(how) for c in self.costs[s:e]) if self.costs else 0.0
+                what = ("keeping its input and attention outputs + LSEs" if how == ATTENTION
+                        else "keeping only its input")
+                lines.append(f"  {name}: checkpointed as one segment, {what} (holds {fmt_bytes(held)}; replay "
+                             f"{fmt_bytes(replay)}, {rc * 1e3:.1f} ms)")
             else:
                 held = sum(c_.act_bytes for c_ in self.costs[s:e]) if self.costs else 0
-                lines.append(f"  {name}: kept (keeps {fmt_bytes(held)})")
+                lines.append(f"  {name}: not checkpointed, keeps everything (holds {fmt_bytes(held)})")
         return "\n".join(lines)
 
 
@@ -110,7 +162,8 @@ def _check_costs(costs: Sequence[LayerCost]):
     if not costs:
         raise ValueError("a plan needs at least one layer")
     for c in costs:
-        if c.act_bytes < 0 or c.boundary_bytes < 0 or c.compute < 0:
+        if c.act_bytes < 0 or c.boundary_bytes < 0 or c.compute < 0 or c.attn_compute < 0 or \
+                (c.attn_bytes is not None and c.attn_bytes < 0):
             raise ValueError(f"layer costs must be non-negative, got {c}")
 
 
@@ -118,13 +171,13 @@ def _finish(costs, segments, budget) -> Plan:
     held = replay = 0
     recompute = 0.0
     for s, e, ckpt in segments:
-        acts = sum(c.act_bytes for c in costs[s:e])
         if ckpt:
-            held += costs[s].boundary_bytes
-            replay = max(replay, acts)
-            recompute += sum(c.compute for c in costs[s:e])
+            h, r = segment_bytes(costs, s, e, ckpt)
+            held += h
+            replay = max(replay, r)
+            recompute += sum(c.recompute(ckpt) for c in costs[s:e])
         else:
-            held += acts
+            held += sum(c.act_bytes for c in costs[s:e])
     return Plan(list(segments), held, replay, recompute, sum(c.compute for c in costs), budget, list(costs))
 
 
@@ -157,7 +210,8 @@ _INF = 1 << 62
 
 
 class _Chain:
-    def __init__(self, costs: Sequence[LayerCost], chained: Optional[Sequence[bool]] = None):
+    def __init__(self, costs: Sequence[LayerCost], chained: Optional[Sequence[bool]] = None,
+                 hows: Sequence = (True, ATTENTION)):
         self.costs = list(costs)
         self.n = len(costs)
         # first[j]: the first layer a segment ending before layer j may start at -- a segment (one
@@ -168,31 +222,57 @@ class _Chain:
             self.first[j] = self.first[j - 1] if chained is None or chained[j - 1] else j - 1
         self.act = [c.act_bytes for c in costs]
         self.bnd = [c.boundary_bytes for c in costs]
-        self.pa, self.pc = [0], [0.0]
-        # layers with any compute, counted: whether a segment is free must not depend on float sums (a
-        # tiny compute after a large one vanishes in the prefix sum)
-        self.paid = [0]
-        for c in costs:
-            self.pa.append(self.pa[-1] + c.act_bytes)
-            self.pc.append(self.pc[-1] + c.compute)
-            self.paid.append(self.paid[-1] + (c.compute != 0))
+        # Per way of checkpointing a segment (True: boundary only; "attention": keeping attention), prefix sums
+        # over the layers of: replay bytes, extra bytes held besides the boundary, recompute, layers with any
+        # recompute (whether a segment is free must not depend on float sums: a tiny compute after a large one
+        # vanishes in the prefix sum) and layers that cannot checkpoint that way (a segment must have none).
+        # keep="attention" alone (hows == ("attention",)): a layer that cannot keep its attention is checkpointed
+        # in such a segment anyway, keeping only what it can (nothing), as enable_checkpointing(keep="attention")
+        # does; when the planner chooses, a segment keeping attention holds only layers that can.
+        strict = True in hows
+        self.hows = [h for h in hows if h is True or not strict or any(c.keeps_attention for c in costs)]
+        self.pw, self.pk, self.pc, self.paid, self.bad = {}, {}, {}, {}, {}
+        for how in self.hows:
+            pw, pk, pc, paid, bad = [0], [0], [0.0], [0], [0]
+            for c in costs:
+                att = how == ATTENTION and c.keeps_attention
+                kept = c.attn_bytes if att else 0
+                pw.append(pw[-1] + max(0, c.act_bytes - kept))
+                pk.append(pk[-1] + kept)
+                rc = c.recompute(how) if (att or how is True) else c.compute
+                pc.append(pc[-1] + rc)
+                paid.append(paid[-1] + (rc != 0))
+                bad.append(bad[-1] + (strict and how == ATTENTION and not c.keeps_attention))
+            self.pw[how], self.pk[how], self.pc[how], self.paid[how], self.bad[how] = pw, pk, pc, paid, bad
+
+    def options(self, j: int, how):
+        """The segments [i, j) checkpointed `how`, nearest start first: (i, replay bytes, held bytes, recompute,
+        free). Their replay and recompute grow as i falls."""
+        pw, pk, pc, paid, bad = self.pw[how], self.pk[how], self.pc[how], self.paid[how], self.bad[how]
+        for i in range(j - 1, self.first[j] - 1, -1):
+            if bad[j] != bad[i]:
+                return
+            yield i, pw[j] - pw[i], self.bnd[i] + pk[j] - pk[i], pc[j] - pc[i], paid[j] == paid[i]
 
     def bounds(self, limit: Optional[int]) -> List[int]:
-        pa, n = self.pa, self.n
-        return sorted(w for w in {pa[j] - pa[i] for j in range(1, n + 1) for i in range(self.first[j], j)} | {0}
-                      if limit is None or w <= limit)
+        sizes = {0}
+        for j in range(1, self.n + 1):
+            for how in self.hows:
+                sizes.update(w for _, w, *_ in self.options(j, how))
+        return sorted(w for w in sizes if limit is None or w <= limit)
 
     def least_held(self, b: int, free_only: bool) -> int:
         """Least bytes held by a plan whose segments each replay <= b (and, with free_only, have no
         compute), recompute unlimited."""
-        pa, paid, act, bnd = self.pa, self.paid, self.act, self.bnd
+        act = self.act
         h = [0] * (self.n + 1)
         for j in range(1, self.n + 1):
             v = h[j - 1] + act[j - 1]
-            i = j - 1
-            while i >= self.first[j] and pa[j] - pa[i] <= b and not (free_only and paid[j] > paid[i]):
-                v = min(v, h[i] + bnd[i])
-                i -= 1
+            for how in self.hows:
+                for i, work, held, _, free in self.options(j, how):
+                    if work > b or (free_only and not free):
+                        break
+                    v = min(v, h[i] + held)
             h[j] = v
         return h[-1]
 
@@ -221,38 +301,42 @@ class _UnitsDP:
 
     def __init__(self, chain: _Chain, delta: Optional[float], length: int):
         self.chain = chain
-        # per end j: (start i, units, replay bytes) of the segments that can count, nearest start first
+        # per end j and way of checkpointing: (start i, units, replay bytes, held bytes) of the segments that
+        # can count, nearest start first (units and replay grow as the start falls)
         self.segments = []
         for j in range(chain.n + 1):
-            segs = []
-            for i in range(j - 1, chain.first[j] - 1, -1):
-                c = chain.pc[j] - chain.pc[i]
-                w = (0 if chain.paid[j] == chain.paid[i] else length) if delta is None else int(c // delta)
-                if w >= length:  # longer segments cost even more units
-                    break
-                segs.append((i, w, chain.pa[j] - chain.pa[i]))
-            self.segments.append(segs)
+            per_how = []
+            for how in chain.hows:
+                segs = []
+                for i, work, held, c, free in (chain.options(j, how) if j else ()):
+                    w = (0 if free else length) if delta is None else int(c // delta)
+                    if w >= length:  # longer segments cost even more units
+                        break
+                    segs.append((i, w, work, held))
+                per_how.append((how, segs))
+            self.segments.append(per_how)
 
     def run(self, b: int, length: int, keep: bool = False):
         """rows[j][u]: least held of the first j layers with at most u units (u < length). Returns the
         last row, or every row when `keep` (to trace the plan back)."""
         import numpy as np
-        act, bnd = self.chain.act, self.chain.bnd
+        act = self.chain.act
         rows = [np.zeros(length, dtype=np.int64)]
         for j in range(1, self.chain.n + 1):
             row = rows[j - 1] + act[j - 1]
-            for i, w, work in self.segments[j]:
-                if work > b or w >= length:
-                    break
-                np.minimum(row[w:], rows[i][:length - w] + bnd[i], out=row[w:])
+            for _, segs in self.segments[j]:
+                for i, w, work, held in segs:
+                    if work > b or w >= length:
+                        break
+                    np.minimum(row[w:], rows[i][:length - w] + held, out=row[w:])
             np.minimum(row, _INF, out=row)
             rows.append(row)
         return rows if keep else rows[-1]
 
-    def trace(self, b: int, u: int) -> List[Tuple[int, int, bool]]:
-        act, bnd = self.chain.act, self.chain.bnd
+    def trace(self, b: int, u: int) -> List[Tuple[int, int, Union[bool, str]]]:
+        act = self.chain.act
         rows = self.run(b, u + 1, keep=True)
-        segs: List[Tuple[int, int, bool]] = []
+        segs: List[Tuple[int, int, Union[bool, str]]] = []
         j = self.chain.n
         while j > 0:
             v = int(rows[j][u])
@@ -261,9 +345,9 @@ class _UnitsDP:
                 j -= 1
                 continue
             # the DP took v from one of these segments
-            i, w = next((i, w) for i, w, work in self.segments[j]
-                        if work <= b and w <= u and int(rows[i][u - w]) + bnd[i] == v)
-            segs.append((i, j, True))
+            how, i, w = next((how, i, w) for how, per in self.segments[j] for i, w, work, held in per
+                             if work <= b and w <= u and int(rows[i][u - w]) + held == v)
+            segs.append((i, j, how))
             j, u = i, u - w
         return segs[::-1]
 
@@ -320,8 +404,8 @@ def _plan_within(chain: _Chain, budget: int) -> Plan:
     bounds = chain.bounds(budget)
     if chain.least_need(free_only=True) <= budget:  # no recompute needed: the least need of those plans
         return _plan_with(chain, bounds, budget, None, 1)[0]
-    n, total = chain.n, chain.pc[-1]
-    if all(float(c).is_integer() for c in chain.pc) and total <= 100 * n:
+    n, total = chain.n, max(pc[-1] for pc in chain.pc.values())
+    if all(float(c).is_integer() for pc in chain.pc.values() for c in pc) and total <= 100 * n:
         return _plan_with(chain, bounds, budget, 1.0, int(total) + 1)[0]  # exact
     floor = max(_RESOLUTION * total, sys.float_info.min)  # no unit finer (and none subnormal: 1 / it overflows)
     scale, delta = total, max(total / (_COARSE_UNITS * n), floor)
@@ -339,22 +423,36 @@ def _plan_within(chain: _Chain, budget: int) -> Plan:
         delta = max(min(delta / 2, 0.009 * scale / segments), floor)
 
 
-def plan_chain(costs: Sequence[LayerCost], budget: Optional[int], chained: Optional[Sequence[bool]] = None) -> Plan:
+KEEPS = {"auto": (True, ATTENTION), "boundaries": (True,), "attention": (ATTENTION,)}
+
+
+def plan_chain(costs: Sequence[LayerCost], budget: Optional[int], chained: Optional[Sequence[bool]] = None,
+               keep: str = "auto", shared_bytes: int = 0) -> Plan:
     """The plan of least recompute whose need fits `budget` (ties: least need). The recompute is within
     1% of the least possible (certified; see the comment above), exact when computes are small integers
     or no recompute is needed. budget=None gives a plan of least need (exact) with the least recompute
     among those. Raises ValueError when no plan fits, stating the minimum. chained[k] (k >= 1) says
-    whether layer k is called on layer k-1's output; a segment groups only such layers (None: all are)."""
+    whether layer k is called on layer k-1's output; a segment groups only such layers (None: all are).
+    keep: how checkpointed segments may keep ("auto": boundary only, or keeping attention where every layer
+    of the segment can; "boundaries": boundary only; "attention": keeping attention, a layer that cannot
+    keeping nothing more). shared_bytes: held whatever the plan (tensors every layer receives, e.g. a mask or
+    rotary tables, counted once and in no layer's costs)."""
     _check_costs(costs)
     if chained is not None and len(chained) != len(costs):
         raise ValueError(f"chained has {len(chained)} entries for {len(costs)} layers")
-    chain = _Chain(costs, chained)
-    least = chain.least_need()
+    if keep not in KEEPS:
+        raise ValueError(f"keep must be one of {', '.join(map(repr, KEEPS))}, got {keep!r}")
+    if shared_bytes < 0:
+        raise ValueError(f"shared_bytes must be non-negative, got {shared_bytes}")
+    chain = _Chain(costs, chained, KEEPS[keep])
+    least = chain.least_need() + shared_bytes
     if budget is not None and least > budget:
         raise ValueError(f"the memory budget {fmt_bytes(budget)} is below the least achievable for this model "
                          f"and input: {fmt_bytes(least)} ({least} bytes) of activations")
-    plan = _plan_within(chain, least if budget is None else budget)
+    plan = _plan_within(chain, (least if budget is None else budget) - shared_bytes)
     plan.budget = budget
+    plan.held_bytes += shared_bytes
+    plan.shared_bytes = shared_bytes
     return plan
 
 

@@ -23,12 +23,17 @@ from .hf.cache import drop_cache, remember_signature
 from .hf.layers import attention_implementation
 from .hf.trainer import (hf_checkpointing_host, ride_hf_checkpointing, rides_hf, rides_hf_keep, double_checkpointing_error,
                          install_take_over, layer_hf_checkpointed, refuse_hf_checkpointing_on, remove_take_over)
-from .planner import fmt_bytes, parse_bytes
-from .stack_plan import StackPlanner
+from .planner import ATTENTION, fmt_bytes, parse_bytes
+from .pool import is_pooled, pool_stats
+from .stack_plan import _POOL_ALIGNMENT, StackPlanner
 
 __all__ = ["enable_checkpointing", "disable_checkpointing", "explain"]
 
 _ATTR = "_ckpt_ext_group"
+
+
+def is_fused_layer(m: nn.Module) -> bool:
+    return isinstance(m, FusedTransformerLayer)
 
 
 def _hidden_of(out: Any):
@@ -142,8 +147,28 @@ class _Group:
                            context_fn=self.context_fn)
 
     def fused_segment(self, layers: List[nn.Module], layer_args: Tuple, layer_kwargs: Dict):
-        """run_segment (fused layers as one C++ SegmentFunction) with this group's keep=."""
-        return run_segment(layers, layer_args, layer_kwargs, keep_attention=self.keep == "attention")
+        """run_segment (fused layers as one C++ SegmentFunction) with this group's keep=. Keeping attention, the
+        pool slots the segment takes besides its output are its layers' kept attention outputs and LSEs:
+        explain() reports them."""
+        keep = self.keep == "attention"
+        if keep and self.planner is not None and self.planner.keep == "auto" and torch.compiler.is_compiling():
+            # The planner chose keep-attention in eager steps; a compiled fused segment keeps only its input
+            # (less memory than planned, the attention recomputed; the same gradients).
+            keep = False
+        hidden = layer_args[0] if layer_args and isinstance(layer_args[0], torch.Tensor) else None
+        if not keep or layers is not self.layers or torch.compiler.is_compiling() or hidden is None or \
+                not is_fused_layer(layers[0]):
+            return run_segment(layers, layer_args, layer_kwargs, keep_attention=keep)
+        before = pool_stats(hidden.device)["in_use_bytes"]
+        out = run_segment(layers, layer_args, layer_kwargs, keep_attention=True)
+        if out is not NotImplemented:
+            kept = pool_stats(hidden.device)["in_use_bytes"] - before
+            h = _hidden_of(out)
+            if isinstance(h, torch.Tensor) and is_pooled(h):
+                kept -= -(-h.untyped_storage().nbytes() // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
+            for k in range(len(layers)):
+                self.attention[k] = (max(0, kept) // len(layers), None)
+        return out
 
     def _running(self) -> int:
         return self.running
@@ -152,7 +177,8 @@ class _Group:
         self.attention[layer] = (kept_bytes, reason)
 
     def keeps(self, k: int) -> str:
-        """What layer k of the group keeps from forward to backward (explain)."""
+        """What layer k of the group keeps from forward to backward (explain). Fused layers' kept bytes are the
+        group's pool slots besides its output, shared out evenly."""
         if self.kept:
             return "everything it saves (not checkpointed)"
         if self.keep == "boundaries":
@@ -234,14 +260,17 @@ def _alone(self: nn.Module, group: "_Group", args: Tuple, kwargs: Dict):
                        context_fn=context_fn)
 
 
-def _attach_planned(planner: StackPlanner, segments: List[Tuple[int, int, bool]]):
-    """Installs a planner's groups: a checkpointed segment is one group, a kept layer a group of its own."""
+def _attach_planned(planner: StackPlanner, segments: List[Tuple[int, int, Union[bool, str]]]):
+    """Installs a planner's groups: a checkpointed segment is one group (keeping attention when the plan says
+    so), a kept layer a group of its own."""
     groups = []
-    for s, e, ckpt in segments:
-        if ckpt:
-            groups.append(_Group(planner.layers[s:e], s, planner))
+    for s, e, how in segments:
+        if how:
+            keep = "attention" if how == ATTENTION else "boundaries"
+            groups.append(_Group(planner.layers[s:e], s, planner, keep=keep, stack=planner.name))
         else:
-            groups.extend(_Group([planner.layers[i]], i, planner, kept=True) for i in range(s, e))
+            groups.extend(_Group([planner.layers[i]], i, planner, kept=True, stack=planner.name)
+                          for i in range(s, e))
     _attach_groups(groups)
 
 
@@ -339,11 +368,13 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     if layer_hf_checkpointed(self):
         raise double_checkpointing_error(self, group.index + group.layers.index(self))
     planner = group.planner
+    measuring = False
     if planner is not None:
         if self is planner.layers[0]:
             planner.begin_step(args)  # a new step: install the plan, or plan again for a larger input
             group = getattr(self, _ATTR)
-        if planner.plan is None:
+        measuring = planner.plan is None  # (the last layer's probe makes the plan)
+        if measuring:
             planner.probe(self, *drop_cache(self, args, kwargs))
     if group.siblings and group.layers[0] is self:
         _check_order(group, args)
@@ -352,8 +383,9 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     if group.layers[0] is self:
         args, kwargs = drop_cache(self, args, kwargs)
         out = group.checkpointed(args, kwargs)
-        if planner is not None and planner.plan is None:
-            planner.passed_on(self, _hidden_of(out))  # measuring: which layer takes which one's output
+        if measuring:
+            # measuring: which layer takes which one's output, and how long its backward takes
+            planner.passed_on(self, _hidden_of(out), args[0] if args else None)
         if len(group.layers) > 1:
             group.pending = _Pending(out, 1, args, kwargs)
         return out
@@ -418,14 +450,18 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     ``budget`` ("20GiB", "512MiB" or bytes) replaces ``every``: the planner chooses which layers to
     checkpoint and how to group them so that the activation bytes held from forward to backward (saved
     tensors and pooled boundaries, not parameters, gradients or optimizer state) plus the largest replay
-    fit the budget with the least recompute. It measures each layer during the first training step and
-    plans for that step's input size (and again, during its step, for an input larger in a dimension);
-    a budget below the least achievable raises ValueError stating the minimum. ``ckpt_ext.explain(model)``
-    describes the plan.
+    fit the budget with the least recompute, choosing per group among keeping its layers whole,
+    checkpointing them keeping their attention (as keep="attention" below, where the layers' attention can be
+    kept) and boundary-only recompute; ``keep="boundaries"`` never keeps attention, ``keep="attention"``
+    always does in checkpointed groups. It measures each layer during the first training step (bytes saved,
+    forward time, attention time and kept bytes) and plans for that step's input size (and again, during its
+    step, for an input larger in a dimension); a budget below the least achievable raises ValueError stating
+    the minimum. ``ckpt_ext.explain(model)`` describes the plan: each layer's choice, the predicted peak
+    and the predicted overhead.
 
     ``keep`` is what a checkpointed layer keeps from forward to backward besides its input (the segment
-    boundary): ``"boundaries"`` (the default; None means it) keeps nothing else and the replay runs the
-    whole layer; ``"attention"`` also keeps its attention kernel's output and log-sum-exp (and, with
+    boundary): ``"boundaries"`` (the default without budget=; None means it there) keeps nothing else and
+    the replay runs the whole layer; ``"attention"`` also keeps its attention kernel's output and log-sum-exp (and, with
     dropout on CUDA, the Philox seed/offset the kernel used), and the replay runs the layer without the
     attention forward, the attention backward using the kept output and log-sum-exp (gradients
     bit-identical to no checkpointing). It needs attention through
@@ -486,7 +522,7 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     for name, stack in stacks:
         mods = list(stack)
         if budget_bytes is not None:
-            StackPlanner(name, mods, budget_bytes, _attach_planned).install_probe_groups()
+            StackPlanner(name, mods, budget_bytes, _attach_planned, keep).install_probe_groups()
             continue
         _attach_groups([_Group(mods[start:start + every], start, keep=keep, stack=name)
                         for start in range(0, len(mods), every)])
@@ -519,11 +555,9 @@ def _check_options(every, budget, keep=None) -> Tuple[int, Optional[int], str]:
     if budget is not None and every is not None:
         raise ValueError("give either every= (fixed groups) or budget= (planned groups), not both")
     budget_bytes = parse_bytes(budget) if budget is not None else None
-    keep = check_keep(keep)
-    if budget_bytes is not None and keep != "boundaries":
-        raise ValueError(f"keep={keep!r} cannot be combined with budget= yet: the planner chooses among keeping a "
-                         "layer whole and boundary-only recompute. Give keep= with every= (or alone), or budget= "
-                         "alone.")
+    # budget= alone: the planner chooses per group among keeping the layers whole, checkpointing them keeping
+    # their attention, and boundary-only recompute ("auto"); keep= given restricts what a checkpointed group keeps.
+    keep = "auto" if budget_bytes is not None and keep is None else check_keep(keep)
     every = 1 if every is None else every
     if isinstance(every, bool) or not isinstance(every, int):
         raise TypeError(f"every must be a positive int, got {every!r}")
@@ -585,6 +619,7 @@ def explain(model: nn.Module) -> Explanation:
                 more = (f" (also planned for {', '.join(map(str, others))}; a larger input is planned for when "
                         "it comes)") if others else " (a larger input is planned for when it comes)"
                 parts.append(f"{head}; plan {state}, for input shape {p.shape}{more}\n{p.plan.describe()}")
+                parts += _planned_layers(model, p)
         text = "\n".join(parts)
     else:
         sizes = sorted({len(g.layers) for g in groups})
@@ -596,6 +631,30 @@ def explain(model: nn.Module) -> Explanation:
             lines = [f"  {name}: keeps {g.keeps(k)}" for g in groups for k, name in enumerate(g.names)]
             text += ", keep='attention'. From forward to backward:\n" + "\n".join(lines)
     return Explanation(text)
+
+
+def _planned_layers(model: nn.Module, p: StackPlanner) -> List[str]:
+    """explain() of a plan: what each layer keeps (after a step, what it kept), and why layers cannot keep their
+    attention (measured)."""
+    lines = []
+    if p.installed:
+        lines.append("  each layer, from forward to backward:")
+        seen = set()
+        for layer in p.layers:
+            g = layer.__dict__.get(_ATTR)
+            if g is None or g.planner is not p or id(g) in seen:
+                continue
+            seen.add(id(g))
+            lines += [f"    {name}: keeps {g.keeps(k)}" for k, name in enumerate(g.names)]
+    if p.keep == "auto":
+        reasons = {}
+        for i, why in enumerate(p.why):
+            if why is not None:
+                reasons.setdefault(why, []).append(i)
+        for why, idx in reasons.items():
+            lines.append(f"  layers {', '.join(map(str, idx))} cannot keep their attention (so the planner never "
+                         f"chose it for them), because {why}")
+    return lines
 
 
 def disable_checkpointing(model: nn.Module) -> nn.Module:

@@ -1,5 +1,6 @@
 """enable_checkpointing(budget=...) on one layer stack: measures each layer during a training step, plans
 with ckpt_ext.planner, and plans again when a larger input comes (stack.py installs the groups)."""
+import contextlib
 import logging
 import time
 import weakref
@@ -8,7 +9,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .planner import LayerCost, Plan, plan_chain
+from .fused import FusedTransformerLayer
+from .keep import AttentionProbe
+from .planner import ATTENTION, LayerCost, Plan, plan_chain
+from .pool import is_pooled
 
 __all__ = ["StackPlanner"]
 
@@ -23,13 +27,18 @@ class StackPlanner:
     state between its layers); the plan is made as soon as every layer is measured and installed when
     the next step starts."""
 
-    def __init__(self, name: str, layers: List[nn.Module], budget: int, attach: Callable):
+    def __init__(self, name: str, layers: List[nn.Module], budget: int, attach: Callable, keep: str = "auto"):
         self.name = name
+        self.keep = keep  # "auto" (the planner chooses per segment), "boundaries" or "attention"
         self.attach = attach  # attach(planner, segments): installs (start, end, checkpointed) groups
         self.layers = layers
         self.budget = budget
         self.index = {id(m): i for i, m in enumerate(layers)}
         self.costs: List[Optional[LayerCost]] = [None] * len(layers)
+        self.why: List[Optional[str]] = [None] * len(layers)  # why a layer cannot keep its attention (measured)
+        self.shared: Dict[int, int] = {}  # while measuring: storages the layers receive besides the hidden state
+        self.cpu_costs: List[Tuple[float, float]] = [(0.0, 0.0)] * len(layers)  # (forward, attention) CPU seconds
+        self.backward: List[Optional[float]] = [None] * len(layers)  # measuring: each layer's replay + backward
         self.chained: List[bool] = [True] * len(layers)  # layer i is called on layer i-1's output
         self.outputs: List[Optional[weakref.ref]] = [None] * len(layers)  # while measuring: what each passed on
         self.plan: Optional[Plan] = None
@@ -54,13 +63,46 @@ class StackPlanner:
         logger.info("ckpt_ext: %s receives input of shape %s, larger than the %s its plan was made for; "
                     "measuring again to plan for it during this step", self.name or "layers", shape, self.shape)
         self.costs = [None] * len(self.layers)
+        self.shared = {}
         self.plan, self.shape, self.installed = None, None, False
         self.install_probe_groups()
 
-    def passed_on(self, layer: nn.Module, hidden):
-        """While measuring: the hidden state `layer` returned (the next layer is chained to it if called on it)."""
+    def passed_on(self, layer: nn.Module, hidden, received=None):
+        """While measuring: the hidden state `layer` returned (the next layer is chained to it if called on it).
+        Its backward is timed too: from its output's gradient to its input's (the layer is checkpointed alone in
+        the measuring step, so that is its replay and its backward: what its forward and backward take without
+        checkpointing); the sum over the layers is the plan's base_time (explain's step time)."""
         i = self.index[id(layer)]
         self.outputs[i] = weakref.ref(hidden) if isinstance(hidden, torch.Tensor) else None
+        if i == 0:
+            self.backward = [None] * len(self.layers)
+        if not (isinstance(hidden, torch.Tensor) and hidden.requires_grad) or torch.compiler.is_compiling():
+            return
+        # An input that needs no gradient (the first layer's, under frozen embeddings): the layer's backward
+        # ends with the backward pass (what runs after it in the pass is not the stack's, and little).
+        to_end = isinstance(received, torch.Tensor) and received.requires_grad
+        device, times = hidden.device, self.backward
+        start: List[float] = []
+
+        def now():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        def began(_):
+            start.append(now())
+            if not to_end:
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: ended(None))
+
+        def ended(_):
+            if start and times[i] is None:
+                times[i] = now() - start[0]
+                if all(t is not None for t in times) and self.plan is not None:
+                    self.plan.base_time = sum(times)
+
+        hidden.register_hook(began)
+        if to_end:
+            received.register_hook(ended)
 
     def install_probe_groups(self):
         """Every layer checkpointed alone (and probed), until a plan is made."""
@@ -78,40 +120,49 @@ class StackPlanner:
         before = self.outputs[i - 1]() if i > 0 and self.outputs[i - 1] is not None else None
         self.chained[i] = i == 0 or (hidden is not None and hidden is before)
         device = hidden.device if hidden is not None else torch.device("cpu")
-        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        storages: Dict[int, torch.UntypedStorage] = {}
-
-        def pack(t):
-            st = t.untyped_storage()
-            if st.data_ptr() not in params:
-                # The storage is held until the probe ends: freed, its address could be handed to a later
-                # saved tensor, which would then count as the same one (the allocator decides, so the
-                # measured bytes -- and the least achievable budget -- varied from run to run).
-                storages[st.data_ptr()] = st
-            # The graph keeps nothing: it is measured, never differentiated (and a pack hook returning a
-            # saved output would tie it to its own grad_fn in a cycle that outlives the probe).
-            return None
-
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
-            out = type(layer).forward(layer, *args, **kwargs)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
-        del out
-        saved = sum(st.nbytes() for st in storages.values())
-        storages.clear()
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+        fused = isinstance(layer, FusedTransformerLayer)
+        attention = self.keep != "boundaries"
+        # The tensors the layer receives besides its hidden state (a mask, rotary tables): held once while any
+        # layer holds them, whatever the plan (a checkpointed segment keeps them as inputs, a kept layer saves
+        # them), so counted once for the stack and in no layer's bytes.
+        shared = {st.data_ptr(): st.nbytes() for st in _storages((args[1:], kwargs))
+                  if hidden is None or st.data_ptr() != hidden.untyped_storage().data_ptr()}
+        # Two runs, the faster one's times kept: the first forward of a layer pays one-time costs (the
+        # allocator's first blocks, kernels' set-up) that training steps do not. A plain layer's runs also
+        # time its SDPA calls and measure what keep="attention" would keep; a fused layer's attention is
+        # C++, so its Hugging Face layer runs the same attention through SDPA for that.
+        saved, elapsed, probe, cpu = None, None, None, 0.0
+        for _ in range(_PROBE_RUNS):
+            spy = AttentionProbe(sync) if attention and not fused else None
+            storages, seconds, cpu_seconds = _measure(layer, args, kwargs, device, sync, spy)
+            if elapsed is None or seconds < elapsed:
+                elapsed, probe, cpu = seconds, spy, cpu_seconds
+            if saved is None:
+                saved = sum(n for ptr, n in storages.items() if ptr not in shared)
+        self.shared.update(shared)
+        attn_bytes, attn_seconds = None, 0.0
+        if attention:
+            if fused:
+                for _ in range(_PROBE_RUNS):
+                    spy = AttentionProbe(sync)
+                    _measure(layer, args, kwargs, device, sync, spy, hf=True)
+                    if probe is None or spy.result()[1] < probe.result()[1]:
+                        probe = spy
+            # a fused segment keeps them in pool slots (whole multiples of the pool's alignment)
+            attn_bytes, attn_seconds, self.why[i] = probe.result(_POOL_ALIGNMENT if fused else 1)
         boundary = hidden.untyped_storage().nbytes() if hidden is not None else 0
-        self.costs[i] = LayerCost(saved, boundary, elapsed)
+        if hidden is not None and is_pooled(hidden):  # the output of a fused segment before: a pool slot
+            boundary = -(-boundary // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
+        self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0)
+        # the same runs' process CPU time (the benchmarks compare it on a shared machine)
+        self.cpu_costs[i] = (cpu, probe.cpu_seconds if attn_bytes is not None else 0.0)
         if i == 0:
             self.shape = _shape_of(args)
         if all(c is not None for c in self.costs):
             self.outputs = [None] * len(self.layers)
             try:
-                self.plan = plan_chain(self.costs, self.budget, self.chained)
+                self.plan = plan_chain(self.costs, self.budget, self.chained, self.keep, sum(self.shared.values()))
                 self.plans[self.shape] = self.plan
                 while len(self.plans) > _MAX_PLANS:
                     del self.plans[next(iter(self.plans))]
@@ -119,10 +170,64 @@ class StackPlanner:
                 # No plan fits the budget (the error states the minimum). Forget the measurements, so the
                 # next step measures again -- and raises again, unless its inputs are smaller.
                 self.costs = [None] * len(self.layers)
+                self.shared = {}
                 self.shape = None
                 raise
 
 
+def recompute_cpu_seconds(planner: "StackPlanner", plan: Plan) -> float:
+    """The recompute of `plan` in process CPU seconds, from the planner's measurements (the benchmarks)."""
+    total = 0.0
+    for s, e, how in plan.segments:
+        if how:
+            total += sum(f - (a if how == ATTENTION else 0.0) for f, a in planner.cpu_costs[s:e])
+    return total
+
+
+def _measure(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, spy, hf: bool = False):
+    """One throw-away forward of `layer` (its Hugging Face layer's with `hf`) with the RNG forked: ({address: bytes}
+    of the storages it saves for backward, parameters excluded; seconds; process CPU seconds), under `spy` when
+    given."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages: Dict[int, torch.UntypedStorage] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            # The storage is held until the probe ends: freed, its address could be handed to a later
+            # saved tensor, which would then count as the same one (the allocator decides, so the
+            # measured bytes -- and the least achievable budget -- varied from run to run).
+            storages[st.data_ptr()] = st
+        # The graph keeps nothing: it is measured, never differentiated (and a pack hook returning a
+        # saved output would tie it to its own grad_fn in a cycle that outlives the probe).
+        return None
+
+    if sync is not None:
+        sync()
+    start, cpu = time.perf_counter(), time.process_time()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked), \
+            (spy if spy is not None else contextlib.nullcontext()):
+        out = layer._hf_forward(args, kwargs) if hf else type(layer).forward(layer, *args, **kwargs)
+    if sync is not None:
+        sync()
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    del out
+    saved = {ptr: st.nbytes() for ptr, st in storages.items()}
+    storages.clear()
+    return saved, elapsed, cpu
+
+
+def _storages(tree) -> List[torch.UntypedStorage]:
+    out = []
+    for leaf in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf.untyped_storage())
+    return out
+
+
+_POOL_ALIGNMENT = 256  # BoundaryPool slots are whole multiples of it (csrc/pool/boundary_pool.h kAlignment)
+_PROBE_RUNS = 2  # forwards per layer when measuring (the faster one counts)
 _MAX_PLANS = 8  # plans kept per stack (inputs whose size varies from step to step re-plan once per size)
 
 

@@ -382,3 +382,22 @@ def test_bench_keep_attention_smoke(tmp_path):
         assert rows[kept_variant]["ratio_to_full"] > 0 and rows[kept_variant]["full_variant"] == full
     text = (tmp_path / "keep-attention.md").read_text()
     assert "target (ours <= torch's)" in text and json.loads((tmp_path / "keep-attention.json").read_text())["rows"]
+
+
+def test_bench_budget_smoke(tmp_path):
+    """bench_budget: the planned variants run; the budget chosen mixes choices (some layers kept whole, some keeping
+    attention); the predicted bytes held equal the measured ones; the ratios and explain() are written."""
+    import bench_budget
+    from ckpt_ext.planner import ATTENTION
+    result = bench_budget.main(["--config", "llama-tiny", "--rounds", "2", "--warmup", "0", "--out", str(tmp_path)])
+    rows = {r["variant"]: r for r in result["result"]["rows"]}
+    assert list(rows) == ["none", "planned", "boundaries"]
+    hows = {how for *_, how in rows["planned"]["segments"]}
+    assert False in hows and ATTENTION in hows, rows["planned"]["segments"]
+    assert ATTENTION not in {how for *_, how in rows["boundaries"]["segments"]}
+    for v in ("planned", "boundaries"):
+        assert rows[v]["predicted_held"] == rows[v]["held_bytes"] <= result["result"]["budget"]
+        assert rows[v]["predicted_peak"] <= result["result"]["budget"]
+        assert rows[v]["step_ratio"] > 0 and rows[v]["cpu_step_ratio"] > 0
+    text = (tmp_path / "budget.md").read_text()
+    assert "predicted step / measured" in text and "predicted overhead" in text

@@ -297,8 +297,9 @@ def test_bad_keep_values():
             ckpt_ext.enable_checkpointing(model, keep=bad)
         assert not ckpt_ext.stack.is_enabled(model)
     assert check_keep(None) == "boundaries"
-    with pytest.raises(ValueError, match="keep='attention' cannot be combined with budget= yet"):
-        ckpt_ext.enable_checkpointing(model, budget="1GiB", keep="attention")
+    for bad in ("attn", "auto"):  # with budget= too (budget= alone lets the planner choose per layer)
+        with pytest.raises(ValueError, match="keep must be one of 'boundaries'.*'attention'"):
+            ckpt_ext.enable_checkpointing(model, budget="1GiB", keep=bad)
     assert not ckpt_ext.stack.is_enabled(model)
     ckpt_ext.enable_checkpointing(model, keep="boundaries")
     assert "keeps only its input" in ckpt_ext.explain(model)

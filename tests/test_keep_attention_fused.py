@@ -215,3 +215,23 @@ def test_keep_attention_under_compile_is_refused(monkeypatch):
     _, ck = _pair("bert", every=1, layers=1)
     with pytest.raises(NotImplementedError, match="not supported under torch.compile"):
         ck(**inputs_for("bert", padding=False))
+
+
+# ---- explain() through enable_checkpointing ------------------------------------------------------------------------
+@pytest.mark.parametrize("every", [1, 3])
+def test_explain_states_what_fused_layers_kept_after_a_step(every):
+    """Before the first training step explain() says the attention is checked then; after it, the bytes each
+    layer's attention output and log-sum-exp took in the pool (the group's slots besides its output, shared out
+    evenly), never "checked at the first training step" again."""
+    family = "llama"
+    model = fuse(make_model(family, layers=3)).train()
+    ckpt_ext.enable_checkpointing(model, every=every, keep="attention")
+    assert ckpt_ext.explain(model).count("checked at the first training step") == 3
+    model(**inputs_for(family, padding=True)).last_hidden_state.sum().backward()
+    text = ckpt_ext.explain(model)
+    heads, hidden = model.config.num_attention_heads, model.config.hidden_size
+    per_layer = slot_bytes(torch.empty(B, heads, S, hidden // heads)) + slot_bytes(torch.empty(B, heads, S))
+    assert "checked at the first" not in text, text
+    assert text.count(f"({ckpt_ext.planner.fmt_bytes(per_layer)} in the last step); the replay skips the attention "
+                      "forward") == 3, text
+    ckpt_ext.disable_checkpointing(model)

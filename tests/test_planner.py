@@ -255,6 +255,8 @@ def test_budget_plans_fit_and_give_identical_gradients():
         out2, grads2, held = _grads(model, x, seed=1)
         text = ckpt_ext.explain(model)
         assert "in use" in text and "predicted" in text
+        # its first layer's input needs no gradient: its backward is timed to the end of the pass
+        assert "without checkpointing took" in text, text
         assert held <= budget, (frac, held, budget)
         assert torch.equal(out2, ref_out)
         for n in ref_grads:
@@ -391,3 +393,315 @@ def test_every_on_a_stack_that_is_not_a_chain_says_so():
     for _ in range(2):
         model(torch.randn(4, 8)).sum().backward()
     ckpt_ext.disable_checkpointing(model)
+
+
+# ------------------------------------------------------------------------------------------------
+# keep-attention: a checkpointed segment may keep its layers' attention outputs and LSEs (attn_bytes) and
+# skip their attention forwards in the replay (attn_compute). The planner chooses per segment.
+# ------------------------------------------------------------------------------------------------
+from ckpt_ext.planner import ATTENTION, segment_bytes  # noqa: E402
+
+
+def all_plans_with_attention(costs, hows=(True, ATTENTION), strict=True):
+    """Every partition into segments, each kept, checkpointed boundary-only or keeping attention (only where every
+    layer of the segment can, unless not strict: keep='attention' alone)."""
+    n = len(costs)
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+        segs = list(zip(bounds, bounds[1:]))
+        for flags in itertools.product((False,) + tuple(hows), repeat=len(segs)):
+            if strict and any(f == ATTENTION and not all(c.keeps_attention for c in costs[s:e])
+                              for (s, e), f in zip(segs, flags)):
+                continue
+            yield _finish(costs, [(s, e, f) for (s, e), f in zip(segs, flags)], None)
+
+
+attn_layer = st.builds(lambda a, b, c, k, ac: LayerCost(a, b, float(c), None if k is None else min(k, a),
+                                                        float(min(ac, c)) if k is not None else 0.0),
+                       st.integers(0, 1000), st.integers(0, 200), st.integers(0, 50),
+                       st.none() | st.integers(0, 300), st.integers(0, 50))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None)
+@given(costs=st.lists(attn_layer, min_size=1, max_size=5), frac=st.floats(0.0, 1.2),
+       keep=st.sampled_from(["auto", "boundaries", "attention"]))
+def test_keep_choices_match_brute_force(costs, frac, keep):
+    hows = {"auto": (True, ATTENTION), "boundaries": (True,), "attention": (ATTENTION,)}[keep]
+    plans = list(all_plans_with_attention(costs, hows, strict=keep == "auto"))
+    least = min(p.need_bytes for p in plans)
+    total = sum(c.act_bytes for c in costs)
+    budget = int(least + frac * max(0, total - least))
+    plan = plan_chain(costs, budget, keep=keep)
+    assert plan.need_bytes <= budget
+    assert plan.recompute == min(p.recompute for p in plans if p.need_bytes <= budget)
+    # the plan's own accounting is _finish's
+    again = _finish(costs, plan.segments, budget)
+    assert (again.held_bytes, again.replay_bytes, again.recompute) == \
+        (plan.held_bytes, plan.replay_bytes, plan.recompute)
+    assert all(how in (False, True, ATTENTION) for *_, how in plan.segments)
+    if keep == "boundaries":
+        assert not any(how == ATTENTION for *_, how in plan.segments)
+    if keep == "attention":
+        assert not any(how is True for *_, how in plan.segments)
+    assert plan_chain(costs, None, keep=keep).need_bytes == least
+
+
+def test_a_budget_between_boundaries_and_attention_keeps_attention_in_some_layers():
+    # 8 alike layers: 100 bytes saved, 10 of input, 6 of attention output + LSE; forward 10, attention 3.
+    costs = [LayerCost(100, 10, 10.0, attn_bytes=6, attn_compute=3.0)] * 8
+    boundaries = plan_chain(costs, None, keep="boundaries")  # least memory: boundary-only segments
+    every = _finish(costs, [(i, i + 1, ATTENTION) for i in range(8)], None)  # each layer alone keeping attention
+    assert boundaries.need_bytes < every.need_bytes
+    budget = (boundaries.need_bytes + every.need_bytes) // 2
+    plan = plan_chain(costs, budget)
+    hows = [how for *_, how in plan.segments]
+    assert ATTENTION in hows and plan.need_bytes <= budget
+    assert plan.recompute < plan_chain(costs, budget, keep="boundaries").recompute
+    # with room for every layer alone keeping attention, nothing recomputes its attention
+    plan = plan_chain(costs, every.need_bytes)
+    assert plan.recompute <= every.recompute and all(how != True for *_, how in plan.segments)  # noqa: E712
+    # a layer that cannot keep its attention (attn_bytes None) is never in a segment keeping it
+    mixed = costs[:3] + [LayerCost(100, 10, 10.0)] + costs[4:]
+    plan = plan_chain(mixed, budget)
+    assert not any(how == ATTENTION and s <= 3 < e for s, e, how in plan.segments)
+    # described: the choice, the peak and the overhead
+    text = plan_chain(costs, budget).describe()
+    assert "predicted peak" in text and "predicted overhead" in text and "keeping its input and attention" in text
+
+
+def test_segment_bytes_keeping_attention():
+    costs = [LayerCost(100, 10, 5.0, 6, 2.0), LayerCost(80, 12, 4.0, 6, 1.0)]
+    assert segment_bytes(costs, 0, 2, True) == (10, 180)
+    assert segment_bytes(costs, 0, 2, ATTENTION) == (22, 168)
+    plan = _finish(costs, [(0, 2, ATTENTION)], None)
+    assert plan.recompute == 6.0 and plan.need_bytes == 22 + 168
+
+
+def test_bad_planner_keep_and_costs():
+    with pytest.raises(ValueError, match="keep must be one of 'auto', 'boundaries', 'attention'"):
+        plan_chain([LayerCost(1, 1, 1.0)], None, keep="all")
+    with pytest.raises(ValueError, match="non-negative"):
+        plan_chain([LayerCost(1, 1, 1.0, attn_bytes=-1)], None)
+    with pytest.raises(ValueError, match="non-negative"):
+        plan_chain([LayerCost(1, 1, 1.0)], None, shared_bytes=-1)
+
+
+def test_shared_bytes_count_once():
+    costs = [LayerCost(100, 10, 1.0)] * 4
+    a, b = plan_chain(costs, 250), plan_chain(costs, 300, shared_bytes=50)
+    assert a.segments == b.segments and b.held_bytes == a.held_bytes + 50
+    with pytest.raises(ValueError, match="least achievable"):
+        plan_chain(costs, plan_chain(costs, None).need_bytes + 49, shared_bytes=50)
+
+
+# ---- budget= on Hugging Face models, plain (SDPA) and fused: the planner measures keep-attention too ----------------
+import copy  # noqa: E402
+import warnings  # noqa: E402
+
+import weakref  # noqa: E402
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+
+def _hf():
+    pytest.importorskip("transformers")
+    from helpers import hf_models
+    return hf_models
+
+
+class _Created(TorchDispatchMode):
+    """Records (weakly) the tensors the ops create while `on`."""
+
+    def __init__(self):
+        super().__init__()
+        self.on, self.refs = False, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.on:
+            self.refs.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _stack_held(model, layers, call):
+    """Runs call(model) (a forward); returns (output, bytes held from forward to backward by the layer stack):
+    the storages still alive after the forward among those the stack's layers created (parameters -- a weight's
+    transpose -- and the last layer's output, which the model goes on with, excepted) and those the stack received
+    (the first layer's arguments: its input, a mask, rotary tables), plus the pool slots the stack took (fused segments' outputs, their kept attention)."""
+    created = _Created()
+    received, window, last = [], [], []
+
+    def pre(module, args, kwargs):
+        received.extend(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        window.append(ckpt_ext.pool_stats("cpu")["in_use_bytes"])
+        created.on = True
+
+    def post(module, args, out):
+        created.on = False
+        window.append(ckpt_ext.pool_stats("cpu")["in_use_bytes"])
+        last.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+
+    h1 = layers[0].register_forward_pre_hook(pre, with_kwargs=True)
+    h2 = layers[-1].register_forward_hook(post)
+    try:
+        with created:
+            out = call(model)
+    finally:
+        h1.remove()
+        h2.remove()
+    params = {q.untyped_storage().data_ptr() for q in model.parameters()}
+    storages = {}
+    for t in received + [r() for r in created.refs]:
+        if t is not None and not ckpt_ext.is_pooled(t) and t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    pooled = window[-1] - window[0]
+    for t in last:
+        storages.pop(t.untyped_storage().data_ptr(), None)
+        if ckpt_ext.is_pooled(t):  # a slot of 256-byte multiples
+            pooled -= -(-t.untyped_storage().nbytes() // 256) * 256
+    received.clear()
+    last.clear()
+    return out, sum(storages.values()) + pooled
+
+
+def _step(model, call, seed):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out, held = _stack_held(model, _hf().layers_of(model), call)
+    g = torch.Generator().manual_seed(seed + 100)
+    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, held
+
+
+@pytest.mark.parametrize("family,fused,autocast", [
+    ("llama", False, False), ("llama", True, False), ("gpt2", False, False), ("gpt2", True, False),
+    ("llama", False, True), ("llama", True, True)],
+    ids=["llama-plain", "llama-fused", "gpt2-plain", "gpt2-fused", "llama-plain-autocast", "llama-fused-autocast"])
+def test_hugging_face_budget_keeps_attention_where_it_pays(family, fused, autocast):
+    """A budget with room for every layer checkpointed alone keeping its attention, but not for a layer kept
+    whole: the planner keeps attention (it replays less), the bytes held fit the budget and equal the predicted
+    ones, and every gradient is bitwise that of training without checkpointing (GPT-2 with residual dropout;
+    fp32, and CPU autocast bfloat16)."""
+    hf = _hf()
+    over = {"attn_pdrop": 0.0, "resid_pdrop": 0.1, "embd_pdrop": 0.1} if family == "gpt2" else {}
+    model = hf.make_model(family, layers=4, **over).train()
+    if fused:
+        model = ckpt_ext.fuse(model)
+    torch.manual_seed(0)
+    kw = hf.inputs_for(family, padding=True)
+
+    def call(m):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            return m(**kw).last_hidden_state.float()
+
+    ref = _step(copy.deepcopy(model), call, seed=1)  # no checkpointing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no keep-attention warning: the planner keeps it only where it can
+        ckpt_ext.enable_checkpointing(model, budget="1GiB")
+        _step(model, call, seed=1)  # measures
+        p = _planner_of(model)
+        costs, shared = p.costs, sum(p.shared.values())
+        assert all(c.keeps_attention and c.attn_compute > 0 for c in costs), costs
+        alone = _finish(costs, [(i, i + 1, ATTENTION) for i in range(4)], None).need_bytes + shared
+        whole = min(plan_chain(costs, None, keep="auto").need_bytes + c.act_bytes for c in costs)
+        assert alone < whole
+        budget = alone
+        ckpt_ext.enable_checkpointing(model, budget=budget)
+        assert "pending" in ckpt_ext.explain(model)
+        steps = [_step(model, call, seed=1) for _ in range(2)]  # measure and plan; run the plan
+    plan = _planner_of(model).plan
+    assert ATTENTION in [how for *_, how in plan.segments], plan.segments
+    assert plan.need_bytes <= budget
+    for out, grads, held in steps:
+        assert torch.equal(out, ref[0])
+        for n in ref[1]:
+            assert torch.equal(grads[n], ref[1][n]), n
+    held = steps[1][2]
+    assert held <= plan.held_bytes <= budget, (held, plan.held_bytes, budget)
+    assert held >= 0.9 * plan.held_bytes, (held, plan.held_bytes)  # the prediction is the measurement
+    text = ckpt_ext.explain(model)
+    assert "in use" in text and "predicted peak" in text and "predicted overhead" in text, text
+    # the layers' forward + backward timed in the measuring step: the step time without checkpointing
+    assert plan.base_time and plan.base_time > 0 and "without checkpointing took" in text, text
+    assert "keeping its input and attention outputs + LSEs" in text
+    assert "the replay skips the attention forward" in text and "checked at the first" not in text, text
+    ckpt_ext.disable_checkpointing(model)
+
+
+def test_hugging_face_budget_keep_boundaries_never_keeps_attention():
+    hf = _hf()
+    model = hf.make_model("llama", layers=4).train()
+    kw = hf.inputs_for("llama", padding=False)
+    call = lambda m: m(**kw).last_hidden_state  # noqa: E731
+    ref = _step(copy.deepcopy(model), call, seed=2)
+    ckpt_ext.enable_checkpointing(model, budget="1GiB", keep="boundaries")
+    _step(model, call, seed=2)
+    p = _planner_of(model)
+    assert all(not c.keeps_attention for c in p.costs)  # not measured: not a choice
+    least = plan_chain(p.costs, None, keep="boundaries", shared_bytes=sum(p.shared.values())).need_bytes
+    ckpt_ext.enable_checkpointing(model, budget=least, keep="boundaries")
+    for _ in range(2):
+        out, grads, held = _step(model, call, seed=2)
+        assert torch.equal(out, ref[0]) and all(torch.equal(grads[n], ref[1][n]) for n in ref[1])
+    plan = _planner_of(model).plan
+    assert all(how is not ATTENTION for *_, how in plan.segments) and held <= least
+    # keep="attention" with budget=: every checkpointed segment keeps attention
+    ckpt_ext.enable_checkpointing(model, budget=least * 2, keep="attention")
+    for _ in range(2):
+        out, grads, held = _step(model, call, seed=2)
+        assert torch.equal(out, ref[0]) and all(torch.equal(grads[n], ref[1][n]) for n in ref[1])
+    plan = _planner_of(model).plan
+    assert all(how in (False, ATTENTION) for *_, how in plan.segments) and held <= least * 2
+    ckpt_ext.disable_checkpointing(model)
+
+
+def test_budget_with_attention_that_cannot_be_kept_is_planned_without_it():
+    """Attention dropout on CPU (SDPA's math path, no LSE), and eager attention: budget= alone never chooses
+    keep-attention there, says why in explain(), warns of nothing, and the gradients are exact."""
+    hf = _hf()
+    for kind, model in (("dropout", hf.make_model("llama", layers=3, attention_dropout=0.1)),
+                        ("eager", hf.make_model("llama", layers=3, attn="eager"))):
+        model.train()
+        kw = hf.inputs_for("llama", padding=False)
+        call = lambda m: m(**kw).last_hidden_state  # noqa: E731
+        ref = _step(copy.deepcopy(model), call, seed=3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ckpt_ext.enable_checkpointing(model, budget="1GiB")
+            for _ in range(2):
+                out, grads, _ = _step(model, call, seed=3)
+                assert torch.equal(out, ref[0]) and all(torch.equal(grads[n], ref[1][n]) for n in ref[1])
+        p = _planner_of(model)
+        assert not any(c.keeps_attention for c in p.costs)
+        text = ckpt_ext.explain(model)
+        assert "cannot keep their attention" in text, text
+        assert ("dropout p=0.1 on CPU" if kind == "dropout" else "called no torch.nn.functional") in text, text
+        if kind == "eager":  # keep="attention" asked for explicitly is refused as without budget=
+            with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+                ckpt_ext.enable_checkpointing(model, budget="1GiB", keep="attention")
+        ckpt_ext.disable_checkpointing(model)
+
+
+def test_budget_with_bad_keep_values():
+    model = Net()
+    for bad in ("auto", "attn", 1, True):
+        with pytest.raises(ValueError, match="keep must be one of 'boundaries'.*'attention'"):
+            ckpt_ext.enable_checkpointing(model, budget="1GiB", keep=bad)
+    with pytest.raises(ValueError, match=r"either every= \(fixed groups\) or budget="):
+        ckpt_ext.enable_checkpointing(model, budget="1GiB", every=2, keep="attention")
+    assert not ckpt_ext.stack.is_enabled(model)
+
+
+def test_128_layers_with_attention_choices_plan_in_seconds():
+    # Three ways per segment: about twice the time of two (benchmarks/bench_planner.py, "varied+attn").
+    rng = random.Random(3)
+    costs = [LayerCost(c.act_bytes, c.boundary_bytes, c.compute, rng.randint(2, 20) << 20,
+                       c.compute * rng.uniform(0.1, 0.5)) for c in _varied(128, seed=1)]
+    total = sum(c.act_bytes for c in costs)
+    start = time.perf_counter()
+    plan = plan_chain(costs, int(0.3 * total))
+    elapsed = time.perf_counter() - start
+    assert elapsed < 20, f"planning 128 layers with keep-attention choices took {elapsed:.1f} s"
+    assert plan.need_bytes <= int(0.3 * total) and any(how == ATTENTION for *_, how in plan.segments)
+    assert plan.recompute < plan_chain(costs, int(0.3 * total), keep="boundaries").recompute

@@ -1,0 +1,233 @@
+"""The budget planner's predictions against measurement: enable_checkpointing(model, budget=...) on a model, the
+plan's predicted bytes held and step time next to the measured ones (issue 23: within 10%).
+
+    python benchmarks/bench_budget.py                       # CPU target: Llama 4 x 256, seq 1024, batch 1, fp32
+    python benchmarks/bench_budget.py --budget 60MiB --rounds 15 --threads 2
+
+Variants, each on its own copy of the same weights (attention dropout 0), one process, interleaved rounds:
+
+  none        no checkpointing: the reference step time and bytes
+  planned     enable_checkpointing(model, budget=B): the planner chooses per group among keeping the layers whole,
+              checkpointing them keeping attention, and boundary-only recompute
+  boundaries  enable_checkpointing(model, budget=B, keep="boundaries"): the same budget without keep-attention
+
+B (unless --budget): from the layers' measured costs, the smallest budget on a grid between the least achievable
+and keeping everything whose plan mixes choices (some layers kept whole, some keeping attention).
+
+Predictions, read from the plan after its measuring step: bytes held from forward to backward by the layer stack
+(plan.held_bytes) and the peak (held + the largest replay, plan.need_bytes); the recompute a step adds
+(plan.recompute: the layers' measured forward times, less the attention forwards a group keeping attention skips).
+The planner does not time the rest of a step, so the predicted step time is the measured step without
+checkpointing plus the predicted recompute; the ratio predicted / measured is taken per round (both in the same
+round) and its median reported, wall and CPU time (time.process_time; the CPU prediction uses the process CPU
+time of the planner's probe runs). Measured bytes: the storages the layer stack
+created or received that are still alive after the forward (its last output excepted) plus the pool slots it took
+(a dispatch mode records them; a separate, untimed step).
+"""
+import argparse
+import statistics
+import sys
+import time
+import warnings
+import weakref
+from typing import Dict, List
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import ckpt_ext
+from ckpt_ext.planner import ATTENTION, fmt_bytes, parse_bytes, plan_chain
+from ckpt_ext.stack_plan import recompute_cpu_seconds
+from common import add_output_args, env_info, env_line, finish_env, interleaved, output_dir, quantiles, write_results
+from variants import ModelSpec, Variant, Workload
+
+CONFIGS = {
+    "llama-s1024": (ModelSpec("llama-4x256", "llama", 4, 256, 4, 1024, 1024, 1000), 1),
+    "llama-s256": (ModelSpec("llama-4x256", "llama", 4, 256, 4, 256, 1024, 1000), 1),
+    "llama-tiny": (ModelSpec("llama-4x64", "llama", 4, 64, 2, 64, 128, 100), 2),  # the tests' smoke run
+}
+
+
+class _Created(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.on, self.refs = False, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.on:
+            self.refs.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def stack_held(model, forward) -> int:
+    """Bytes the layer stack holds from forward to backward (see the module's docstring); runs forward() (returns
+    the loss) and the backward."""
+    layers = model.layers
+    created, received, window, last = _Created(), [], [], []
+
+    def pre(module, args, kwargs):
+        received.extend(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        window.append(ckpt_ext.pool_stats("cpu")["in_use_bytes"])
+        created.on = True
+
+    def post(module, args, out):
+        created.on = False
+        window.append(ckpt_ext.pool_stats("cpu")["in_use_bytes"])
+        last.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+
+    hooks = [layers[0].register_forward_pre_hook(pre, with_kwargs=True), layers[-1].register_forward_hook(post)]
+    try:
+        with created:
+            loss = forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    params = {q.untyped_storage().data_ptr() for q in model.parameters()}
+    storages = {}
+    for t in received + [r() for r in created.refs]:
+        if t is not None and not ckpt_ext.is_pooled(t) and t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    pooled = window[-1] - window[0]
+    for t in last:
+        storages.pop(t.untyped_storage().data_ptr(), None)
+        if ckpt_ext.is_pooled(t):
+            pooled -= -(-t.untyped_storage().nbytes() // 256) * 256
+    received.clear()
+    last.clear()
+    loss.backward()
+    return sum(storages.values()) + pooled
+
+
+def planner_of(model):
+    return next(m.__dict__["_ckpt_ext_group"].planner for m in model.modules() if "_ckpt_ext_group" in m.__dict__)
+
+
+def mixed_budget(costs, shared: int) -> int:
+    """The smallest budget on a grid of 200 between the least achievable and keeping everything whose plan keeps
+    some layers whole and checkpoints others keeping attention (else: mixes any two choices; else the middle)."""
+    least = plan_chain(costs, None, shared_bytes=shared).need_bytes
+    total = sum(c.act_bytes for c in costs) + shared
+    grid = [least + (total - least) * k // 200 for k in range(1, 200)]
+    kinds = {b: {how for *_, how in plan_chain(costs, b, shared_bytes=shared).segments} for b in grid}
+    for want in (lambda k: False in k and ATTENTION in k, lambda k: len(k) >= 2):
+        found = [b for b in grid if want(kinds[b])]
+        if found:
+            return found[0]
+    return grid[len(grid) // 2]
+
+
+def run(config: str, budget, rounds: int, warmup: int, device) -> dict:
+    spec, batch = CONFIGS[config]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        work = Workload(spec, "fp32", device)
+        plain = Variant()
+        models = {"none": work.fresh()}
+        if budget is None:  # measure once to choose a budget that mixes choices
+            probe = ckpt_ext.enable_checkpointing(work.fresh(), budget="1TiB")
+            work.step(plain, probe, batch)
+            p = planner_of(probe)
+            budget = mixed_budget(p.costs, sum(p.shared.values()))
+            del probe, p
+        models["planned"] = ckpt_ext.enable_checkpointing(work.fresh(), budget=budget)
+        models["boundaries"] = ckpt_ext.enable_checkpointing(work.fresh(), budget=budget, keep="boundaries")
+        for name in ("planned", "boundaries"):  # the first step measures and plans, the second runs the plan
+            for _ in range(2):
+                work.step(plain, models[name], batch)
+        plans = {name: planner_of(models[name]).plan for name in ("planned", "boundaries")}
+        cpu_recompute = {name: recompute_cpu_seconds(planner_of(models[name]), plans[name]) for name in plans}
+        explain = str(ckpt_ext.explain(models["planned"]))
+        held = {name: stack_held(m, lambda m=m: work.forward(plain, m, batch)) for name, m in models.items()}
+        cpu: Dict[str, List[float]] = {name: [] for name in models}
+
+        def timed(name):
+            start = time.process_time()
+            work.step(plain, models[name], batch)
+            cpu[name].append(time.process_time() - start)
+
+        stats, raw = interleaved({name: (lambda name=name: timed(name)) for name in models}, device, rounds, warmup)
+        cpu = {name: t[warmup:] for name, t in cpu.items()}
+    rows = []
+    for name, m in models.items():
+        plan = plans.get(name)
+        row = {"variant": name, "step_s": stats[name], "cpu_s": quantiles(cpu[name]), "held_bytes": held[name]}
+        if plan is not None:
+            rc, rc_cpu = plan.recompute, cpu_recompute[name]
+            row.update(
+                segments=plan.segments, predicted_held=plan.held_bytes, predicted_peak=plan.need_bytes,
+                predicted_recompute_s=rc, predicted_recompute_cpu_s=rc_cpu, base_time_s=plan.base_time,
+                held_ratio=plan.held_bytes / held[name] if held[name] else None,
+                step_ratio=statistics.median((n + rc) / x for n, x in zip(raw["none"], raw[name])),
+                cpu_step_ratio=statistics.median((n + rc_cpu) / x for n, x in zip(cpu["none"], cpu[name])),
+                measured_overhead_s=statistics.median(x - n for n, x in zip(raw["none"], raw[name])),
+                measured_cpu_overhead_s=statistics.median(x - n for n, x in zip(cpu["none"], cpu[name])))
+        rows.append(row)
+    return {"config": config, "model": spec.describe(), "batch": batch, "budget": budget, "rows": rows,
+            "explain": explain}
+
+
+def _segments(segments) -> str:
+    word = {False: "kept", True: "boundaries", ATTENTION: "attention"}
+    return ", ".join(f"{s}-{e - 1}:{word[how]}" if e - s > 1 else f"{s}:{word[how]}" for s, e, how in segments)
+
+
+def to_markdown(info: dict, res: dict, cfg: dict) -> str:
+    ms = lambda s: f"{s * 1e3:.1f}"  # noqa: E731
+    lines = [f"# budget= planner: predicted vs measured ({info['device_name']}, {info['device']})", "", env_line(info),
+             "", f"{res['model']}, batch {res['batch']}, fp32; budget {fmt_bytes(res['budget'])} ({res['budget']} "
+             f"bytes); {cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up round(s).", "",
+             "| variant | plan (layer: choice) | step ms median (p20-p80) | CPU ms | held fwd→bwd, measured | predicted "
+             "held (pred/meas) | predicted peak | predicted recompute ms (wall; CPU) | measured overhead ms (wall; CPU) | "
+             "predicted step / measured (wall; CPU) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        s = r["step_s"]
+        head = (f"| {r['variant']} | {_segments(r['segments']) if 'segments' in r else '-'} | {ms(s['median'])} "
+                f"({ms(s['p20'])}-{ms(s['p80'])}) | {ms(r['cpu_s']['median'])} | {fmt_bytes(r['held_bytes'])} |")
+        if "segments" not in r:
+            lines.append(head + " - | - | - | - | - |")
+            continue
+        lines.append(head + f" {fmt_bytes(r['predicted_held'])} ({r['held_ratio']:.3f}) | "
+                     f"{fmt_bytes(r['predicted_peak'])} | {ms(r['predicted_recompute_s'])}; "
+                     f"{ms(r['predicted_recompute_cpu_s'])} | {ms(r['measured_overhead_s'])}; "
+                     f"{ms(r['measured_cpu_overhead_s'])} | {r['step_ratio']:.3f}; {r['cpu_step_ratio']:.3f} |")
+    for r in res["rows"]:
+        if r.get("base_time_s"):
+            lines.append(f"- {r['variant']}: the planner's own measurement of the layers' forward + backward without "
+                         f"checkpointing (its measuring step) was {ms(r['base_time_s'])} ms; the whole step without "
+                         f"checkpointing measured {ms(res['rows'][0]['step_s']['median'])} ms here.")
+    lines += ["", "- predicted step = the measured step without checkpointing (same round) + the plan's predicted "
+              "recompute (wall: the planner's own prediction; CPU: the process CPU time of the same probe runs); "
+              "ratios are medians of per-round ratios.", "",
+              "explain() of the planned model:", "", "```", res["explain"], "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_budget.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="llama-s1024", choices=list(CONFIGS))
+    p.add_argument("--budget", default=None, help="e.g. 60MiB (default: chosen to mix choices, see above)")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None)
+    add_output_args(p)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
+    info = env_info(device)
+    budget = parse_bytes(args.budget) if args.budget else None
+    res = run(args.config, budget, args.rounds, args.warmup, device)
+    cfg = {"rounds": args.rounds, "warmup": args.warmup, "argv": list(sys.argv[1:] if argv is None else argv)}
+    md = to_markdown(finish_env(info), res, cfg)
+    print(md)
+    result = {"env": info, "config": cfg, "result": res}
+    result["files"] = write_results(output_dir(args, info), "budget", result, md)
+    print("wrote " + ", ".join(result["files"]), file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()
