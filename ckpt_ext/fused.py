@@ -72,7 +72,7 @@ def _lora_spec_id(base_id: int, key: tuple) -> Tuple[int, bool]:
     return found
 
 
-_lora_spec_id._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets (2.5 to 2.15)
+_lora_spec_id._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets (2.13, 2.15 read)
 
 
 # --------------------------------------------------------------------------------------------------
