@@ -18,16 +18,25 @@ An eager frame that a compiled region runs (a frame Dynamo gave up on, with its 
 runs the eager engine with Dynamo disabled, so that the user's function is not compiled between the
 forward and its replay. Outside torch.compile the entry points are called directly (no cost).
 
+What the traced path refuses (an exception raised in traced code: fused layers whose mask or rotary tables
+require grad, keep-attention of fused segments) must reach the user, never the eager path in its place.
+torch 2.11/2.13 run the rest of a frame after such a raise from the graph break it makes, so the raise
+itself runs; torch 2.15's Dynamo instead gives up on the whole frame ("Observed exception" ... "Failed
+to handle graph break gracefully. Skipping the function and falling back to eager") and runs it again
+eagerly, where ``torch.compiler.is_compiling()`` is False. The eager run of an entry point in a compiled
+region is therefore marked (:func:`in_compile_fallback`) and the same checks refuse the call there too.
+
 CUDA graphs: the eager engine reads and restores generator state on the host, draws dropout seeds on the
 host and hands out BoundaryPool memory outside the graph's private pool; none of it can be captured.
 :func:`check_not_capturing` raises a clear error instead.
 """
 import functools
 import sys
+import threading
 
 import torch
 
-__all__ = ["traced_under_compile", "check_not_capturing"]
+__all__ = ["traced_under_compile", "in_compile_fallback", "check_not_capturing"]
 
 try:  # Dynamo's frame-evaluation hook: set while a compiled region (or a frame it resumes) runs
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as _eval_frame_callback
@@ -41,6 +50,22 @@ def _frame_hook_active() -> bool:
     return _eval_frame_callback() is not None
 
 
+class _Fallback(threading.local):
+    depth = 0  # entry points running eagerly in a frame of a compiled region, on this thread
+
+
+_fallback = _Fallback()
+
+
+def in_compile_fallback() -> bool:
+    """True while a ckpt_ext entry point (and whatever it calls) runs eagerly inside a torch.compile region:
+    Dynamo's frame hook is set but did not trace the call -- it gave up on the frame (an error while
+    tracing, which torch 2.15 turns into a fallback to eager, or a graph break it could not resume from).
+    The checks that refuse a call under torch.compile refuse it here too, so that the refusal, not the
+    eager path, is what the user gets."""
+    return _fallback.depth > 0
+
+
 def traced_under_compile(traced):
     """Decorator: ``fn`` is the eager entry point, ``traced`` (same arguments) what Dynamo traces instead.
 
@@ -48,9 +73,9 @@ def traced_under_compile(traced):
     ``traced(...)``: no graph break. In an eager frame run while a compiled region is active (Dynamo's
     frame hook set: a frame it gave up on) ``fn`` runs with Dynamo disabled (``torch._disable_dynamo``:
     ``torch.compiler.disable`` without importing Dynamo at import time), so that the functions the
-    engine calls are not compiled behind its back. Otherwise (Dynamo not even loaded, or merely
-    imported, as Hugging Face models do) ``fn`` is called directly, which saves torch._dynamo.disable's
-    ~6 µs per call."""
+    engine calls are not compiled behind its back, and marked as such (:func:`in_compile_fallback`).
+    Otherwise (Dynamo not even loaded, or merely imported, as Hugging Face models do) ``fn`` is called
+    directly, which saves torch._dynamo.disable's ~6 µs per call."""
 
     def wrap(fn):
         not_traced = torch._disable_dynamo(fn)
@@ -60,7 +85,11 @@ def traced_under_compile(traced):
             if torch.compiler.is_compiling():
                 return traced(*args, **kwargs)
             if _frame_hook_active():
-                return not_traced(*args, **kwargs)
+                _fallback.depth += 1
+                try:
+                    return not_traced(*args, **kwargs)
+                finally:
+                    _fallback.depth -= 1
             return fn(*args, **kwargs)
 
         return call

@@ -19,8 +19,13 @@ uses the forward's seeds, so gradients are exact for the masks drawn.
 
 A fused layer that is not checkpointed is the one-layer segment under torch.compile: its backward
 replays the layer (one extra layer forward), where the eager path keeps its activations.
+
+peft LoRA adapters (FusedTransformerLayer._op_args): each adapter projection's A and B are weights of the
+call (after the layer's own; an absent adapter is two -1 layout entries), its scaling and adapter dropout
+are in the layer spec (the layer's spec with_lora, registered once per configuration: its id is a constant
+of the graph), so the replay differentiates them as any weight and the adapter dropout uses the layer's seed.
 """
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,26 +45,30 @@ def use_ops() -> bool:
     return torch.compiler.is_compiling() or USE_OPS_EAGERLY
 
 
-def fused_segment(layers: Sequence, hidden: torch.Tensor, mask: Optional[torch.Tensor], cos: Optional[torch.Tensor],
-                  sin: Optional[torch.Tensor], training: bool) -> torch.Tensor:
-    """Fused layers (FusedTransformerLayer) run as one ``ckpt_ext::fused_segment`` call."""
+def operator_args(layers: Sequence) -> Tuple[List[int], List[torch.Tensor], List[int], bool]:
+    """(spec ids, weights, layout, whether any layer draws dropout in training) of fused layers
+    (FusedTransformerLayer), as ``ckpt_ext::fused_segment`` takes them: per weight slot of each layer in turn
+    (peft LoRA adapters' A and B after the layer's own), its index in weights, or -1 for an absent one."""
     ids: List[int] = []
     weights: List[torch.Tensor] = []
-    layout: List[int] = []  # per weight slot: its index in weights, -1 for an absent bias
+    layout: List[int] = []
     dropout = False
     for layer in layers:
-        if layer._has_lora:
-            raise NotImplementedError(
-                f"ckpt_ext: fused {layer.layer_class} layers with peft LoRA adapters cannot be compiled yet "
-                "(torch.compile): their adapters are read per call. Compile the model without ckpt_ext.fuse, "
-                "or merge the adapters first (model.merge_and_unload()).")
-        ids.append(layer.spec_id)
-        for w in layer.fused_weights():
+        spec_id, has_dropout, layer_weights = layer._op_args()  # peft LoRA adapters included
+        ids.append(spec_id)
+        for w in layer_weights:
             layout.append(-1 if w is None else len(weights))
             if w is not None:
                 weights.append(w)
-        dropout = dropout or (training and layer.has_dropout)
-    if dropout:
+        dropout = dropout or has_dropout
+    return ids, weights, layout, dropout
+
+
+def fused_segment(layers: Sequence, hidden: torch.Tensor, mask: Optional[torch.Tensor], cos: Optional[torch.Tensor],
+                  sin: Optional[torch.Tensor], training: bool) -> torch.Tensor:
+    """Fused layers (FusedTransformerLayer) run as one ``ckpt_ext::fused_segment`` call."""
+    ids, weights, layout, dropout = operator_args(layers)
+    if training and dropout:
         seeds = torch.randint(0, _SEED_HIGH, (len(ids),), dtype=torch.int64)
     else:
         seeds = torch.zeros(len(ids), dtype=torch.int64)

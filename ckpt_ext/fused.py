@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from . import compiled
-from ._compiler import check_not_capturing, traced_under_compile
+from ._compiler import check_not_capturing, in_compile_fallback, traced_under_compile
 from ._extension import load
 from ._layout import BERT, FAMILY_NAMES, LLAMA
 from ._user_frame import user_stacklevel
@@ -54,6 +54,27 @@ def _warn_once(key, message: str):
         warnings.warn(message, stacklevel=user_stacklevel())
 
 
+# The specs registered for the ckpt_ext::fused_segment operator, by id: the layers' own (FusedTransformerLayer
+# ._register_spec) and, per (base id, LoRA key), the same spec with adapters (_lora_spec_id).
+_registered_specs: Dict[int, Any] = {}
+_lora_spec_ids: Dict[Tuple[int, tuple], Tuple[int, bool]] = {}
+
+
+def _lora_spec_id(base_id: int, key: tuple) -> Tuple[int, bool]:
+    """(id, uses dropout in training) of the registered spec `base_id` with the LoRA adapters of `key` (per
+    adapter projection (scaling, dropout p)), registered once per process. Dynamo calls it while tracing and
+    bakes its result into the graph (marked as torch.compiler.assume_constant_result marks a function,
+    without importing Dynamo here): its arguments are constants of the traced code, guarded there."""
+    found = _lora_spec_ids.get((base_id, key))
+    if found is None:
+        spec = _registered_specs[base_id].with_lora([k[0] for k in key], [k[1] for k in key])
+        found = _lora_spec_ids[(base_id, key)] = (_C.register_spec(spec), _C.uses_dropout(spec, True))
+    return found
+
+
+_lora_spec_id._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets (2.13, 2.15 read)
+
+
 # --------------------------------------------------------------------------------------------------
 # The fused layer
 # --------------------------------------------------------------------------------------------------
@@ -72,10 +93,7 @@ def _traced_forward(self: "FusedTransformerLayer", *args, **kwargs):
     call = self._parse(args, kwargs)
     if call.fallback is not None:
         return self._hf_forward(args, kwargs)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
-        raise NotImplementedError(
-            f"ckpt_ext: a fused {self.layer_class} under torch.compile does not differentiate its attention mask or "
-            "rotary tables, and they require grad here; compile the model without ckpt_ext.fuse for this case.")
+    self._check_compilable(call)
     return self._as_returned(compiled.fused_segment([self], call.hidden, call.mask, call.cos, call.sin, self.training))
 
 
@@ -129,6 +147,7 @@ class FusedTransformerLayer(nn.Module):
         # The spec's id in the ckpt_ext::fused_segment operators (torch.compile's path): a plain int, which
         # Dynamo bakes into the graph. Ids are per process: registered again when unpickled or copied.
         self.spec_id = _C.register_spec(self.spec)
+        _registered_specs[self.spec_id] = self.spec
         self.has_dropout = _C.uses_dropout(self.spec, True)
 
     def __setstate__(self, state):
@@ -177,23 +196,43 @@ class FusedTransformerLayer(nn.Module):
                         "module call so FSDP gathers its parameters first. Tensor-parallel layers cannot be fused.")
         return weights
 
-    def _call_args(self) -> Tuple[Any, List[Optional[torch.Tensor]]]:
-        """(spec, weights) of this call: the parameters, then each projection's LoRA A and B (None where
-        no adapter term is added), read from the peft layers per call as peft's forward would."""
-        weights = self.fused_weights()
+    def _adapter_terms(self) -> Tuple[Optional[tuple], List[Optional[torch.Tensor]]]:
+        """(key, adapter weights) of this call: the key holds per adapter projection its (scaling, dropout p),
+        the weights its LoRA A and B (None, None where no adapter term is added), read from the peft layers
+        per call as peft's forward would; (None, []) when the call adds no adapter term."""
         if not self._has_lora:
-            return self.spec, weights
+            return None, []
         terms = [lora_terms(m, f"fused {self.layer_class}, {path}")
                  for path, m in zip(LORA_PROJECTIONS[self.family], self._projections)]
         if all(t is None for t in terms):
-            return self.spec, weights
+            return None, []
+        extra: List[Optional[torch.Tensor]] = []
         for t in terms:
-            weights += [None, None] if t is None else [t[0], t[1]]
-        key = tuple((t[2], t[3]) if t is not None else (0.0, 0.0) for t in terms)
+            extra += [None, None] if t is None else [t[0], t[1]]
+        return tuple((t[2], t[3]) if t is not None else (0.0, 0.0) for t in terms), extra
+
+    def _call_args(self) -> Tuple[Any, List[Optional[torch.Tensor]]]:
+        """(spec, weights) of this call: the parameters, then each projection's LoRA A and B (None where
+        no adapter term is added; _adapter_terms)."""
+        weights = self.fused_weights()
+        key, extra = self._adapter_terms()
+        if key is None:
+            return self.spec, weights
         spec = self._lora_specs.get(key)
         if spec is None:
             spec = self._lora_specs[key] = self.spec.with_lora([k[0] for k in key], [k[1] for k in key])
-        return spec, weights
+        return spec, weights + extra
+
+    def _op_args(self) -> Tuple[int, bool, List[Optional[torch.Tensor]]]:
+        """_call_args for the ckpt_ext::fused_segment operator (torch.compile's path): (the spec's registered
+        id, whether it draws dropout in training, weights). Traced by Dynamo: the adapters' state is read
+        in traced code (so guarded), the LoRA spec's id is a constant of the graph (_lora_spec_id)."""
+        weights = self.fused_weights()
+        key, extra = self._adapter_terms()
+        if key is None:
+            return self.spec_id, self.has_dropout, weights
+        spec_id, has_dropout = _lora_spec_id(self.spec_id, key)
+        return spec_id, has_dropout, weights + extra
 
     def extra_repr(self) -> str:
         return f"{self.layer_class} -> C++ {FAMILY_NAMES[self.family]}: {self.spec!r}"
@@ -254,6 +293,17 @@ class FusedTransformerLayer(nn.Module):
             cos, sin = emb
         return _Call(hidden, values.get("attention_mask"), cos, sin, fallback)
 
+    def _check_compilable(self, call: _Call):
+        """What the operator path (torch.compile) refuses. Checked while Dynamo traces (_traced_forward) and
+        in an eager run inside a compiled region (in_compile_fallback: torch 2.15 runs a frame eagerly after
+        an exception in traced code), so that the refusal reaches the user, not the eager fused path."""
+        if torch.is_grad_enabled() and \
+                any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
+            raise NotImplementedError(
+                f"ckpt_ext: a fused {self.layer_class} under torch.compile does not differentiate its attention mask "
+                "or rotary tables, and they require grad here; compile the model without ckpt_ext.fuse for this "
+                "case.")
+
     def _as_returned(self, hidden: torch.Tensor):
         """The hidden states as the Hugging Face layer returns them: a tensor, or a 1-tuple on releases whose
         layers return tuples (transformers 5.0's GPT2Block)."""
@@ -272,6 +322,8 @@ class FusedTransformerLayer(nn.Module):
         call = self._parse(args, kwargs)
         if call.fallback is not None:
             return self._hf_forward(args, kwargs)
+        if in_compile_fallback():
+            self._check_compilable(call)
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and \
                 not any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
             _check_segment_not_capturing()
@@ -335,7 +387,7 @@ def _check_keep_attention(layers: Sequence["FusedTransformerLayer"], hidden: tor
     """What keep-attention refuses before any compute (the C++ layer raises for the rest, naming the layer
     and SDPA's choice): torch.compile, and attention dropout in training on CPU (SDPA's CPU flash kernel has
     no dropout: the math path runs, which has no log-sum-exp to keep)."""
-    if compiled.use_ops():
+    if compiled.use_ops() or in_compile_fallback():
         raise NotImplementedError(
             "ckpt_ext: keeping the attention of checkpointed fused layers is not supported under torch.compile "
             "(the ckpt_ext::fused_segment operator keeps only its input); compile with full recompute, or run "

@@ -340,21 +340,26 @@ def test_fused_layers_without_checkpointing_compile_and_take_dynamic_shapes():
         assert_grads_close(_hf_step(model, shorter, seed=0, compiled=compiled), eager, exact=True)
 
 
-def test_fused_segment_opcheck():
-    """The operator's schema, fake kernel and autograd registration (torch.library.opcheck)."""
-    model, _ = _hf("llama", dropout=0.1, layers=2)
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+def test_fused_segment_opcheck(lora):
+    """The operator's schema, fake kernel and autograd registration (torch.library.opcheck), with peft LoRA
+    adapters (on some projections: absent adapters are -1 layout entries) and without."""
+    if lora:  # adapters on 3 of the 7 projections, adapter dropout only
+        model, _ = _lora("llama", layers=2, lora_dropout=0.1, targets=["q_proj", "v_proj", "down_proj"])
+    else:
+        model, _ = _hf("llama", dropout=0.1, layers=2)
     ckpt_ext.fuse(model)
-    layers = list(layers_of(model))
+    layers = [m for m in model.modules() if isinstance(m, ckpt_ext.fused.FusedTransformerLayer)]
     hidden = torch.randn(2, 5, 72, requires_grad=True)
-    cos, sin = model.rotary_emb(hidden, torch.arange(5)[None])
+    cos, sin = model.get_base_model().rotary_emb(hidden, torch.arange(5)[None]) if lora else \
+        model.rotary_emb(hidden, torch.arange(5)[None])
+    ids, weights, layout, dropout = ckpt_ext.compiled.operator_args(layers)
+    assert dropout and (ids == [layer.spec_id for layer in layers]) != lora
     slots = [w for layer in layers for w in layer.fused_weights()]
-    weights = [w for w in slots if w is not None]
-    layout = list(range(len(weights)))
-    for i, w in enumerate(slots):
-        if w is None:
-            layout.insert(i, -1)
-    args = ([layer.spec_id for layer in layers], hidden, None, cos, sin, weights, layout, True, torch.tensor([3, 4]),
-            None)
+    # with adapters: A and B of 3 projections in each layer are weights; all 7 projections have layout entries
+    assert len(weights) == sum(w is not None for w in slots) + lora * 2 * 3 * 2
+    assert len(layout) == len(slots) + lora * 2 * 7 * 2
+    args = (ids, hidden, None, cos, sin, weights, layout, True, torch.tensor([3, 4]), None)
     torch.library.opcheck(torch.ops.ckpt_ext.fused_segment.default, args)
     grad = torch.randn(2, 5, 72)
     needs = [1] + [int(i % 2 == 0) for i in range(len(weights))]
@@ -362,29 +367,180 @@ def test_fused_segment_opcheck():
     torch.library.opcheck(torch.ops.ckpt_ext.fused_segment_backward.default, backward_args)
 
 
-def test_fused_layers_with_lora_under_compile_raise_a_clear_error():
-    """peft LoRA adapters are read per call by the eager fused layer; the operator does not take them yet."""
+LORA_TARGETS = {"bert": ["query", "key", "value", "dense"], "gpt2": ["c_attn", "c_proj", "c_fc"],
+                "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def _lora(family, dropout=0.0, lora_dropout=0.0, layers=4, targets=None):
+    """A tiny Hugging Face model with peft LoRA adapters on `targets` (default: every projection the fused
+    layers take), B not zero (peft initialises it to zero: every adapter gradient informative)."""
     peft = pytest.importorskip("peft")
-    model, kw = _hf("bert", dropout=0.0, layers=2)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["query", "value"]))
+    model, kw = _hf(family, dropout=dropout, layers=layers)
+    config = peft.LoraConfig(r=2, lora_alpha=5, lora_dropout=lora_dropout,
+                             target_modules=targets or LORA_TARGETS[family], fan_in_fan_out=family == "gpt2")
+    model = peft.get_peft_model(model, config).train()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model, kw
+
+
+def _close_to_peft(got, expected, tol=1e-4):
+    """Fused vs peft's own forward, which rounds differently (other GEMM groupings; adapters large against the
+    tiny base weights): the output within `tol` of its largest value, each gradient within `tol` of the
+    largest gradient of the model (as tests/helpers/hf_models.grads_close scales)."""
+    torch.testing.assert_close(got.outputs, expected.outputs, rtol=tol, atol=tol * expected.outputs.abs().max().item())
+    assert got.param_grads.keys() == expected.param_grads.keys()
+    scale = max(g.abs().max().item() for g in expected.param_grads.values() if g is not None)
+    for name, g in expected.param_grads.items():
+        assert (g is None) == (got.param_grads[name] is None), name
+        if g is not None:
+            torch.testing.assert_close(got.param_grads[name], g, rtol=tol, atol=tol * scale,
+                                       msg=lambda m: f"gradient of {name}: {m}")
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+def test_fused_layers_with_lora_compile_to_fused_segment_ops(family):
+    """peft LoRA on fused layers under torch.compile: the adapters (A, B, scaling, adapter dropout) are inputs of
+    ckpt_ext::fused_segment, so no graph break. Without dropout: peft's own eager model's output and the
+    gradient of every parameter (the adapters'; the base weights are frozen and get none), and the eager fused
+    model's bit for bit; with dropout (adapter, and hidden but for Llama), the same operators run eagerly. No
+    recompilation at step 2; disabling the adapters is followed (guarded), not a stale graph."""
+    # Llama: adapter dropout alone (then the LoRA spec, not the layer's own, says the operator draws seeds).
+    for dropout, lora_dropout in ((0.0, 0.0), (0.0, 0.2) if family == "llama" else (0.2, 0.2)):
+        torch._dynamo.reset()
+        counters.clear()
+        model, kw = _lora(family, dropout=dropout, lora_dropout=lora_dropout)
+        peft_eager = _hf_step(copy.deepcopy(model), kw, seed=4)
+        ckpt_ext.fuse(model)
+        if lora_dropout:
+            ckpt_ext.compiled.USE_OPS_EAGERLY = True
+            try:
+                eager = _hf_step(_checkpointing(copy.deepcopy(model), every=2), kw, seed=4)
+            finally:
+                ckpt_ext.compiled.USE_OPS_EAGERLY = False
+        else:
+            eager = _hf_step(copy.deepcopy(model), kw, seed=4)
+            _close_to_peft(eager, peft_eager)
+        _checkpointing(model, every=2)
+        backend = Recorder()
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        params = dict(model.named_parameters())
+        got = compiled_step(lambda: compiled(**kw).last_hidden_state, [], params, seed=4)
+        assert_grads_close(got, eager, exact=True)
+        trainable = {n for n, p in params.items() if p.requires_grad}
+        assert trainable and all("lora_" in n for n in trainable)
+        assert {n for n, g in got.param_grads.items() if g is not None} == trainable
+        if not lora_dropout:
+            _close_to_peft(got, peft_eager)
+        assert backend.count(SEGMENT_OP) == 2 and backend.count(CHECKPOINT_OP) == 0
+        second_step_does_not_recompile(lambda: compiled(**kw).last_hidden_state, [], params, seed=5)
+        if not lora_dropout:
+            model.get_input_embeddings().weight.requires_grad_(True)  # a gradient through the fused layers
+            with model.disable_adapter():
+                plain = _hf_step(model, kw, seed=4)  # eager fused, no adapter terms
+                assert_grads_close(_hf_step(model, kw, seed=4, compiled=compiled), plain, exact=True)
+
+
+def test_fused_lora_layers_not_checkpointed_compile_with_a_trainable_base():
+    """Fused LoRA layers not checkpointed (one-layer segments), every parameter trainable (base weights and
+    biases too): the gradient of every parameter equals peft's eager one; zero graph breaks, no recompilation."""
+    model, kw = _lora("llama", layers=2)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    peft_eager = _hf_step(copy.deepcopy(model), kw, seed=0)
     ckpt_ext.fuse(model)
-    compiled = torch.compile(model, backend="aot_eager")  # no silent eager fallback at the graph break
-    with pytest.raises(NotImplementedError, match="LoRA adapters cannot be compiled yet"):
+    backend = Recorder()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    params = dict(model.named_parameters())
+    got = compiled_step(lambda: compiled(**kw).last_hidden_state, [], params)
+    assert all(g is not None for g in got.param_grads.values())
+    _close_to_peft(got, peft_eager)
+    assert backend.count(SEGMENT_OP) == 2
+    second_step_does_not_recompile(lambda: compiled(**kw).last_hidden_state, [], params)
+
+
+class _FixedRotary(nn.Module):
+    """Llama's rotary embedding replaced by given tables (which may require grad)."""
+
+    def __init__(self, cos, sin):
+        super().__init__()
+        self.cos, self.sin = cos, sin
+
+    def forward(self, *args, **kwargs):
+        return self.cos, self.sin
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks-allowed", "fullgraph"])
+def test_fused_layer_whose_rotary_tables_require_grad_under_compile_raises_a_clear_error(fullgraph):
+    """The operator does not differentiate the mask or rotary tables: said under torch.compile, never run
+    eagerly instead. torch 2.15's Dynamo gives up on the frame after the raise in traced code and runs it
+    eagerly; that eager run (in_compile_fallback) refuses too. With fullgraph=True Dynamo raises its own error
+    carrying the message."""
+    model, kw = _hf("llama", dropout=0.0, layers=2)
+    ckpt_ext.fuse(model)
+    with torch.no_grad():
+        cos, sin = model.rotary_emb(torch.ones(1), torch.arange(kw["input_ids"].shape[1])[None])
+    model.rotary_emb = _FixedRotary(cos.requires_grad_(), sin)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
+    frames = ckpt_ext._C.checkpoint_frames_created()
+    with pytest.raises(Exception, match="does not differentiate its attention mask or rotary tables") as raised:
         compiled(**kw)
+    if not fullgraph:
+        assert raised.type is NotImplementedError
+    assert not ckpt_ext._compiler.in_compile_fallback()
+    assert ckpt_ext._C.checkpoint_frames_created() == frames
 
 
-def test_fused_layer_whose_rotary_tables_require_grad_under_compile_raises_a_clear_error():
-    """The operator does not differentiate the mask or rotary tables: said under torch.compile, not run eagerly."""
-    model, _ = _hf("llama", dropout=0.0, layers=1)
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks-allowed", "fullgraph"])
+def test_keep_attention_of_fused_layers_under_compile_raises_a_clear_error(fullgraph):
+    """keep="attention" on checkpointed fused layers is refused under torch.compile, never run eagerly."""
+    model, kw = _hf("bert", dropout=0.0, layers=2)
+    ckpt_ext.fuse(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ckpt_ext.enable_checkpointing(model, every=2, keep="attention")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
+    frames = ckpt_ext._C.checkpoint_frames_created()
+    with pytest.raises(Exception, match="not supported under torch.compile") as raised:
+        compiled(**kw)
+    if not fullgraph:
+        assert raised.type is NotImplementedError
+    assert ckpt_ext._C.checkpoint_frames_created() == frames
+
+
+def test_eager_run_inside_a_compiled_region_refuses_what_compile_refuses(monkeypatch):
+    """The eager run of an entry point while Dynamo's frame hook is set (a frame Dynamo gave up on) is marked
+    (in_compile_fallback), for the call and what it calls, and the fused layers' compile-only refusals apply
+    there; what compile accepts runs eagerly as before. Faked here (frame hook reported set) so that every
+    torch checks it, not only 2.15, whose Dynamo takes this path after an exception in traced code."""
+    model, kw = _hf("llama", dropout=0.0, layers=2)
     ckpt_ext.fuse(model)
     layer = layers_of(model)[0]
     x = torch.randn(2, 5, model.config.hidden_size, requires_grad=True)
     with torch.no_grad():
         cos, sin = model.rotary_emb(x, torch.arange(5)[None])
-    cos.requires_grad_()
-    compiled = torch.compile(lambda x, cos, sin: layer(x, position_embeddings=(cos, sin)), backend="aot_eager")
+    expected = layer(x, position_embeddings=(cos, sin))
+    monkeypatch.setattr(ckpt_ext._compiler, "_frame_hook_active", lambda: True)
+    seen = []
+    monkeypatch.setattr(type(layer), "_check_compilable",
+                        lambda self, call: seen.append(ckpt_ext._compiler.in_compile_fallback()))
+    assert torch.equal(layer(x, position_embeddings=(cos, sin)), expected)  # accepted: the eager fused path
+    assert seen == [True] and not ckpt_ext._compiler.in_compile_fallback()
+    monkeypatch.undo()
+    monkeypatch.setattr(ckpt_ext._compiler, "_frame_hook_active", lambda: True)
     with pytest.raises(NotImplementedError, match="does not differentiate its attention mask or rotary tables"):
-        compiled(x, cos, sin)
+        layer(x, position_embeddings=(cos.detach().requires_grad_(), sin))
+    assert not ckpt_ext._compiler.in_compile_fallback()
+    with torch.no_grad():  # nothing is differentiated: accepted
+        layer(x, position_embeddings=(cos.detach().requires_grad_(), sin))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ckpt_ext.enable_checkpointing(model, every=2, keep="attention")
+    with pytest.raises(NotImplementedError, match="not supported under torch.compile"):  # through the stack's entry
+        model(**kw)
 
 
 def test_compiled_block_inside_checkpoint_keeps_its_dropout_masks():
