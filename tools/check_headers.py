@@ -52,8 +52,14 @@ def torch_headers(version: str) -> str:
     spec = f"torch=={version}.*" if version.count(".") == 1 else f"torch=={version}"
     print(f"check-headers: downloading {spec} (wheel only, no dependencies) for its headers", flush=True)
     with tempfile.TemporaryDirectory(prefix="ckpt_ext_wheel_", dir=CACHE) as tmp:
+        # Only the headers are read, nothing is installed: a machine-wide constraint that caps installs
+        # (some machines pin torch<=2.14 in /etc/xdg/pip) must not refuse the newest release's wheel, so an
+        # empty constraints file replaces the configured one for this one download.
+        empty = os.path.join(tmp, "no-constraints.txt")
+        open(empty, "w").close()
+        env = dict(os.environ, PIP_CONSTRAINT=empty)
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-cache-dir",
-                        "--only-binary=:all:", "--progress-bar", "off", "-d", tmp, spec], check=True)
+                        "--only-binary=:all:", "--progress-bar", "off", "-d", tmp, spec], check=True, env=env)
         wheel = glob.glob(os.path.join(tmp, "torch-*.whl"))[0]
         staging = os.path.join(tmp, "out")
         with zipfile.ZipFile(wheel) as z:
