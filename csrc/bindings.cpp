@@ -1,5 +1,5 @@
 // Python bindings of ckpt_ext._C. Each room of csrc/ exposes its C++ API; this file only binds it.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // not torch/extension.h: the C++ frontend it adds is unused and costs ~15 s per compile
 
 #include <ATen/Parallel.h>
 
@@ -63,6 +63,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 
   namespace L = ckpt_ext::layers;
+  // The fused layers' CPU GEMM layout policy (csrc/layers/gemm.cpp): "auto", "nt" or "off"; sets it when
+  // given, returns the one before.
+  m.def("cpu_gemm_layout", &L::cpu_gemm_layout, py::arg("set") = py::none());
+  // The layers' GEMMs (family.h), bound for tests/test_gemm_layout.py.
+  m.def("_gemm_linear", [](const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
+    return L::gemm_linear(x, w, b.has_value() ? *b : at::Tensor());
+  }, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("_gemm_matmul", &L::gemm_matmul);
   auto make_spec = [](int64_t family, int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       double scaling, double attn_p, double hidden_p, double eps, bool gelu_tanh,
                       const std::vector<double>& lora_scaling, const std::vector<double>& lora_p) {

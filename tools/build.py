@@ -24,7 +24,7 @@ import toolchain  # noqa: E402
 
 STAMP = os.path.join(ROOT, "build", ".build-stamp")
 LOG = os.path.join(ROOT, "build", "build.log")
-ENV_KEYS = ("CKPT_EXT_FORCE_CPU", "TORCH_CUDA_ARCH_LIST", "CC", "CXX", "CUDAHOSTCXX", "CUDA_HOME")
+ENV_KEYS = ("CKPT_EXT_FORCE_CPU", "CKPT_EXT_NO_OPENMP", "CKPT_EXT_DEBUG_INFO", "TORCH_CUDA_ARCH_LIST", "CC", "CXX", "CUDAHOSTCXX", "CUDA_HOME")
 
 
 def build_key() -> str:

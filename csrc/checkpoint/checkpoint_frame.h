@@ -10,7 +10,7 @@
 #pragma once
 
 #include <torch/csrc/autograd/saved_variable.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // py::object and the Tensor caster; not torch/extension.h (the whole C++ frontend: ~20 s more per source to compile)
 
 #include "../replay/replay_context.h"
 

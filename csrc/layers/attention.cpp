@@ -41,19 +41,15 @@ Tensor cat_or_undefined(std::initializer_list<Tensor> parts) {
   return at::cat(parts, 0);
 }
 
-// y = x @ W + b for a Conv1D weight [in, out], as Hugging Face computes it.
+// y = x @ W + b for a Conv1D weight [in, out]: gemm_linear on W's transpose view (outside gemm.cpp's CPU
+// layout policy at::linear's addmm(b, x, W), as Hugging Face computes it).
 Tensor conv1d(const Tensor& x, const Tensor& w, const Tensor& b) {
-  const Tensor y = at::addmm(b, x.reshape({-1, x.size(-1)}), w);
-  auto sizes = x.sizes().vec();
-  sizes.back() = w.size(1);
-  return y.view(sizes);
+  return gemm_linear(x, w.t(), b);
 }
 
 // x @ W (no bias: the bias is fused into the following op), keeping x's leading dims.
 Tensor conv1d_nobias(const Tensor& x, const Tensor& w) {
-  auto sizes = x.sizes().vec();
-  sizes.back() = w.size(1);
-  return x.reshape({-1, x.size(-1)}).mm(w).view(sizes);
+  return gemm_linear(x, w.t());
 }
 
 namespace {
@@ -91,12 +87,12 @@ bool dropout_written_out(const Tensor& q, const Tensor& k, const Tensor& mask, b
 
 Tensor attention_with_philox_dropout(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                                      bool causal, double scale, double p, int64_t seed, int64_t offset) {
-  const Tensor scores = at::matmul(q, k.transpose(-2, -1));
+  const Tensor scores = gemm_matmul(q, k.transpose(-2, -1));
   Tensor bias = mask;
   if (causal)
     bias = at::full({q.size(2), k.size(2)}, -std::numeric_limits<double>::infinity(), scores.options()).triu_(1);
   const Tensor logits = bias.defined() ? at::add(bias, scores, scale) : scores * scale;
-  return at::matmul(ops::dropout(at::softmax(logits, -1), p, seed, offset), v);
+  return gemm_matmul(ops::dropout(at::softmax(logits, -1), p, seed, offset), v);
 }
 
 

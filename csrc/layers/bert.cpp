@@ -46,17 +46,17 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
   const int64_t H = s.hidden;
   const Tensor qkv = plus_lora_qkv(s, w, {kLoraQ, kLoraK, kLoraV}, x,
-                                  at::linear(x, wqkv, opt(bqkv)), {H, H, H}, rng);
+                                  gemm_linear(x, wqkv, bqkv), {H, H, H}, rng);
   const auto [q, k, v] = split_qkv(qkv, s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/false, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
   const Tensor h1 = std::get<0>(ops::bias_dropout_add_layer_norm(
-      like(plus_lora(at::linear(ctx, w[kAttnOutW]), lora_delta(s, w, kLoraAttnOut, ctx, rng)), x),
+      like(plus_lora(gemm_linear(ctx, w[kAttnOutW]), lora_delta(s, w, kLoraAttnOut, ctx, rng)), x),
                                                                  opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]),
                                                                  hidden_p, s.eps, rng.seed, kAttnOut));
-  const Tensor i = plus_lora(at::linear(h1, w[kInterW]), lora_delta(s, w, kLoraInter, h1, rng));
+  const Tensor i = plus_lora(gemm_linear(h1, w[kInterW]), lora_delta(s, w, kLoraInter, h1, rng));
   const Tensor inter = ops::bias_gelu(i, opt_like(w[kInterB], i), s.gelu_tanh ? "tanh" : "none");
-  const Tensor o = like(plus_lora(at::linear(inter, w[kOutW]), lora_delta(s, w, kLoraOut, inter, rng)), h1);
+  const Tensor o = like(plus_lora(gemm_linear(inter, w[kOutW]), lora_delta(s, w, kLoraOut, inter, rng)), h1);
   LayerOutput r;
   if (out_slot.defined()) {
     ops::bias_dropout_add_layer_norm_into(o, opt(w[kOutB]), h1, w[kLn2W], opt(w[kLn2B]), hidden_p, s.eps, rng.seed,

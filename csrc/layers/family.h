@@ -57,6 +57,10 @@ inline Tensor like(const Tensor& t, const Tensor& ref) {
 }
 inline OptTensor opt_like(const Tensor& t, const Tensor& ref) { return opt(like(t, ref)); }
 
+// a @ b as Tensor::mm (2-D or 3-D), recording no autograd (for use inside autograd functions), in the
+// layout gemm_linear's policy picks (layer.h).
+Tensor gemm_mm(const Tensor& a, const Tensor& b);
+
 // y = x @ W + b for a Conv1D weight [in, out], as Hugging Face computes it.
 Tensor conv1d(const Tensor& x, const Tensor& w, const Tensor& b);
 // x @ W (no bias: the bias is fused into the following op), keeping x's leading dims.

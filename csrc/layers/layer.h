@@ -29,6 +29,7 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -170,6 +171,19 @@ struct ReplayBackward {
 ReplayBackward replay_backward(const LayerSpec& spec, const std::vector<Tensor>& weights, const LayerRng& rng,
                                const LayerOutput& replayed, const Tensor& grad_out,
                                const std::vector<bool>& need_slot);
+
+// The layers' GEMMs (gemm.cpp): x @ w^T (+ bias) as at::linear, and a @ b as at::matmul (batched: equal
+// batch dims). On CPUs whose reduced-precision GEMM is slow in some operand layouts (no oneDNN bfloat16),
+// the product runs in a fast layout instead, in forward and backward (autograd functions of their own);
+// elsewhere these are the ATen calls themselves.
+Tensor gemm_linear(const Tensor& x, const Tensor& w, const Tensor& bias = Tensor());
+Tensor gemm_matmul(const Tensor& a, const Tensor& b);
+
+// The CPU GEMM layout policy of the layers (gemm.cpp): "auto" (default, or CKPT_EXT_CPU_GEMM_LAYOUT):
+// reduced-precision products on CPU run in a fast operand layout where ATen's GEMM has slow ones (no
+// oneDNN bfloat16); "nt": every floating-point CPU product (tests use it to reach the path on any CPU);
+// "off": ATen's calls as they are. Sets it when `set` is given; returns the setting before the call.
+std::string cpu_gemm_layout(const std::optional<std::string>& set);
 
 }  // namespace layers
 }  // namespace ckpt_ext

@@ -52,7 +52,7 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
   const int64_t qw = s.num_heads * s.head_dim, kvw = s.num_kv_heads * s.head_dim;
   const Tensor qkv = plus_lora_qkv(s, w, {kLoraQ, kLoraK, kLoraV}, n1,
-                                  at::linear(n1, wqkv, opt(bqkv)), {qw, kvw, kvw}, rng);
+                                  gemm_linear(n1, wqkv, bqkv), {qw, kvw, kvw}, rng);
   const auto [q_raw, k_raw, v] = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim);
   const Tensor cos = like(in.cos, q_raw), sin = like(in.sin, q_raw);
   const Tensor q = ops::rotary(q_raw, cos, sin);
@@ -60,12 +60,12 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
   auto [n2, h1, rstd] = ops::add_rms_norm(
-      like(plus_lora(at::linear(ctx, w[kOW], opt(w[kOB])), lora_delta(s, w, kLoraO, ctx, rng)), x), x, w[kLn2W],
+      like(plus_lora(gemm_linear(ctx, w[kOW], w[kOB]), lora_delta(s, w, kLoraO, ctx, rng)), x), x, w[kLn2W],
       s.eps);
   // Two GEMMs rather than one over [gate; up]: swiglu reads contiguous halves without a copy.
   const Tensor act =
-      ops::swiglu(plus_lora(at::linear(n2, w[kGateW], opt(w[kGateB])), lora_delta(s, w, kLoraGate, n2, rng)),
-                  plus_lora(at::linear(n2, w[kUpW], opt(w[kUpB])), lora_delta(s, w, kLoraUp, n2, rng)));
+      ops::swiglu(plus_lora(gemm_linear(n2, w[kGateW], w[kGateB]), lora_delta(s, w, kLoraGate, n2, rng)),
+                  plus_lora(gemm_linear(n2, w[kUpW], w[kUpB]), lora_delta(s, w, kLoraUp, n2, rng)));
   return last_linear_tail(s, w, rng, last_linear(s, w, rng), act, h1, out_slot, stop,
                           lora_delta(s, w, kLoraDown, act, rng));
 }

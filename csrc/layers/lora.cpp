@@ -30,7 +30,7 @@ bool has_adapter(const LayerSpec& s, const std::vector<Tensor>& w, int64_t j) {
 }
 
 // peft casts the adapter's input to the adapter weights' dtype (float32 adapters on a bfloat16 model: peft's
-// autocast_adapter_dtype default); under autocast at::linear casts it on as peft's nn.Linear does.
+// autocast_adapter_dtype default); under autocast gemm_linear (family.h) casts it on as peft's nn.Linear does.
 Tensor adapter_input(const Tensor& x, const Tensor& A) {
   return x.scalar_type() == A.scalar_type() ? x : x.to(A.scalar_type());
 }
@@ -43,7 +43,7 @@ Tensor lora_delta(const LayerSpec& s, const std::vector<Tensor>& w, int64_t j, c
   const double p = effective(s.lora_p[static_cast<size_t>(j)], rng);
   const Tensor xa = adapter_input(x, w[a]);
   const Tensor xd = p > 0 ? ops::dropout(xa, p, rng.seed, kLoraInput + j) : xa;
-  return at::linear(at::linear(xd, w[a]), w[a + 1]) * s.lora_scaling[static_cast<size_t>(j)];
+  return gemm_linear(gemm_linear(xd, w[a]), w[a + 1]) * s.lora_scaling[static_cast<size_t>(j)];
 }
 
 // peft adds the term in the wider dtype of the two, then casts to the base output's.
@@ -68,10 +68,10 @@ Tensor plus_lora_qkv(const LayerSpec& s, const std::vector<Tensor>& w, std::arra
     // blockdiag(s_q B_q, s_k B_k, s_v B_v), which lays the three terms out as the fused qkv projection.
     // Copies only the small adapter matrices (peft allocates each A apart, so their concatenation cannot
     // be a view); autograd splits the gradients back.
-    const Tensor xa = at::linear(adapter_input(x, Aq), at::cat({Aq, Ak, Av}, 0));
+    const Tensor xa = gemm_linear(adapter_input(x, Aq), at::cat({Aq, Ak, Av}, 0));
     std::vector<Tensor> b;
     for (int64_t k : j) b.push_back(w[a_slot(s, k) + 1] * s.lora_scaling[static_cast<size_t>(k)]);
-    return plus_lora(y, at::linear(xa, at::block_diag(b)));
+    return plus_lora(y, gemm_linear(xa, at::block_diag(b)));
   }
   // Each adapter its own dropout mask (as peft's modules draw them), or not all three adapted.
   std::vector<Tensor> deltas;

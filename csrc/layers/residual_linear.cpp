@@ -23,7 +23,7 @@ Tensor in_dtype(const Tensor& t, at::ScalarType dtype) { return t.scalar_type() 
 Tensor matmul_2d(const Tensor& x, const LastLinear& lin) {
   const Tensor x2d = x.reshape({-1, x.size(-1)});
   const Tensor w = in_dtype(lin.weight, x.scalar_type());
-  return lin.conv1d ? x2d.mm(w) : x2d.mm(w.t());
+  return lin.conv1d ? gemm_mm(x2d, w) : gemm_mm(x2d, w.t());
 }
 
 
@@ -86,11 +86,11 @@ ResidualLinearGrads residual_linear_backward(const Tensor& grad, const Tensor& x
   const Tensor gc = in_dtype(g2d, cdt);
   if (need_x) {
     const Tensor w = in_dtype(lin.weight, cdt);
-    r.x = (lin.conv1d ? gc.mm(w.t()) : gc.mm(w)).view(x.sizes());
+    r.x = (lin.conv1d ? gemm_mm(gc, w.t()) : gemm_mm(gc, w)).view(x.sizes());
   }
   if (need_weight) {
     const Tensor x2d = x.reshape({-1, x.size(-1)});
-    r.weight = in_dtype(lin.conv1d ? x2d.t().mm(gc) : gc.t().mm(x2d), lin.weight.scalar_type());
+    r.weight = in_dtype(lin.conv1d ? gemm_mm(x2d.t(), gc) : gemm_mm(gc.t(), x2d), lin.weight.scalar_type());
   }
   if (need_bias) r.bias = g2d.sum(0);
   return r;
