@@ -2,6 +2,7 @@
 // state, with recompute hooks that fill the Holders in order, and its early stop.
 #include "checkpoint_internal.h"
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <pybind11/eval.h>
