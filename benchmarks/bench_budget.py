@@ -50,6 +50,8 @@ CONFIGS = {
 
 
 class _Created(TorchDispatchMode):
+    """Records (weakly) the tensors the ops create while `on`."""
+
     def __init__(self):
         super().__init__()
         self.on, self.refs = False, []
@@ -61,10 +63,12 @@ class _Created(TorchDispatchMode):
         return out
 
 
-def stack_held(model, forward) -> int:
-    """Bytes the layer stack holds from forward to backward (see the module's docstring); runs forward() (returns
-    the loss) and the backward."""
-    layers = model.layers
+def held_by_stack(model, layers, call):
+    """Runs call(model) (a forward); returns (its output, bytes held from forward to backward by the layer stack
+    `layers`): the storages still alive after the forward among those the stack's layers created (parameters -- a
+    weight's transpose -- and the last layer's output, which the model goes on with, excepted) and those the stack
+    received (the first layer's arguments: its input, a mask, rotary tables), plus the pool slots the stack took
+    (fused segments' outputs, their kept attention). tests/test_planner.py uses it too."""
     created, received, window, last = _Created(), [], [], []
 
     def pre(module, args, kwargs):
@@ -80,7 +84,7 @@ def stack_held(model, forward) -> int:
     hooks = [layers[0].register_forward_pre_hook(pre, with_kwargs=True), layers[-1].register_forward_hook(post)]
     try:
         with created:
-            loss = forward()
+            out = call(model)
     finally:
         for h in hooks:
             h.remove()
@@ -92,12 +96,19 @@ def stack_held(model, forward) -> int:
     pooled = window[-1] - window[0]
     for t in last:
         storages.pop(t.untyped_storage().data_ptr(), None)
-        if ckpt_ext.is_pooled(t):
+        if ckpt_ext.is_pooled(t):  # a slot of 256-byte multiples
             pooled -= -(-t.untyped_storage().nbytes() // 256) * 256
     received.clear()
     last.clear()
+    return out, sum(storages.values()) + pooled
+
+
+def stack_held(model, forward) -> int:
+    """Bytes the layer stack holds from forward to backward (see the module's docstring); runs forward() (returns
+    the loss) and the backward."""
+    loss, held = held_by_stack(model, model.layers, lambda _: forward())
     loss.backward()
-    return sum(storages.values()) + pooled
+    return held
 
 
 def planner_of(model):

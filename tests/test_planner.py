@@ -498,11 +498,6 @@ def test_shared_bytes_count_once():
 import copy  # noqa: E402
 import warnings  # noqa: E402
 
-import weakref  # noqa: E402
-
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
-
 
 def _hf():
     pytest.importorskip("transformers")
@@ -510,59 +505,11 @@ def _hf():
     return hf_models
 
 
-class _Created(TorchDispatchMode):
-    """Records (weakly) the tensors the ops create while `on`."""
-
-    def __init__(self):
-        super().__init__()
-        self.on, self.refs = False, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.on:
-            self.refs.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-        return out
-
-
 def _stack_held(model, layers, call):
-    """Runs call(model) (a forward); returns (output, bytes held from forward to backward by the layer stack):
-    the storages still alive after the forward among those the stack's layers created (parameters -- a weight's
-    transpose -- and the last layer's output, which the model goes on with, excepted) and those the stack received
-    (the first layer's arguments: its input, a mask, rotary tables), plus the pool slots the stack took (fused segments' outputs, their kept attention)."""
-    created = _Created()
-    received, window, last = [], [], []
-
-    def pre(module, args, kwargs):
-        received.extend(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        window.append(ckpt_ext.pool_stats("cpu")["in_use_bytes"])
-        created.on = True
-
-    def post(module, args, out):
-        created.on = False
-        window.append(ckpt_ext.pool_stats("cpu")["in_use_bytes"])
-        last.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-
-    h1 = layers[0].register_forward_pre_hook(pre, with_kwargs=True)
-    h2 = layers[-1].register_forward_hook(post)
-    try:
-        with created:
-            out = call(model)
-    finally:
-        h1.remove()
-        h2.remove()
-    params = {q.untyped_storage().data_ptr() for q in model.parameters()}
-    storages = {}
-    for t in received + [r() for r in created.refs]:
-        if t is not None and not ckpt_ext.is_pooled(t) and t.untyped_storage().data_ptr() not in params:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    pooled = window[-1] - window[0]
-    for t in last:
-        storages.pop(t.untyped_storage().data_ptr(), None)
-        if ckpt_ext.is_pooled(t):  # a slot of 256-byte multiples
-            pooled -= -(-t.untyped_storage().nbytes() // 256) * 256
-    received.clear()
-    last.clear()
-    return out, sum(storages.values()) + pooled
+    """(output, bytes the layer stack holds from forward to backward): the benchmark's own measurement."""
+    from helpers import benchmarks  # noqa: F401  (puts benchmarks/ on sys.path)
+    import bench_budget
+    return bench_budget.held_by_stack(model, layers, call)
 
 
 def _step(model, call, seed):
