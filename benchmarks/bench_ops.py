@@ -160,7 +160,24 @@ def to_markdown(info: dict, rows: List[dict], cfg: dict) -> str:
                                 "backward needs, ours returns it)" if cfg.get("grad_forward", True) else
                                 "--no-grad-forward: no autograd (eager frees its intermediates at once)") + ".",
               "- eager backward: autograd through the eager forward's graph (retain_graph)."]
+    if cfg.get("warm_heap"):
+        lines.append("- CPU allocator: glibc's heap kept warm for both sides (mallopt: no trimming, mmap only from "
+                     "32 MiB), as in a training loop's steady state; with glibc's defaults a benchmark loop that frees "
+                     "every output returns the heap's top to the OS and each call faults fresh pages in "
+                     "(`--fresh-pages` measures that way).")
     return "\n".join(lines) + "\n"
+
+
+def _keep_heap_warm() -> bool:
+    """glibc: no heap trimming, mmap only for blocks of 32 MiB and more (the most mallopt allows), so that a
+    loop freeing its outputs every call does not fault fresh pages in on the next (True where set)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_trim_threshold, 1 << 30)) and bool(libc.mallopt(m_mmap_threshold, 32 << 20))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def main(argv=None) -> dict:
@@ -179,9 +196,13 @@ def main(argv=None) -> dict:
                         "comparison on a machine shared with other work")
     p.add_argument("--no-grad-forward", action="store_true",
                    help="forwards on inputs without grad (eager then frees what its backward would keep)")
+    p.add_argument("--fresh-pages", action="store_true",
+                   help="CPU: glibc's allocator defaults, under which a call's fresh outputs often fault their "
+                        "pages in (the default keeps the heap warm, as a training loop's steady state does)")
     add_output_args(p)
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    warm_heap = device.type == "cpu" and not args.fresh_pages and _keep_heap_warm()
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = device.type == "cuda"
@@ -197,7 +218,7 @@ def main(argv=None) -> dict:
     print(f"fused ops on {device}: rows {rows}, hidden {hiddens}, {', '.join(names)} ...", file=sys.stderr)
     result_rows = run(device, dtypes, rows, hiddens, rounds, inner, only, not args.no_grad_forward)
     cfg = {"rows": rows, "hidden": hiddens, "dtype": ",".join(names), "rounds": rounds, "inner": inner,
-           "grad_forward": not args.no_grad_forward,
+           "grad_forward": not args.no_grad_forward, "warm_heap": warm_heap,
            "argv": list(sys.argv[1:] if argv is None else argv)}
     md = to_markdown(finish_env(info), result_rows, cfg)
     print(md)
