@@ -262,6 +262,19 @@ def _checkpointing(model, every):
     return model
 
 
+def _eager_fused_reference(model, kw, dropout):
+    """One step of a copy of the fused `model` run eagerly, the reference of its compiled run: without dropout
+    the eager fused model; with dropout the checkpointed copy through the same operators run eagerly
+    (compiled.USE_OPS_EAGERLY), which draw the same seeds in the same order."""
+    if not dropout:
+        return _hf_step(copy.deepcopy(model), kw, seed=4)
+    ckpt_ext.compiled.USE_OPS_EAGERLY = True
+    try:
+        return _hf_step(_checkpointing(copy.deepcopy(model), every=2), kw, seed=4)
+    finally:
+        ckpt_ext.compiled.USE_OPS_EAGERLY = False
+
+
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
 def test_hugging_face_model_checkpointed_compiles_fullgraph(family):
     model, kw = _hf(family, dropout=0.2, layers=4)
@@ -284,14 +297,7 @@ def test_fused_hugging_face_model_compiles_to_fused_segment_ops(family):
         torch._dynamo.reset()
         model, kw = _hf(family, dropout=dropout, layers=4)
         ckpt_ext.fuse(model)
-        if dropout:
-            ckpt_ext.compiled.USE_OPS_EAGERLY = True
-            try:
-                eager = _hf_step(_checkpointing(copy.deepcopy(model), every=2), kw, seed=4)
-            finally:
-                ckpt_ext.compiled.USE_OPS_EAGERLY = False
-        else:
-            eager = _hf_step(copy.deepcopy(model), kw, seed=4)
+        eager = _eager_fused_reference(model, kw, dropout)
         _checkpointing(model, every=2)
         backend = Recorder()
         compiled = torch.compile(model, backend=backend, fullgraph=True)
@@ -415,14 +421,8 @@ def test_fused_layers_with_lora_compile_to_fused_segment_ops(family):
         model, kw = _lora(family, dropout=dropout, lora_dropout=lora_dropout)
         peft_eager = _hf_step(copy.deepcopy(model), kw, seed=4)
         ckpt_ext.fuse(model)
-        if lora_dropout:
-            ckpt_ext.compiled.USE_OPS_EAGERLY = True
-            try:
-                eager = _hf_step(_checkpointing(copy.deepcopy(model), every=2), kw, seed=4)
-            finally:
-                ckpt_ext.compiled.USE_OPS_EAGERLY = False
-        else:
-            eager = _hf_step(copy.deepcopy(model), kw, seed=4)
+        eager = _eager_fused_reference(model, kw, lora_dropout)
+        if not lora_dropout:
             _close_to_peft(eager, peft_eager)
         _checkpointing(model, every=2)
         backend = Recorder()
