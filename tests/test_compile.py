@@ -262,6 +262,16 @@ def _checkpointing(model, every):
     return model
 
 
+def _compiled_checkpointed_step(model, kw):
+    """(compiled model, its Recorder backend, the parameters, one compiled step at seed 4) of `model` checkpointed
+    every 2 layers and compiled with fullgraph=True."""
+    _checkpointing(model, every=2)
+    backend = Recorder()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    params = dict(model.named_parameters())
+    return compiled, backend, params, compiled_step(lambda: compiled(**kw).last_hidden_state, [], params, seed=4)
+
+
 def _eager_fused_reference(model, kw, dropout):
     """One step of a copy of the fused `model` run eagerly, the reference of its compiled run: without dropout
     the eager fused model; with dropout the checkpointed copy through the same operators run eagerly
@@ -298,11 +308,7 @@ def test_fused_hugging_face_model_compiles_to_fused_segment_ops(family):
         model, kw = _hf(family, dropout=dropout, layers=4)
         ckpt_ext.fuse(model)
         eager = _eager_fused_reference(model, kw, dropout)
-        _checkpointing(model, every=2)
-        backend = Recorder()
-        compiled = torch.compile(model, backend=backend, fullgraph=True)
-        params = dict(model.named_parameters())
-        got = compiled_step(lambda: compiled(**kw).last_hidden_state, [], params, seed=4)
+        compiled, backend, params, got = _compiled_checkpointed_step(model, kw)
         assert_grads_close(got, eager, exact=True)
         assert backend.count(SEGMENT_OP) == 2 and backend.count(CHECKPOINT_OP) == 0
         second_step_does_not_recompile(lambda: compiled(**kw).last_hidden_state, [], params, seed=5)
@@ -424,11 +430,7 @@ def test_fused_layers_with_lora_compile_to_fused_segment_ops(family):
         eager = _eager_fused_reference(model, kw, lora_dropout)
         if not lora_dropout:
             _close_to_peft(eager, peft_eager)
-        _checkpointing(model, every=2)
-        backend = Recorder()
-        compiled = torch.compile(model, backend=backend, fullgraph=True)
-        params = dict(model.named_parameters())
-        got = compiled_step(lambda: compiled(**kw).last_hidden_state, [], params, seed=4)
+        compiled, backend, params, got = _compiled_checkpointed_step(model, kw)
         assert_grads_close(got, eager, exact=True)
         trainable = {n for n, p in params.items() if p.requires_grad}
         assert trainable and all("lora_" in n for n in trainable)
@@ -473,6 +475,18 @@ class _FixedRotary(nn.Module):
         return self.cos, self.sin
 
 
+
+def _assert_compile_refuses(model, kw, fullgraph, match):
+    """The compiled model's call raises the refusal `match` (NotImplementedError, or with fullgraph=True Dynamo's
+    own error carrying the message) and never runs the eager engine instead (no checkpoint frame created)."""
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
+    frames = ckpt_ext._C.checkpoint_frames_created()
+    with pytest.raises(Exception, match=match) as raised:
+        compiled(**kw)
+    if not fullgraph:
+        assert raised.type is NotImplementedError
+    assert ckpt_ext._C.checkpoint_frames_created() == frames
+
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks-allowed", "fullgraph"])
 def test_fused_layer_whose_rotary_tables_require_grad_under_compile_raises_a_clear_error(fullgraph):
     """The operator does not differentiate the mask or rotary tables: said under torch.compile, never run
@@ -484,14 +498,8 @@ def test_fused_layer_whose_rotary_tables_require_grad_under_compile_raises_a_cle
     with torch.no_grad():
         cos, sin = model.rotary_emb(torch.ones(1), torch.arange(kw["input_ids"].shape[1])[None])
     model.rotary_emb = _FixedRotary(cos.requires_grad_(), sin)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
-    frames = ckpt_ext._C.checkpoint_frames_created()
-    with pytest.raises(Exception, match="does not differentiate its attention mask or rotary tables") as raised:
-        compiled(**kw)
-    if not fullgraph:
-        assert raised.type is NotImplementedError
+    _assert_compile_refuses(model, kw, fullgraph, "does not differentiate its attention mask or rotary tables")
     assert not ckpt_ext._compiler.in_compile_fallback()
-    assert ckpt_ext._C.checkpoint_frames_created() == frames
 
 
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks-allowed", "fullgraph"])
@@ -502,13 +510,7 @@ def test_keep_attention_of_fused_layers_under_compile_raises_a_clear_error(fullg
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         ckpt_ext.enable_checkpointing(model, every=2, keep="attention")
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
-    frames = ckpt_ext._C.checkpoint_frames_created()
-    with pytest.raises(Exception, match="not supported under torch.compile") as raised:
-        compiled(**kw)
-    if not fullgraph:
-        assert raised.type is NotImplementedError
-    assert ckpt_ext._C.checkpoint_frames_created() == frames
+    _assert_compile_refuses(model, kw, fullgraph, "not supported under torch.compile")
 
 
 def test_eager_run_inside_a_compiled_region_refuses_what_compile_refuses(monkeypatch):
