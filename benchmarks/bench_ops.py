@@ -8,7 +8,9 @@ as in training, both sides on inputs that require grad: eager's autograd keeps w
 its backward needs (add_layer_norm's sum, mean, rstd) -- without grad, eager frees x + r at once while
 ours hands it back, an unequal amount of work (--no-grad-forward measures that way all the same). The
 eager backward is autograd through the eager forward (retain_graph), what a model without the fused op
-runs; the LayerNorm's weight and bias both require grad there, as ours returns both gradients.
+runs; the LayerNorm's weight and bias both require grad there, as ours returns both gradients. Our
+bias_dropout_add_layer_norm_backward is handed the keep bits its forward returned, as the op's autograd
+does (on CPU: the mask, one bit per element, read instead of regenerated; on CUDA there are none).
 
     python benchmarks/bench_ops.py                       # best device: CUDA bf16 rows 16384, else CPU fp32 + bf16 rows 2048
     python benchmarks/bench_ops.py --hidden 1024,4096,8192 --dtype bfloat16,float16
@@ -67,7 +69,7 @@ def cases(rows: int, hidden: int, dtype, device, grad_forward: bool = True) -> L
     cos, sin = torch.randn(1, seq, head_dim, **kw), torch.randn(1, seq, head_dim, **kw)
     nq = xq.numel()
     mask = ops.dropout_mask(n, P, SEED, 0, device).view(rows, hidden)
-    _, pre, mean, rstd = ops.bias_dropout_add_layer_norm(x, b, r, w, b, P, EPS, SEED, 0)
+    _, pre, mean, rstd, keep_bits = ops.bias_dropout_add_layer_norm(x, b, r, w, b, P, EPS, SEED, 0)
     _, s_ln, m_ln, r_ln = ops.add_layer_norm(x, r, w, b, EPS)
     _, s_rms, r_rms = ops.add_rms_norm(x, r, w, EPS)
     return [
@@ -84,7 +86,7 @@ def cases(rows: int, hidden: int, dtype, device, grad_forward: bool = True) -> L
          fwd(lambda t, u, v, ww, bb: F.layer_norm(F.dropout(t + u, P) + v, (hidden,), ww, bb, EPS), x, b, r, w, b),
          4 * n * e),
         ("bias_dropout_add_layer_norm_backward",
-         lambda: ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, P, SEED, 0),
+         lambda: ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, P, SEED, 0, keep_bits),
          _grad(lambda t, u, v, lb: F.layer_norm(F.dropout(t + b, P) + u, (hidden,), v, lb, EPS), x, r, w, b),
          4 * n * e),
         ("add_layer_norm", fwd(lambda t, u, ww, bb: ops.add_layer_norm(t, u, ww, bb, EPS), x, r, w, b),
@@ -159,7 +161,9 @@ def to_markdown(info: dict, rows: List[dict], cfg: dict) -> str:
               "- forwards: " + ("both on inputs that require grad, as in training (eager's autograd keeps what its "
                                 "backward needs, ours returns it)" if cfg.get("grad_forward", True) else
                                 "--no-grad-forward: no autograd (eager frees its intermediates at once)") + ".",
-              "- eager backward: autograd through the eager forward's graph (retain_graph)."]
+              "- eager backward: autograd through the eager forward's graph (retain_graph). "
+              "bias_dropout_add_layer_norm_backward (ours) reads the keep bits its forward returned, as the op's "
+              "autograd does (CPU: the dropout mask, one bit per element; CUDA: none, the mask is regenerated)."]
     if cfg.get("warm_heap"):
         lines.append("- CPU allocator: glibc's heap kept warm for both sides (mallopt: no trimming, mmap only from "
                      "32 MiB), as in a training loop's steady state; with glibc's defaults a benchmark loop that frees "

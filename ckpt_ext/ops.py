@@ -98,12 +98,15 @@ def bias_dropout_add_layer_norm(
     eps: float = 1e-5,
     seed: int = 0,
     offset: int = 0,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """BERT's output block, fused: ``pre_norm = residual + dropout(x + bias)``, ``out = layer_norm(pre_norm)``.
 
-    Returns ``(out, pre_norm, mean, rstd)``; backward needs only ``pre_norm``, ``mean`` and ``rstd``
-    (the dropout mask is regenerated). Differentiable in ``x``, ``bias``, ``residual``, ``weight`` and
-    ``ln_bias`` (``mean`` and ``rstd`` are not differentiable).
+    Returns ``(out, pre_norm, mean, rstd, keep_bits)``; backward needs ``pre_norm``, ``mean``, ``rstd``
+    and, where there are any, ``keep_bits``: on CPU with ``p > 0`` the dropout mask, one bit per element
+    (``uint8`` of shape ``[*x.shape[:-1], ceil(hidden / 8)]``, 1/32 of an fp32 activation), which the
+    backward reads instead of regenerating the mask; elsewhere (CUDA, ``p == 0``) an empty ``uint8``
+    tensor and the backward regenerates the mask from ``(seed, offset)``. Differentiable in ``x``,
+    ``bias``, ``residual``, ``weight`` and ``ln_bias`` (``mean``, ``rstd`` and ``keep_bits`` are not).
     """
     return _lib.bias_dropout_add_layer_norm.default(x, bias, residual, weight, ln_bias, p, eps, seed, offset)
 
@@ -118,14 +121,17 @@ def bias_dropout_add_layer_norm_backward(
     p: float,
     seed: int,
     offset: int,
+    keep_bits: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward of :func:`bias_dropout_add_layer_norm`: ``(grad_x, grad_residual, grad_weight, grad_ln_bias)``.
 
     ``grad_pre_norm`` (optional) is the gradient flowing into ``pre_norm`` from elsewhere; it is added
     to the LayerNorm input gradient. The dense bias's gradient is ``grad_x`` summed over rows.
+    ``keep_bits``: the forward's, as returned (the mask is read from it; empty: regenerated), or None
+    (regenerated from ``(seed, offset)``); both give the same gradients bit for bit.
     """
     return _lib.bias_dropout_add_layer_norm_backward.default(
-        grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset
+        grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits
     )
 
 
@@ -251,14 +257,21 @@ def _(numel, p, seed, offset, device):
     return torch.empty(numel, dtype=torch.bool, device=device)
 
 
+def _keep_bits(x: Tensor, p: float) -> Tensor:
+    """The C++ op's keep_bits (ops/checks.h): one bit per element on CPU with dropout, else empty."""
+    if x.device.type == "cpu" and p > 0:
+        return x.new_empty((*x.shape[:-1], (x.shape[-1] + 7) // 8), dtype=torch.uint8)
+    return x.new_empty((0,), dtype=torch.uint8)
+
+
 @torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm")
 def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset):
     _like("bias_dropout_add_layer_norm", "x", x, bias=bias, residual=residual, weight=weight, ln_bias=ln_bias)
-    return _empty(x), _empty(x), _row_stats(x), _row_stats(x)
+    return _empty(x), _empty(x), _row_stats(x), _row_stats(x), _keep_bits(x, p)
 
 
 @torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm_backward")
-def _(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset):
+def _(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits=None):
     return _empty(pre_norm), _empty(pre_norm), _empty(weight), _empty(weight)
 
 

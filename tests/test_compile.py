@@ -581,7 +581,7 @@ def fused_ops_program(x, res, b, w, lb, gate, up, cos, sin, seed: int):
     """Every forward op, chained; its backward runs every *_backward op."""
     h = ops.bias_gelu(x, b, "tanh")
     h = ops.bias_dropout_add(h, b, res, 0.1, seed, 0)
-    out, pre, _, _ = ops.bias_dropout_add_layer_norm(h, b, res, w, lb, 0.1, 1e-5, seed, 4)
+    out, pre, _, _, _ = ops.bias_dropout_add_layer_norm(h, b, res, w, lb, 0.1, 1e-5, seed, 4)
     out, pre, _, _ = ops.add_layer_norm(out, pre, w, lb, 1e-5)
     out, pre, _ = ops.add_rms_norm(out, pre, w, 1e-6)
     act = ops.swiglu(gate, up)

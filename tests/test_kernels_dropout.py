@@ -86,10 +86,13 @@ def test_dropout_forward_and_backward_use_the_same_mask(device, dtype, shape):
     ops.bias_dropout_add(x, None, zeros, p, seed, offset).backward(ones)
     assert torch.equal(x.grad, fwd)
     w = torch.randn(shape[-1], dtype=dtype, device=device)
-    out, pre, mean, rstd = ops.bias_dropout_add_layer_norm(ones, None, zeros, w, None, p, 1e-5, seed, offset)
+    out, pre, mean, rstd, bits = ops.bias_dropout_add_layer_norm(ones, None, zeros, w, None, p, 1e-5, seed, offset)
     assert torch.equal(pre, fwd)
     g = torch.randn(shape, dtype=dtype, device=device)
     grad_x, grad_res, _, _ = ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, p, seed, offset)
+    # the mask read from the forward's keep bits (CPU; empty on CUDA): the same gradient
+    from_bits = ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, p, seed, offset, bits)[0]
+    assert torch.equal(from_bits, grad_x)
     assert torch.equal(grad_x == 0, ~mask | (grad_res == 0))
     rtol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(grad_x, ref_dropout(grad_res, mask, p), rtol=rtol, atol=1e-6)

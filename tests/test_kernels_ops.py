@@ -165,7 +165,8 @@ def test_bias_dropout_add_layer_norm(device, dtype, shape, p, with_biases):
         grads,
         (["out", "pre_norm"], grad_names),
     )
-    _, pre_norm, mean, rstd = ops.bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p, eps, seed, offset)
+    _, pre_norm, mean, rstd, _ = ops.bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p, eps, seed,
+                                                                 offset)
     assert_row_stats_match(pre_norm, mean, rstd, eps)
 
 

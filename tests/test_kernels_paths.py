@@ -4,7 +4,8 @@ CPU the AVX2 kernels too (=avx2): every op in float32 and bfloat16, forward and 
 that is a whole number of SIMD steps and on one that ends in a partial step. The other kernel tests run only
 the path of the CPU they are on; CI's machines are of either kind.
 
-Dropout masks must agree exactly; values to within what the paths' arithmetic allows (the SIMD GELU/SiLU
+Dropout masks (and the keep bits the LayerNorm stores, packed with AVX2 or by the scalar loop) must agree
+exactly; values to within what the paths' arithmetic allows (the SIMD GELU/SiLU
 use an exp accurate to 20 float ulps, the portable loops std::exp; bfloat16 results may differ by a
 rounding)."""
 import os
@@ -33,11 +34,14 @@ def compute(dtype: torch.dtype, rows: int, hidden: int) -> dict:
     out["bias_gelu_backward"] = ops.bias_gelu_backward(gr, x, b)
     out["bias_dropout_add"] = ops.bias_dropout_add(x, b, r, P, SEED, 0)
     out["dropout"] = ops.dropout(x, P, SEED, 5)
-    y, pre, mean, rstd = ops.bias_dropout_add_layer_norm(x, b, r, w, lb, P, 1e-5, SEED, 0)
-    out.update(bdaln=y, bdaln_pre=pre, bdaln_mean=mean, bdaln_rstd=rstd)
+    y, pre, mean, rstd, bits = ops.bias_dropout_add_layer_norm(x, b, r, w, lb, P, 1e-5, SEED, 0)
+    out.update(bdaln=y, bdaln_pre=pre, bdaln_mean=mean, bdaln_rstd=rstd, bdaln_keep_bits=bits)
     for k, t in zip(("gx", "gr", "gw", "gb"), ops.bias_dropout_add_layer_norm_backward(gr, x, pre, w, mean, rstd,
                                                                                       P, SEED, 0)):
         out["bdaln_backward_" + k] = t
+    for k, t in zip(("gx", "gr", "gw", "gb"), ops.bias_dropout_add_layer_norm_backward(gr, x, pre, w, mean, rstd,
+                                                                                      P, SEED, 0, bits)):
+        out["bdaln_backward_bits_" + k] = t
     y, s, mean, rstd = ops.add_layer_norm(x, r, w, lb)
     out.update(add_layer_norm=y, add_layer_norm_sum=s, add_layer_norm_rstd=rstd)
     for k, t in zip(("gx", "gw", "gb"), ops.add_layer_norm_backward(gr, None, s, w, mean, rstd)):
@@ -92,7 +96,9 @@ def test_simd_kernels_match_the_portable_loops(lower_paths, case):
             got = here[name]
             assert torch.equal(got == 0, want == 0) or "dropout" not in name and "bdaln" not in name, \
                 f"{name}: the dropout masks differ between the native kernels and ATEN_CPU_CAPABILITY={cap}"
-            if dtype == torch.float32:
+            if "keep_bits" in name:  # the stored mask: bit for bit
+                assert torch.equal(got, want), f"{name}: the keep bits differ from ATEN_CPU_CAPABILITY={cap}'s"
+            elif dtype == torch.float32:
                 torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5,
                                            msg=lambda m: f"{name} (native vs {cap}): {m}")
             else:

@@ -34,6 +34,8 @@ def _opcheck_samples(device="cpu"):
     q = t(2, 6, 3, 8).transpose(1, 2).detach().requires_grad_()  # [2, 3, 6, 8] view
     cos, sin = t(1, 6, 8), t(1, 6, 8)
     L = torch.ops.ckpt_ext
+    # the forward's keep bits (CPU: one bit per element; CUDA: empty)
+    bits = L.bias_dropout_add_layer_norm.default(g, None, s, w.detach(), None, 0.2, 1e-5, 3, 4)[4]
     return [
         (L.bias_gelu.default, (x, b, "none")),
         (L.bias_gelu.default, (x, None, "tanh")),
@@ -46,6 +48,7 @@ def _opcheck_samples(device="cpu"):
         (L.bias_dropout_add_layer_norm.default, (x, None, r, w, None, 0.0, 1e-5, 3, 4)),
         (L.bias_dropout_add_layer_norm_backward.default, (g, g, s, w.detach(), mean, rstd, 0.2, 3, 4)),
         (L.bias_dropout_add_layer_norm_backward.default, (g, None, s, w.detach(), mean, rstd, 0.0, 3, 4)),
+        (L.bias_dropout_add_layer_norm_backward.default, (g, g, s, w.detach(), mean, rstd, 0.2, 3, 4, bits)),
         (L.add_layer_norm.default, (x, r, w, b, 1e-5)),
         (L.add_layer_norm.default, (x, None, w, None, 1e-5)),
         (L.add_layer_norm_backward.default, (g, g, s, w.detach(), mean, rstd)),
@@ -104,8 +107,10 @@ def test_autograd_nodes_are_cpp_functions():
 def test_non_differentiable_outputs_and_unused_grads():
     x, r = torch.randn(4, 6, requires_grad=True), torch.randn(4, 6, requires_grad=True)
     w, b = torch.randn(6, requires_grad=True), torch.randn(6)
-    out, pre, mean, rstd = ops.bias_dropout_add_layer_norm(x, None, r, w, b, 0.0, 1e-5, 1, 2)
-    assert not mean.requires_grad and not rstd.requires_grad
+    out, pre, mean, rstd, bits = ops.bias_dropout_add_layer_norm(x, None, r, w, b, 0.0, 1e-5, 1, 2)
+    assert not mean.requires_grad and not rstd.requires_grad and not bits.requires_grad
+    assert bits.dtype == torch.uint8 and bits.shape == (0,)  # no dropout: no keep bits
+    assert not ops.bias_dropout_add_layer_norm(x, None, r, w, b, 0.5, 1e-5, 1, 2)[4].requires_grad
     pre.sum().backward()  # only pre_norm used: out's gradient is taken as zero
     assert torch.equal(x.grad, torch.ones_like(x)) and torch.equal(r.grad, torch.ones_like(r))
     assert torch.equal(w.grad, torch.zeros_like(w))

@@ -138,8 +138,12 @@ def test_bias_dropout_add_layer_norm(device, shape, dtype, p, offset):
     x, r = randn(rows, hidden), randn(rows, hidden, scale=2)
     b, w, lb = (randn(hidden) for _ in range(3))
     g_out, g_pre = randn(rows, hidden), randn(rows, hidden)
-    out, pre, mean, rstd = ops.bias_dropout_add_layer_norm(x, b, r, w, lb, p, 1e-5, SEED, OFFSET)
+    out, pre, mean, rstd, bits = ops.bias_dropout_add_layer_norm(x, b, r, w, lb, p, 1e-5, SEED, OFFSET)
     gx, gr, gw, glb = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, w, mean, rstd, p, SEED, OFFSET)
+    # the mask read from the forward's keep bits (CPU with dropout; empty elsewhere): bit for bit the same
+    for a, b_ in zip(ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, w, mean, rstd, p, SEED, OFFSET, bits),
+                     (gx, gr, gw, glb)):
+        assert torch.equal(a, b_)
     mask = cpu_mask(rows, hidden, p).to(device) if p > 0 else None
     if mask is not None:  # backward dropped exactly the CPU mask's elements (grad_x = grad_residual * mask * scale)
         assert torch.equal(gx != 0, mask & (gr != 0))
@@ -218,14 +222,91 @@ def test_dropout_mask_and_values_equal_the_cpu_kernels(device, shape, dtype, mis
         return (buf[1:] if misaligned else buf[:-1]).view(rows, hidden)
 
     ones, zeros, w = tensor(1.0), tensor(0.0), torch.ones(hidden, dtype=dtype, device=device)
-    _, pre, mean, rstd = ops.bias_dropout_add_layer_norm(ones, None, zeros, w, None, p, 1e-5, SEED, OFFSET)
+    _, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm(ones, None, zeros, w, None, p, 1e-5, SEED, OFFSET)
     gx = ops.bias_dropout_add_layer_norm_backward(zeros, ones, pre, w, mean, rstd, p, SEED, OFFSET)[0]
     cpu_x, cpu_z, cpu_w = ones.cpu(), zeros.cpu(), w.cpu()
-    _, cpu_pre, cpu_mean, cpu_rstd = ops.bias_dropout_add_layer_norm(cpu_x, None, cpu_z, cpu_w, None, p, 1e-5, SEED, OFFSET)
+    _, cpu_pre, cpu_mean, cpu_rstd, _ = ops.bias_dropout_add_layer_norm(cpu_x, None, cpu_z, cpu_w, None, p, 1e-5, SEED,
+                                                                        OFFSET)
     cpu_gx = ops.bias_dropout_add_layer_norm_backward(cpu_z, cpu_x, cpu_pre, cpu_w, cpu_mean, cpu_rstd, p, SEED, OFFSET)[0]
     mask = cpu_mask(rows, hidden, p)
     assert torch.equal(cpu_pre != 0, mask) and torch.equal(pre.cpu(), cpu_pre)
     assert torch.equal(cpu_gx != 0, mask) and torch.equal(gx.cpu(), cpu_gx)
+
+
+# ---- keep bits: the CPU forward's mask, one bit per element, read by the backward ------------------------------------
+
+
+def packed(mask):
+    """[*rows, hidden] bool -> uint8 [*rows, ceil(hidden / 8)], bit j % 8 of byte j / 8, zero padding."""
+    hidden = mask.shape[-1]
+    pad = torch.zeros(*mask.shape[:-1], -hidden % 8, dtype=torch.bool)
+    bits = torch.cat([mask, pad], -1).unflatten(-1, (-1, 8)).to(torch.uint8)
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])  # float64: the portable loops
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 8), (2, 9), (129, 33), (4, 1000), (3, 1027), (0, 7), (2, 3, 20)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("p", [0.1, 0.5, 1.0])
+def test_keep_bits_are_the_mask_and_the_backward_reads_them(shape, dtype, p):
+    hidden = shape[-1]
+    x, r, g_out, g_pre = (torch.randn(shape, dtype=dtype) for _ in range(4))
+    b, w, lb = (torch.randn(hidden, dtype=dtype) for _ in range(3))
+    out, pre, mean, rstd, bits = ops.bias_dropout_add_layer_norm(x, b, r, w, lb, p, 1e-5, SEED, OFFSET)
+    mask = cpu_mask(math.prod(shape[:-1]), hidden, p).reshape(shape)
+    assert bits.dtype == torch.uint8 and bits.shape == (*shape[:-1], (hidden + 7) // 8)
+    assert torch.equal(bits, packed(mask))
+    regenerated = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, w, mean, rstd, p, SEED, OFFSET)
+    read = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, w, mean, rstd, p, SEED, OFFSET, bits)
+    for a, b_ in zip(read, regenerated):
+        assert torch.equal(a, b_)
+    # the bits decide: flipped bits flip which gradients are dropped (the seed no longer matters)
+    if bits.numel() and p < 1.0:
+        other = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, w, mean, rstd, p, SEED + 1, OFFSET,
+                                                         packed(~mask))[0]
+        assert torch.equal(other != 0, ~mask & (read[1] != 0))
+
+
+def test_keep_bits_only_where_stored():
+    x, w = torch.randn(4, 10), torch.randn(10)
+    assert ops.bias_dropout_add_layer_norm(x, None, x, w, None, 0.0, 1e-5, 1, 2)[4].shape == (0,)  # no dropout
+    with torch.no_grad():  # the op's outputs do not depend on grad mode
+        assert ops.bias_dropout_add_layer_norm(x, None, x, w, None, 0.3, 1e-5, 1, 2)[4].shape == (4, 2)
+
+
+def test_keep_bits_bad_input_says_what_to_pass():
+    x, g, w = torch.randn(4, 10), torch.randn(4, 10), torch.randn(10)
+    _, pre, mean, rstd, bits = ops.bias_dropout_add_layer_norm(x, None, x, w, None, 0.3, 1e-5, 1, 2)
+    bwd = lambda p, kb: ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, p, 1, 2, kb)  # noqa: E731
+    for bad in (bits.to(torch.int32), bits[:, :1], bits[:3], torch.zeros(4, 4, dtype=torch.uint8)[:, ::2]):
+        with pytest.raises(RuntimeError, match=r"keep_bits must be the contiguous uint8 tensor of shape \[4, 2\]"):
+            bwd(0.3, bad)
+    with pytest.raises(RuntimeError, match=r"keep_bits are stored only by the CPU forward with dropout \(p > 0\)"):
+        bwd(0.0, bits)
+    assert torch.equal(bwd(0.3, torch.empty(0, dtype=torch.uint8))[0], bwd(0.3, None)[0])  # empty: regenerated
+
+
+def test_autograd_saves_the_keep_bits_not_a_mask():
+    """Under autograd the op keeps 1 bit per element for its backward (CPU); gradients equal the regenerated
+    mask's and the eager reference's."""
+    rows, hidden, p = 6, 40, 0.25
+    leaves = [torch.randn(rows, hidden, requires_grad=True), torch.randn(hidden, requires_grad=True),
+              torch.randn(rows, hidden, requires_grad=True), torch.randn(hidden, requires_grad=True),
+              torch.randn(hidden, requires_grad=True)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, pre, mean, rstd, bits = ops.bias_dropout_add_layer_norm(*leaves, p, 1e-5, SEED, OFFSET)
+    assert [t.dtype for t in saved if t.dtype == torch.uint8] == [torch.uint8]
+    assert any(t is bits or (t.shape == bits.shape and torch.equal(t, bits)) for t in saved)
+    g = torch.randn(rows, hidden)
+    got = torch.autograd.grad(out, leaves, g)
+    mask = cpu_mask(rows, hidden, p)
+    ref = torch.autograd.grad(ref_layer_norm(*leaves[:2], leaves[2], leaves[3], leaves[4], mask, p)[0], leaves, g)
+    for a, b_ in zip(got, ref):
+        torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5)
+    gx, gr, gw, glb = ops.bias_dropout_add_layer_norm_backward(g, None, pre.detach(), leaves[3].detach(), mean, rstd,
+                                                               p, SEED, OFFSET)
+    assert torch.equal(got[0], gx) and torch.equal(got[2], gr) and torch.equal(got[3], gw)
 
 
 @requires_cuda

@@ -42,18 +42,21 @@ struct DropoutArgs {
   void dropout(const at::Tensor& x, const DropoutArgs& dropout, const at::Tensor& out);                      \
   /* mask (bool) = keep flags of elements 0 .. numel-1 */                                                     \
   void dropout_mask(const DropoutArgs& dropout, const at::Tensor& mask);                                      \
-  /* pre_norm = residual + dropout(x + bias); out = layer_norm(pre_norm) * weight + ln_bias */               \
+  /* pre_norm = residual + dropout(x + bias); out = layer_norm(pre_norm) * weight + ln_bias; keep_bits     */ \
+  /* (CPU only; undefined = not stored): uint8 [rows, ceil(hidden / 8)], bit j % 8 of byte j / 8 of row r  */ \
+  /* = element (r, j) kept                                                                                  */ \
   void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,            \
                           const DropoutArgs& dropout, const at::Tensor& weight, const at::Tensor& ln_bias,    \
                           double eps, const at::Tensor& out, const at::Tensor& pre_norm,                      \
-                          const at::Tensor& mean, const at::Tensor& rstd);                                    \
+                          const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& keep_bits);       \
   /* grad_pre = d(out)/d(pre_norm)^T grad_out (+ grad_pre_norm); grad_x = grad_pre * mask * scale if       */ \
-  /* grad_x is defined; grad_weight/grad_ln_bias summed over rows in float                                  */ \
+  /* grad_x is defined, the mask read from keep_bits where defined (CPU only), else regenerated;            */ \
+  /* grad_weight/grad_ln_bias summed over rows in float                                                     */ \
   void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_norm,                      \
                            const at::Tensor& pre_norm, const at::Tensor& weight, const at::Tensor& mean,      \
-                           const at::Tensor& rstd, const DropoutArgs& dropout, const at::Tensor& grad_pre,    \
-                           const at::Tensor& grad_x, const at::Tensor& grad_weight,                           \
-                           const at::Tensor& grad_ln_bias);                                                   \
+                           const at::Tensor& rstd, const DropoutArgs& dropout, const at::Tensor& keep_bits,   \
+                           const at::Tensor& grad_pre, const at::Tensor& grad_x,                              \
+                           const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias);                    \
   /* sum = x + residual; out = weight * to_dtype(float(sum) * rstd) (Hugging Face LlamaRMSNorm) */           \
   void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,           \
                         double eps, const at::Tensor& out, const at::Tensor& sum, const at::Tensor& rstd);    \

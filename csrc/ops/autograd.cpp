@@ -150,16 +150,18 @@ struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAd
                                const Tensor& weight, const OptTensor& ln_bias, double p, double eps,
                                c10::SymInt seed, c10::SymInt offset) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [out, pre_norm, mean, rstd] =
+    auto [out, pre_norm, mean, rstd, keep_bits] =
         ops::bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p, eps, seed, offset);
     ctx->saved_data["p"] = p;
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["offset"] = offset;
     store_edges(ctx, Edges::of({true, present(bias), true, true, present(ln_bias)}), 5);
-    ctx->save_for_backward({pre_norm, weight, mean, rstd});
-    ctx->mark_non_differentiable({mean, rstd});
+    // keep_bits: the CPU kernel's mask, 1 bit per element (empty elsewhere): the backward reads it instead
+    // of running Philox again.
+    ctx->save_for_backward({pre_norm, weight, mean, rstd, keep_bits});
+    ctx->mark_non_differentiable({mean, rstd, keep_bits});
     ctx->set_materialize_grads(false);
-    return {out, pre_norm, mean, rstd};
+    return {out, pre_norm, mean, rstd, keep_bits};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -172,7 +174,7 @@ struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAd
     const OptTensor grad_pre = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
     auto [grad_x, grad_residual, grad_weight, grad_ln_bias] = ops::bias_dropout_add_layer_norm_backward(
         grad_out, grad_pre, pre_norm, saved[1], saved[2], saved[3], ctx->saved_data.at("p").toDouble(),
-        saved_symint(ctx, "seed"), saved_symint(ctx, "offset"));
+        saved_symint(ctx, "seed"), saved_symint(ctx, "offset"), saved[4]);
     if (needs(ctx, e[1])) out[1] = sum_rows(grad_x);
     if (needs(ctx, e[0])) out[0] = grad_x;
     if (needs(ctx, e[2])) out[2] = grad_residual;
@@ -315,11 +317,11 @@ Tensor dropout_autograd(const Tensor& x, double p, c10::SymInt seed, c10::SymInt
   return DropoutFunction::apply(x, p, seed, offset);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_autograd(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_autograd(
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
     double p, double eps, c10::SymInt seed, c10::SymInt offset) {
   auto r = BiasDropoutAddLayerNormFunction::apply(x, bias, residual, weight, ln_bias, p, eps, seed, offset);
-  return {r[0], r[1], r[2], r[3]};
+  return {r[0], r[1], r[2], r[3], r[4]};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm_autograd(const Tensor& x, const OptTensor& residual,

@@ -99,6 +99,39 @@ inline void check_row_stats(const char* op, const char* name, const Tensor& t, c
               " returned by the forward op, got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
 }
 
+// The keep bits a LayerNorm with dropout stores on CPU (kernels.h): uint8 [*rows, ceil(hidden / 8)]; where
+// not stored (CUDA, p == 0, an *_into call) an empty uint8 tensor of shape [0].
+inline std::vector<int64_t> keep_bits_shape(const Tensor& x) {
+  const auto sizes = x.sizes();
+  std::vector<int64_t> shape(sizes.begin(), sizes.end() - 1);
+  shape.push_back((x.size(-1) + 7) / 8);
+  return shape;
+}
+
+inline bool stores_keep_bits(const Tensor& x, double p) { return x.device().is_cpu() && p > 0.0; }
+
+inline Tensor empty_keep_bits(const Tensor& x, double p) {
+  return at::empty(stores_keep_bits(x, p) ? keep_bits_shape(x) : std::vector<int64_t>{0},
+                   x.options().dtype(at::kByte));
+}
+
+// keep_bits handed to a backward op: absent or empty (the mask is regenerated), or exactly what the CPU
+// forward returned for this pre-norm tensor and p. Returns whether they are to be read.
+inline bool check_keep_bits(const char* op, const OptTensor& bits, const Tensor& pre, double p) {
+  if (!bits.has_value() || !bits->defined() || (bits->dim() == 1 && bits->size(0) == 0)) return false;
+  const auto want = keep_bits_shape(pre);
+  TORCH_CHECK(stores_keep_bits(pre, p),
+              "ckpt_ext::", op, ": keep_bits are stored only by the CPU forward with dropout (p > 0); got keep_bits ",
+              bits->sizes(), " for ", pre.device(), " tensors and p = ", p,
+              ". Pass None, or the forward's keep_bits as returned (empty where it stored none)");
+  TORCH_CHECK(bits->device() == pre.device() && bits->scalar_type() == at::kByte &&
+                  bits->sizes() == c10::IntArrayRef(want) && bits->is_contiguous(),
+              "ckpt_ext::", op, ": keep_bits must be the contiguous uint8 tensor of shape ", c10::IntArrayRef(want),
+              " returned by the forward op (one bit per element, rows padded to bytes), got ", bits->scalar_type(), " ",
+              bits->sizes(), " on ", bits->device(), ". Pass None to regenerate the mask");
+  return true;
+}
+
 inline void check_hidden(const char* op, const char* name, const Tensor& t) {
   check_at_least_1d(op, name, t);
   TORCH_CHECK(t.size(-1) > 0, "ckpt_ext::", op, ": the last (normalised) dimension of ", name, " must be non-empty");

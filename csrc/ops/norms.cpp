@@ -20,13 +20,11 @@ namespace {
 
 using namespace ops::detail;
 
-// `out`: where to write the normalised output; undefined = allocate it.
-std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_impl(const Tensor& x, const OptTensor& bias,
-                                                                            const Tensor& residual,
-                                                                            const Tensor& weight,
-                                                                            const OptTensor& ln_bias, double p,
-                                                                            double eps, int64_t seed, int64_t offset,
-                                                                            Tensor out) {
+// `out`: where to write the normalised output; undefined = allocate it (and, where the kernel stores them,
+// the keep bits: the *_into calls run without autograd, so nothing would read them).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_impl(
+    const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
+    double p, double eps, int64_t seed, int64_t offset, Tensor out) {
   const char* op = "bias_dropout_add_layer_norm";
   check_floating(op, "x", x);
   check_hidden(op, "x", x);
@@ -37,28 +35,31 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_impl(cons
   if (present(ln_bias)) check_vector(op, "ln_bias", *ln_bias, hidden, "x", x);
   check_p(op, p);
   TORCH_CHECK(eps >= 0, "ckpt_ext::", op, ": eps must be >= 0, got ", eps);
-  if (out.defined()) check_out(op, out, x);
+  const bool into = out.defined();
+  if (into) check_out(op, out, x);
   const Tensor xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
-  if (!out.defined()) out = at::empty_like(xc);
+  if (!into) out = at::empty_like(xc);
   Tensor pre_norm = at::empty_like(xc), mean = empty_row_stats(xc), rstd = empty_row_stats(xc);
+  Tensor keep_bits = empty_keep_bits(xc, into ? 0.0 : p);
   if (xc.numel() > 0)
     CKPT_EXT_LAUNCH(x.device(), layer_norm_forward, xc, contiguous_or_undefined(bias), rc,
-                    DropoutArgs{p, seed, offset}, wc, contiguous_or_undefined(ln_bias), eps, out, pre_norm, mean, rstd);
-  return {out, pre_norm, mean, rstd};
+                    DropoutArgs{p, seed, offset}, wc, contiguous_or_undefined(ln_bias), eps, out, pre_norm, mean, rstd,
+                    keep_bits.numel() > 0 ? keep_bits : Tensor());
+  return {out, pre_norm, mean, rstd, keep_bits};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias,
-                                                                       const Tensor& residual, const Tensor& weight,
-                                                                       const OptTensor& ln_bias, double p, double eps,
-                                                                       int64_t seed, int64_t offset) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(
+    const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
+    double p, double eps, int64_t seed, int64_t offset) {
   return bias_dropout_add_layer_norm_impl(x, bias, residual, weight, ln_bias, p, eps, seed, offset, Tensor());
 }
 
 // Shared by the two LayerNorm backward ops. grad_x is defined only for the dropout variant.
 void layer_norm_backward_checked(const char* op, const char* pre_name, const Tensor& grad_out,
                                  const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
-                                 const Tensor& mean, const Tensor& rstd, const DropoutArgs& dropout, Tensor& grad_pre,
-                                 Tensor* grad_x, Tensor& grad_weight, Tensor& grad_ln_bias) {
+                                 const Tensor& mean, const Tensor& rstd, const DropoutArgs& dropout,
+                                 const OptTensor& keep_bits, Tensor& grad_pre, Tensor* grad_x, Tensor& grad_weight,
+                                 Tensor& grad_ln_bias) {
   check_floating(op, pre_name, pre_norm);
   check_hidden(op, pre_name, pre_norm);
   check_same_shape(op, "grad_out", grad_out, pre_name, pre_norm);
@@ -66,6 +67,7 @@ void layer_norm_backward_checked(const char* op, const char* pre_name, const Ten
   check_vector(op, "weight", weight, pre_norm.size(-1), pre_name, pre_norm);
   check_row_stats(op, "mean", mean, pre_norm);
   check_row_stats(op, "rstd", rstd, pre_norm);
+  const bool read_bits = check_keep_bits(op, keep_bits, pre_norm, dropout.p);
   const Tensor pc = pre_norm.contiguous();
   grad_pre = at::empty_like(pc);
   if (grad_x) *grad_x = at::empty_like(pc);
@@ -77,18 +79,19 @@ void layer_norm_backward_checked(const char* op, const char* pre_name, const Ten
     return;
   }
   CKPT_EXT_LAUNCH(pc.device(), layer_norm_backward, grad_out.contiguous(), contiguous_or_undefined(grad_pre_norm), pc,
-                  weight.contiguous(), mean.contiguous(), rstd.contiguous(), dropout, grad_pre,
-                  grad_x ? *grad_x : Tensor(), grad_weight, grad_ln_bias);
+                  weight.contiguous(), mean.contiguous(), rstd.contiguous(), dropout,
+                  read_bits ? *keep_bits : Tensor(), grad_pre, grad_x ? *grad_x : Tensor(), grad_weight, grad_ln_bias);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
     const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
-    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset) {
+    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset, const OptTensor& keep_bits) {
   const char* op = "bias_dropout_add_layer_norm_backward";
   check_p(op, p);
   Tensor grad_residual, grad_x, grad_weight, grad_ln_bias;
   layer_norm_backward_checked(op, "pre_norm", grad_out, grad_pre_norm, pre_norm, weight, mean, rstd,
-                              DropoutArgs{p, seed, offset}, grad_residual, &grad_x, grad_weight, grad_ln_bias);
+                              DropoutArgs{p, seed, offset}, keep_bits, grad_residual, &grad_x, grad_weight,
+                              grad_ln_bias);
   return {grad_x, grad_residual, grad_weight, grad_ln_bias};
 }
 
@@ -106,7 +109,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const
   Tensor out = at::empty_like(xc), sum = at::empty_like(xc), mean = empty_row_stats(xc), rstd = empty_row_stats(xc);
   if (xc.numel() > 0)
     CKPT_EXT_LAUNCH(x.device(), layer_norm_forward, xc, Tensor(), contiguous_or_undefined(residual), DropoutArgs{},
-                    weight.contiguous(), contiguous_or_undefined(bias), eps, out, sum, mean, rstd);
+                    weight.contiguous(), contiguous_or_undefined(bias), eps, out, sum, mean, rstd, Tensor());
   return {out, sum, mean, rstd};
 }
 
@@ -115,7 +118,7 @@ std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_ou
                                                            const Tensor& mean, const Tensor& rstd) {
   Tensor grad_input, grad_weight, grad_bias;
   layer_norm_backward_checked("add_layer_norm_backward", "sum", grad_out, grad_sum, sum, weight, mean, rstd,
-                              DropoutArgs{}, grad_input, nullptr, grad_weight, grad_bias);
+                              DropoutArgs{}, std::nullopt, grad_input, nullptr, grad_weight, grad_bias);
   return {grad_input, grad_weight, grad_bias};
 }
 

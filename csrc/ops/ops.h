@@ -31,13 +31,16 @@ Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& re
                         c10::SymInt offset);
 // x * mask / (1 - p) with the mask of (seed, offset): forward dropout, and the backward of any dropout.
 Tensor dropout(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset);
-std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias,
-                                                                       const Tensor& residual, const Tensor& weight,
-                                                                       const OptTensor& ln_bias, double p, double eps,
-                                                                       c10::SymInt seed, c10::SymInt offset);
+// (out, pre_norm, mean, rstd, keep_bits): keep_bits is the dropout mask, one bit per element, stored by the
+// CPU kernel when p > 0 for the backward to read (uint8 [*rows, ceil(hidden / 8)]); elsewhere empty ([0]).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(
+    const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
+    double p, double eps, c10::SymInt seed, c10::SymInt offset);
+// keep_bits: the forward's (read instead of regenerating the mask), or absent/empty (regenerated).
 std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
     const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
-    const Tensor& mean, const Tensor& rstd, double p, c10::SymInt seed, c10::SymInt offset);
+    const Tensor& mean, const Tensor& rstd, double p, c10::SymInt seed, c10::SymInt offset,
+    const OptTensor& keep_bits = std::nullopt);
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
                                                           const Tensor& weight, const OptTensor& bias, double eps);
 std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum,

@@ -18,10 +18,11 @@ TORCH_LIBRARY(ckpt_ext, m) {
   m.def("dropout_mask(SymInt numel, float p, SymInt seed, SymInt offset, Device device) -> Tensor");
   m.def(
       "bias_dropout_add_layer_norm(Tensor x, Tensor? bias, Tensor residual, Tensor weight, Tensor? ln_bias, "
-      "float p, float eps, SymInt seed, SymInt offset) -> (Tensor out, Tensor pre_norm, Tensor mean, Tensor rstd)");
+      "float p, float eps, SymInt seed, SymInt offset) "
+      "-> (Tensor out, Tensor pre_norm, Tensor mean, Tensor rstd, Tensor keep_bits)");
   m.def(
       "bias_dropout_add_layer_norm_backward(Tensor grad_out, Tensor? grad_pre_norm, Tensor pre_norm, Tensor weight, "
-      "Tensor mean, Tensor rstd, float p, SymInt seed, SymInt offset) "
+      "Tensor mean, Tensor rstd, float p, SymInt seed, SymInt offset, Tensor? keep_bits=None) "
       "-> (Tensor grad_x, Tensor grad_residual, Tensor grad_weight, Tensor grad_ln_bias)");
   m.def(
       "add_layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps) "
@@ -58,6 +59,7 @@ c10::TypedOperatorHandle<Signature> handle(const char* name) {
   static const auto op = handle<Signature>("ckpt_ext::" name); \
   return op.call(__VA_ARGS__)
 
+using T5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 using T4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 using T3 = std::tuple<Tensor, Tensor, Tensor>;
 using T2 = std::tuple<Tensor, Tensor>;
@@ -78,20 +80,20 @@ Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& re
 Tensor dropout(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset) {
   CKPT_EXT_CALL("dropout", Tensor(const Tensor&, double, c10::SymInt, c10::SymInt), x, p, seed, offset);
 }
-T4 bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight,
+T5 bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight,
                                const OptTensor& ln_bias, double p, double eps, c10::SymInt seed, c10::SymInt offset) {
   CKPT_EXT_CALL("bias_dropout_add_layer_norm",
-                T4(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const OptTensor&, double, double,
+                T5(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const OptTensor&, double, double,
                    c10::SymInt, c10::SymInt),
                 x, bias, residual, weight, ln_bias, p, eps, seed, offset);
 }
 T4 bias_dropout_add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm,
                                         const Tensor& weight, const Tensor& mean, const Tensor& rstd, double p,
-                                        c10::SymInt seed, c10::SymInt offset) {
+                                        c10::SymInt seed, c10::SymInt offset, const OptTensor& keep_bits) {
   CKPT_EXT_CALL("bias_dropout_add_layer_norm_backward",
                 T4(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                   c10::SymInt, c10::SymInt),
-                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset);
+                   c10::SymInt, c10::SymInt, const OptTensor&),
+                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits);
 }
 T4 add_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
                   double eps) {

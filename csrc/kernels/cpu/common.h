@@ -44,6 +44,13 @@ A dropout_scale(const DropoutArgs& d) {
 // out[4 * j + w] = Philox word w of group g0 + j, for j < n.
 void philox_words(const philox::Dropout& d, uint64_t g0, int64_t n, uint32_t* out);
 
+// Keep bits: bit j % 8 of out[j / 8] = (words[j] >> 8) >= threshold (DropoutWords::keep), for j < n; the
+// last byte's bits past n are 0. The LayerNorm forward stores them (a row's bits start at a byte) and its
+// backward expands them back into words -- all ones where kept, 0 where dropped, which keep() reads the
+// same way for every threshold of a dropout in (0, 1] -- instead of running Philox again.
+void pack_keep_bits(const uint32_t* words, int64_t n, uint32_t threshold, uint8_t* out);
+void expand_keep_bits(const uint8_t* bits, int64_t n, uint32_t* words);
+
 // The Philox words of element ranges under one dropout (one object per parallel task): element k of
 // the range is kept iff keep(words[k]).
 class DropoutWords {
@@ -62,6 +69,14 @@ class DropoutWords {
     words_.resize(static_cast<size_t>(4 * groups));
     philox_words(d_, g_first, groups, words_.data());
     return words_.data() + (i0 & 3);
+  }
+
+  // Words of a range from its stored keep bits (pack_keep_bits of the words fill() gave), valid until the
+  // next call.
+  const uint32_t* expand(const uint8_t* bits, int64_t n) {
+    words_.resize(static_cast<size_t>(n));
+    expand_keep_bits(bits, n, words_.data());
+    return words_.data();
   }
 
   bool keep(uint32_t word) const { return (word >> 8) >= threshold_; }

@@ -1,9 +1,12 @@
 // Philox words of 4-element groups in blocks, for the CPU dropout masks (common.h: philox_words):
 // scalar, 32 groups at a time with AVX2, or 64 at a time with AVX-512 where the CPU has it and ATen's
-// capability is AVX512 (ATEN_CPU_CAPABILITY=avx2 caps it, as it caps vec.h's kernels). Same bits as
+// capability is AVX512 (ATEN_CPU_CAPABILITY caps it, as it caps vec.h's kernels). Same bits as
 // philox.h's per-element cursor, which the CUDA kernels and the reference use.
+// Also the keep bits (common.h: pack_keep_bits / expand_keep_bits): one bit per element, stored by the
+// LayerNorm forward so that its backward reads them instead of running Philox again.
 #include <ATen/Version.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -165,12 +168,43 @@ __attribute__((target("avx512f"))) void philox_words_avx512(const philox::Dropou
   philox_words_avx2(d, g0 + static_cast<uint64_t>(j), n - j, out + 4 * j);
 }
 
+// Keep bits of 8 words at a time: (word >> 8) >= threshold, as DropoutWords::keep; the words are < 2^24
+// after the shift, so the signed compare with threshold - 1 is exact (threshold >= 1 when dropout is on).
+__attribute__((target("avx2"))) void pack_keep_bits_avx2(const uint32_t* words, int64_t n, uint32_t threshold,
+                                                          uint8_t* out) {
+  const __m256i below = _mm256_set1_epi32(static_cast<int>(threshold) - 1);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256i w = _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + j)), 8);
+    out[j >> 3] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(w, below))));
+  }
+  if (j < n) {
+    uint8_t b = 0;
+    for (int64_t k = j; k < n; ++k) b |= static_cast<uint8_t>(((words[k] >> 8) >= threshold) << (k - j));
+    out[j >> 3] = b;
+  }
+}
+
+// Bit k of byte j/8 -> word j = all ones (kept) or 0 (dropped), 8 words per byte.
+__attribute__((target("avx2"))) void expand_keep_bits_avx2(const uint8_t* bits, int64_t n, uint32_t* words) {
+  const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256i b = _mm256_and_si256(_mm256_set1_epi32(bits[j >> 3]), lanes);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + j), _mm256_cmpeq_epi32(b, lanes));
+  }
+  for (; j < n; ++j) words[j] = ((bits[j >> 3] >> (j & 7)) & 1) ? ~uint32_t(0) : 0u;
+}
+
 enum class Isa { kScalar, kAvx2, kAvx512 };
 
 Isa isa() {
   static const Isa i = [] {
-    if (!__builtin_cpu_supports("avx2")) return Isa::kScalar;
-    const bool avx512 = __builtin_cpu_supports("avx512f") && at::get_cpu_capability() == "AVX512";
+    // ATEN_CPU_CAPABILITY=default runs the scalar loops, as it runs vec.h's portable ones (so that the
+    // tests reach them on any CPU).
+    const std::string cap = at::get_cpu_capability();
+    if (!__builtin_cpu_supports("avx2") || cap == "DEFAULT") return Isa::kScalar;
+    const bool avx512 = __builtin_cpu_supports("avx512f") && cap == "AVX512";
     return avx512 ? Isa::kAvx512 : Isa::kAvx2;
   }();
   return i;
@@ -178,6 +212,25 @@ Isa isa() {
 #endif
 
 }  // namespace
+
+void pack_keep_bits(const uint32_t* words, int64_t n, uint32_t threshold, uint8_t* out) {
+#ifdef CKPT_EXT_X86_AVX2
+  if (isa() != Isa::kScalar) return pack_keep_bits_avx2(words, n, threshold, out);
+#endif
+  for (int64_t j = 0; j < n; j += 8) {
+    uint8_t b = 0;
+    for (int64_t k = j; k < std::min<int64_t>(n, j + 8); ++k)
+      b |= static_cast<uint8_t>(((words[k] >> 8) >= threshold) << (k - j));
+    out[j >> 3] = b;
+  }
+}
+
+void expand_keep_bits(const uint8_t* bits, int64_t n, uint32_t* words) {
+#ifdef CKPT_EXT_X86_AVX2
+  if (isa() != Isa::kScalar) return expand_keep_bits_avx2(bits, n, words);
+#endif
+  for (int64_t j = 0; j < n; ++j) words[j] = ((bits[j >> 3] >> (j & 7)) & 1) ? ~uint32_t(0) : 0u;
+}
 
 void philox_words(const philox::Dropout& d, uint64_t g0, int64_t n, uint32_t* out) {
 #ifdef CKPT_EXT_X86_AVX2

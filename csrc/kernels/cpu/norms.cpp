@@ -72,12 +72,38 @@ struct FloatParams {
   }
 };
 
+// The keep bits of a LayerNorm with dropout (kernels.h): rows of ceil(hidden / 8) bytes, written by the
+// forward from the words it drew, read by the backward in their place. Inert when undefined.
+class KeepBits {
+ public:
+  KeepBits(const at::Tensor& bits, const DropoutArgs& dropout, int64_t hidden)
+      : bits_(bits.defined() ? bits.data_ptr<uint8_t>() : nullptr), row_bytes_((hidden + 7) / 8), hidden_(hidden) {
+    TORCH_INTERNAL_ASSERT(!bits_ || dropout.enabled(), "ckpt_ext: keep bits of a LayerNorm without dropout");
+  }
+
+  bool stored() const { return bits_ != nullptr; }
+
+  // forward: row r's bits from its words (nullptr: no dropout drawn)
+  void store(int64_t r, const uint32_t* words, uint32_t threshold) const {
+    if (bits_ && words) pack_keep_bits(words, hidden_, threshold, bits_ + r * row_bytes_);
+  }
+
+  // backward: row r's words, expanded from its bits into `mask`'s buffer
+  const uint32_t* words(DropoutWords& mask, int64_t r) const { return mask.expand(bits_ + r * row_bytes_, hidden_); }
+
+ private:
+  uint8_t* bits_;
+  int64_t row_bytes_;
+  int64_t hidden_;
+};
+
 }  // namespace
 
 void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
                         const DropoutArgs& dropout, const at::Tensor& weight, const at::Tensor& ln_bias, double eps,
                         const at::Tensor& out, const at::Tensor& pre_norm, const at::Tensor& mean,
-                        const at::Tensor& rstd) {
+                        const at::Tensor& rstd, const at::Tensor& keep_bits) {
+  const KeepBits kb(keep_bits, dropout, weight.numel());
   if (with_vec(x.scalar_type(), [&](const auto& k) {
         using T = typename std::decay_t<decltype(k)>::Scalar;
         const int64_t hidden = weight.numel();
@@ -107,6 +133,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
             row.out = op + base;
             row.pre = pp + base;
             row.drop = vec_dropout(mask, dropout.enabled(), scale, base, hidden);
+            kb.store(r, row.drop.words, mask.threshold());
             k.layer_norm_forward(row);
             mp[r] = row.mean;
             sp[r] = row.rstd;
@@ -136,6 +163,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
       for (int64_t r = begin; r < end; ++r) {
         const int64_t base = r * hidden;
         const uint32_t* words = drop ? mask.fill(base, hidden) : nullptr;
+        kb.store(r, words, mask.threshold());
         RowSum sum = 0;
         for (int64_t j = 0; j < hidden; ++j) {
           A val = static_cast<A>(xp[base + j]) + (bp ? static_cast<A>(bp[j]) : A(0));
@@ -164,8 +192,9 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
 
 void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_norm, const at::Tensor& pre_norm,
                          const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
-                         const DropoutArgs& dropout, const at::Tensor& grad_pre, const at::Tensor& grad_x,
-                         const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias) {
+                         const DropoutArgs& dropout, const at::Tensor& keep_bits, const at::Tensor& grad_pre,
+                         const at::Tensor& grad_x, const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias) {
+  const KeepBits kb(keep_bits, dropout, weight.numel());
   if (with_vec(pre_norm.scalar_type(), [&](const auto& k) {
         using T = typename std::decay_t<decltype(k)>::Scalar;
         const int64_t hidden = weight.numel();
@@ -199,7 +228,8 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
               row.pre = dx ? dx + base : nullptr;
               row.mean = mp[r];
               row.rstd = sp[r];
-              row.drop = vec_dropout(mask, dropout.enabled() && dx, scale, base, hidden);
+              row.drop = kb.stored() ? VecDropout{dx ? kb.words(mask, r) : nullptr, mask.threshold(), scale}
+                                     : vec_dropout(mask, dropout.enabled() && dx, scale, base, hidden);
               k.layer_norm_backward(row);
             }
           }
@@ -246,7 +276,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
             pb[j] += g;
           }
           const A c_mean = static_cast<A>(sum_dy / hidden), c_xhat = static_cast<A>(sum_dy_xhat / hidden);
-          const uint32_t* words = drop && dx ? mask.fill(base, hidden) : nullptr;
+          const uint32_t* words = !(drop && dx) ? nullptr : kb.stored() ? kb.words(mask, r) : mask.fill(base, hidden);
           for (int64_t j = 0; j < hidden; ++j) {
             const A xhat = (static_cast<A>(vp[base + j]) - mu) * rs;
             A d = rs * (static_cast<A>(gp[base + j]) * static_cast<A>(wp[j]) - c_mean - xhat * c_xhat);

@@ -108,7 +108,9 @@ void launch_column_sum(const at::Tensor& partial_w, const at::Tensor& partial_b,
 void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
                         const DropoutArgs& dropout, const at::Tensor& weight, const at::Tensor& ln_bias, double eps,
                         const at::Tensor& out, const at::Tensor& pre_norm, const at::Tensor& mean,
-                        const at::Tensor& rstd) {
+                        const at::Tensor& rstd, const at::Tensor& keep_bits) {
+  // The CUDA kernels regenerate the mask in backward (Philox is cheap next to the row's memory traffic).
+  TORCH_INTERNAL_ASSERT(!keep_bits.defined(), "ckpt_ext: keep bits are stored by the CPU kernels only");
   const c10::DeviceGuard guard(x.device());
   const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
   const cudaStream_t stream = current_stream(x.device());
@@ -134,8 +136,9 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
 
 void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_norm, const at::Tensor& pre_norm,
                          const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
-                         const DropoutArgs& dropout, const at::Tensor& grad_pre, const at::Tensor& grad_x,
-                         const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias) {
+                         const DropoutArgs& dropout, const at::Tensor& keep_bits, const at::Tensor& grad_pre,
+                         const at::Tensor& grad_x, const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias) {
+  TORCH_INTERNAL_ASSERT(!keep_bits.defined(), "ckpt_ext: keep bits are read by the CPU kernels only");
   const c10::DeviceGuard guard(pre_norm.device());
   const int64_t hidden = weight.numel(), rows = pre_norm.numel() / hidden;
   const cudaStream_t stream = current_stream(pre_norm.device());
