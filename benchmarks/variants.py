@@ -128,14 +128,15 @@ def build_model(spec: ModelSpec, mode: str) -> nn.Module:
     elif spec.family == "gpt2":
         from transformers import GPT2Config, GPT2Model
         cfg = GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads, n_inner=spec.intermediate,
-                         vocab_size=spec.vocab, n_positions=max(1024, spec.seq), attn_implementation="sdpa")
+                         vocab_size=spec.vocab, n_positions=max(1024, spec.seq), attn_implementation="sdpa",
+                         use_cache=False)  # training: no KV cache (the fused layers would warn and drop it)
         model = GPT2Model(cfg)
     elif spec.family == "llama":
         from transformers import LlamaConfig, LlamaModel
         cfg = LlamaConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
                           num_key_value_heads=spec.kv_heads or spec.heads, intermediate_size=spec.intermediate,
                           vocab_size=spec.vocab, max_position_embeddings=max(2048, spec.seq),
-                          attn_implementation="sdpa")
+                          attn_implementation="sdpa", use_cache=False)
         model = LlamaModel(cfg)
     else:
         raise ValueError(f"unknown model family {spec.family!r}")

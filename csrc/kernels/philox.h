@@ -7,7 +7,9 @@
 //   u    = (bits >> 8) * 2^-24                       (exact float in [0, 1))
 //   keep = u >= float(p),   kept values are scaled by 1 / (1 - p)
 // The mask of element i depends only on (seed, offset, i): never on numel, layout or launch shape.
-// Masks are regenerated in backward, never stored (flash-attention's discipline).
+// Masks are regenerated in backward (flash-attention's discipline), with one exception on CPU: the LayerNorm
+// with dropout stores its mask as one bit per element (cpu/common.h: pack_keep_bits), because there Philox
+// costs what the rest of that backward costs.
 #pragma once
 
 #include <cstdint>
