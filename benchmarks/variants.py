@@ -117,19 +117,21 @@ def without_dropout(model: nn.Module) -> nn.Module:
 
 
 def build_model(spec: ModelSpec, mode: str) -> nn.Module:
-    """The Hugging Face base model of the spec, random weights (seeded), training mode, on CPU."""
+    """The Hugging Face base model of the spec, random weights (seeded), training mode, on CPU; no KV cache
+    (use_cache=False, as in training: Hugging Face's checkpointing and the fused layers would warn and drop
+    it)."""
     torch.manual_seed(0)
     if spec.family == "bert":
         from transformers import BertConfig, BertModel
         cfg = BertConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
                          intermediate_size=spec.intermediate, vocab_size=spec.vocab,
-                         max_position_embeddings=max(512, spec.seq), attn_implementation="sdpa")
+                         max_position_embeddings=max(512, spec.seq), attn_implementation="sdpa", use_cache=False)
         model = BertModel(cfg, add_pooling_layer=False)
     elif spec.family == "gpt2":
         from transformers import GPT2Config, GPT2Model
         cfg = GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=spec.heads, n_inner=spec.intermediate,
                          vocab_size=spec.vocab, n_positions=max(1024, spec.seq), attn_implementation="sdpa",
-                         use_cache=False)  # training: no KV cache (the fused layers would warn and drop it)
+                         use_cache=False)
         model = GPT2Model(cfg)
     elif spec.family == "llama":
         from transformers import LlamaConfig, LlamaModel

@@ -145,6 +145,19 @@ def test_products_in_every_operand_layout_match_aten(dtype):
         _C.cpu_gemm_layout(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_with_bias_is_at_linears_product_bit_for_bit(dtype):
+    """With nn.Linear's layouts (row-major input and weight) the layout function's forward is ATen's own
+    product: the bias is added by the GEMM (addmm, one rounding), as at::linear adds it, not in a second
+    pass that would round a bfloat16 output twice."""
+    before = _C.cpu_gemm_layout("nt")
+    try:
+        x, w, b = torch.randn(3, 40, 96, dtype=dtype), torch.randn(64, 96, dtype=dtype), torch.randn(64, dtype=dtype)
+        assert torch.equal(_C._gemm_linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    finally:
+        _C.cpu_gemm_layout(before)
+
+
 def test_products_under_autocast_cast_as_autocast_does():
     """Under CPU autocast: float32 operands are cast to bfloat16 (the output is bfloat16) and the gradients
     arrive in float32, as for ATen's linear under autocast; the values agree with it."""

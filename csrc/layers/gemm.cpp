@@ -69,14 +69,15 @@ Tensor as_row_major(const Tensor& t) { return row_major(t) ? t : t.contiguous();
 // 3-D (batched, equal batch): always TN, the fastest of the four for every batched shape measured (AMD EPYC,
 // bf16: [16, 128, 128] @ [16, 128, 64] 1.7 ms TN, 4.8 NT, 11.6 NN; [16, 1024, 64] @ [16, 64, 1024] 119 ms
 // TN, 303 NT), where for 2-D products NT wins at large sizes ([2048, 1024] @ [1024, 4096]: 0.93 s NT, 3.6 s TN).
-Tensor mm_layout(const Tensor& a, const Tensor& b) {
+// bias (2-D only): added by the GEMM itself (addmm, one rounding, as at::linear does), not in a second pass.
+Tensor mm_layout(const Tensor& a, const Tensor& b, const Tensor& bias = Tensor()) {
   if (a.dim() == 3) return as_col_major(a).bmm(as_row_major(b));
   Tensor x = a, y = b;
   if (!row_major(x) && !col_major(x)) x = x.contiguous();
   if (!row_major(y) && !col_major(y)) y = as_col_major(y);
   if (row_major(x) && row_major(y) && !col_major(y)) y = as_col_major(y);                       // NN -> NT
   else if (col_major(x) && !row_major(x) && col_major(y) && !row_major(y)) x = x.contiguous();  // TT -> NT
-  return x.mm(y);
+  return bias.defined() ? at::addmm(bias, x, y) : x.mm(y);
 }
 
 // y = x @ w^T (+ bias) on x's 2-D view, w [out, in] in any layout (a Conv1D weight [in, out] passes as its
@@ -85,8 +86,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& w,
                         const std::optional<Tensor>& bias) {
     const Tensor x2d = x.reshape({-1, x.size(-1)});
-    Tensor y = mm_layout(x2d, w.t());
-    if (bias.has_value() && bias->defined()) y.add_(*bias);
+    const Tensor y = mm_layout(x2d, w.t(), bias.has_value() ? *bias : Tensor());
     ctx->save_for_backward({x, w});
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     auto sizes = x.sizes().vec();
