@@ -133,12 +133,11 @@ def main() -> int:
     os.makedirs(stamps, exist_ok=True)
     gcc = not any("clang" in line.lower() for line in cxx_id)  # GCC's .gch lookup; clang has its own scheme
     pch_root = tempfile.mkdtemp(prefix="ckpt_ext_pch_", dir=CACHE)  # ~100s of MB each: made per run, removed
-    pch_wanted = {}  # release -> (include, std, pch_dir)
+    pending = []  # (release, rel, stamp, src, include, std, variant): what is not stamped yet
     for version in args.torch or admitted_versions():
         include = torch_headers(version)
         release = open(os.path.join(os.path.dirname(include), "VERSION")).read().strip()
         std = toolchain.cxx_standard(include)
-        pch_dir = os.path.join(pch_root, release) if gcc and not args.no_pch else None
         for src in cpp:
             variants = [None]
             if "CKPT_EXT_WITH_CUDA" in open(src).read():
@@ -152,9 +151,7 @@ def main() -> int:
                 if os.path.exists(stamp):
                     cached += 1
                     continue
-                jobs.append((release, rel, stamp, _command(cxx, src, include, std, variant, pch_dir)))
-                if pch_dir:
-                    pch_wanted[release] = (include, std, pch_dir)
+                pending.append((release, rel, stamp, src, include, std, variant))
 
     def run(job):
         release, rel, stamp, cmd = job
@@ -163,13 +160,22 @@ def main() -> int:
 
     try:
         with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-            made = dict(zip(pch_wanted, pool.map(lambda w: _make_pch(cxx, *w), pch_wanted.values())))
-            for release, ok in made.items():
-                if not ok:  # then every source parses the header itself
+            # one precompiled header per release with sources to compile; where the compiler refuses it, those
+            # sources parse the header themselves
+            wanted = {} if not gcc or args.no_pch else {r: (inc, std) for r, _, _, _, inc, std, _ in pending}
+            pch = dict(zip(wanted, pool.map(lambda r: _make_pch(cxx, *wanted[r], os.path.join(pch_root, r)), wanted)))
+            for release, made in pch.items():
+                if not made:
                     print(f"check-headers: torch {release}: no precompiled {PCH_HEADER} (compiler refused it)")
-                    jobs = [(r, rel, st, [c for c in cmd if c != f"-I{pch_wanted[release][2]}"]) if r == release
-                            else (r, rel, st, cmd) for r, rel, st, cmd in jobs]
-            _run_jobs(pool, run, jobs, failures)
+            jobs = [(release, rel, stamp, _command(cxx, src, include, std, variant, pch.get(release)))
+                    for release, rel, stamp, src, include, std, variant in pending]
+            for (release, rel, stamp, cmd), r in pool.map(run, jobs):
+                if r.returncode == 0:
+                    open(stamp, "w").close()
+                    print(f"check-headers: ok torch {release} {rel}", flush=True)
+                else:
+                    failures.append(f"torch {release} {rel}")
+                    print(f"check-headers: FAILED torch {release} {rel}\n{r.stderr[-6000:]}", flush=True)
     finally:
         shutil.rmtree(pch_root, ignore_errors=True)
     print(f"check-headers: {len(jobs) - len(failures)} compiled, {cached} unchanged since a passing run, "
@@ -177,16 +183,6 @@ def main() -> int:
     for f in failures:
         print(f"check-headers: FAILED {f}")
     return 1 if failures else 0
-
-
-def _run_jobs(pool, run, jobs, failures):
-    for (release, rel, stamp, cmd), r in pool.map(run, jobs):
-        if r.returncode == 0:
-            open(stamp, "w").close()
-            print(f"check-headers: ok torch {release} {rel}", flush=True)
-        else:
-            failures.append(f"torch {release} {rel}")
-            print(f"check-headers: FAILED torch {release} {rel}\n{r.stderr[-6000:]}", flush=True)
 
 
 if __name__ == "__main__":

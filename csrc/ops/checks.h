@@ -110,9 +110,9 @@ inline std::vector<int64_t> keep_bits_shape(const Tensor& x) {
 
 inline bool stores_keep_bits(const Tensor& x, double p) { return x.device().is_cpu() && p > 0.0; }
 
-inline Tensor empty_keep_bits(const Tensor& x, double p) {
-  return at::empty(stores_keep_bits(x, p) ? keep_bits_shape(x) : std::vector<int64_t>{0},
-                   x.options().dtype(at::kByte));
+// The keep bits a forward op returns: stored ones to be written, else the empty tensor.
+inline Tensor empty_keep_bits(const Tensor& x, bool stored) {
+  return at::empty(stored ? keep_bits_shape(x) : std::vector<int64_t>{0}, x.options().dtype(at::kByte));
 }
 
 // keep_bits handed to a backward op: absent or empty (the mask is regenerated), or exactly what the CPU

@@ -40,11 +40,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_i
   const Tensor xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   if (!into) out = at::empty_like(xc);
   Tensor pre_norm = at::empty_like(xc), mean = empty_row_stats(xc), rstd = empty_row_stats(xc);
-  Tensor keep_bits = empty_keep_bits(xc, into ? 0.0 : p);
+  const bool store_bits = !into && stores_keep_bits(xc, p);
+  Tensor keep_bits = empty_keep_bits(xc, store_bits);
   if (xc.numel() > 0)
     CKPT_EXT_LAUNCH(x.device(), layer_norm_forward, xc, contiguous_or_undefined(bias), rc,
                     DropoutArgs{p, seed, offset}, wc, contiguous_or_undefined(ln_bias), eps, out, pre_norm, mean, rstd,
-                    keep_bits.numel() > 0 ? keep_bits : Tensor());
+                    store_bits ? keep_bits : Tensor());
   return {out, pre_norm, mean, rstd, keep_bits};
 }
 

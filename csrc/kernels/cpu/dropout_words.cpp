@@ -32,6 +32,21 @@ void philox_words_scalar(const philox::Dropout& d, uint64_t g0, int64_t n, uint3
   }
 }
 
+// Keep bits: bit k of out[j / 8] = DropoutWords::keep(words[j]) (j = 8 * (j / 8) + k), the last byte's spare
+// bits 0; and back: word j = all ones where its bit is set, else 0.
+void pack_keep_bits_scalar(const uint32_t* words, int64_t n, uint32_t threshold, uint8_t* out) {
+  for (int64_t j = 0; j < n; j += 8) {
+    uint8_t b = 0;
+    for (int64_t k = j; k < std::min<int64_t>(n, j + 8); ++k)
+      b |= static_cast<uint8_t>(((words[k] >> 8) >= threshold) << (k - j));
+    out[j >> 3] = b;
+  }
+}
+
+void expand_keep_bits_scalar(const uint8_t* bits, int64_t n, uint32_t* words) {
+  for (int64_t j = 0; j < n; ++j) words[j] = ((bits[j >> 3] >> (j & 7)) & 1) ? ~uint32_t(0) : 0u;
+}
+
 #ifdef CKPT_EXT_X86_AVX2
 // The 32x32->64 products of the even and odd 32-bit lanes (vpmuludq), recombined into low and high halves.
 __attribute__((target("avx2"), always_inline)) inline __m256i mulhilo_avx2(__m256i a, __m256i m, __m256i* hi) {
@@ -178,11 +193,7 @@ __attribute__((target("avx2"))) void pack_keep_bits_avx2(const uint32_t* words, 
     const __m256i w = _mm256_srli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + j)), 8);
     out[j >> 3] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(w, below))));
   }
-  if (j < n) {
-    uint8_t b = 0;
-    for (int64_t k = j; k < n; ++k) b |= static_cast<uint8_t>(((words[k] >> 8) >= threshold) << (k - j));
-    out[j >> 3] = b;
-  }
+  pack_keep_bits_scalar(words + j, n - j, threshold, out + (j >> 3));
 }
 
 // Bit k of byte j/8 -> word j = all ones (kept) or 0 (dropped), 8 words per byte.
@@ -193,7 +204,7 @@ __attribute__((target("avx2"))) void expand_keep_bits_avx2(const uint8_t* bits, 
     const __m256i b = _mm256_and_si256(_mm256_set1_epi32(bits[j >> 3]), lanes);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + j), _mm256_cmpeq_epi32(b, lanes));
   }
-  for (; j < n; ++j) words[j] = ((bits[j >> 3] >> (j & 7)) & 1) ? ~uint32_t(0) : 0u;
+  expand_keep_bits_scalar(bits + (j >> 3), n - j, words + j);
 }
 
 enum class Isa { kScalar, kAvx2, kAvx512 };
@@ -217,19 +228,14 @@ void pack_keep_bits(const uint32_t* words, int64_t n, uint32_t threshold, uint8_
 #ifdef CKPT_EXT_X86_AVX2
   if (isa() != Isa::kScalar) return pack_keep_bits_avx2(words, n, threshold, out);
 #endif
-  for (int64_t j = 0; j < n; j += 8) {
-    uint8_t b = 0;
-    for (int64_t k = j; k < std::min<int64_t>(n, j + 8); ++k)
-      b |= static_cast<uint8_t>(((words[k] >> 8) >= threshold) << (k - j));
-    out[j >> 3] = b;
-  }
+  pack_keep_bits_scalar(words, n, threshold, out);
 }
 
 void expand_keep_bits(const uint8_t* bits, int64_t n, uint32_t* words) {
 #ifdef CKPT_EXT_X86_AVX2
   if (isa() != Isa::kScalar) return expand_keep_bits_avx2(bits, n, words);
 #endif
-  for (int64_t j = 0; j < n; ++j) words[j] = ((bits[j >> 3] >> (j & 7)) & 1) ? ~uint32_t(0) : 0u;
+  expand_keep_bits_scalar(bits, n, words);
 }
 
 void philox_words(const philox::Dropout& d, uint64_t g0, int64_t n, uint32_t* out) {
