@@ -83,7 +83,7 @@ def test_bench_all_summary_from_its_parts(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_all, "subprocess", SimpleNamespace(run=fake_run))
     assert bench_all.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
     assert [os.path.basename(c[1]) for c in calls] == ["bench_checkpoint.py", "bench_ops.py", "bench_fused.py"]
-    assert "--skip-bert" in calls[0] and calls[2][-4:] == ["--rounds", "5", "--warmup", "2"]
+    assert "--skip-bert" in calls[0] and calls[2][-4:] == ["--rounds", "5", "--warmup", "1"]
     summary = (tmp_path / "summary.md").read_text()
     assert summary in capsys.readouterr().out
     assert "| model | variant | step ms | × HF eager | peak MiB |" in summary
