@@ -52,7 +52,7 @@ def run_part(name: str, device: str, out: str, quick: bool, index: int, count: i
     argv = [sys.executable, os.path.join(HERE, script), "--device", device, "--out", out]
     argv += (cuda_args if device.startswith("cuda") else cpu_args) + (quick_args if quick else [])
     hint = "" if device.startswith("cuda") else f"; about {expected // 60 or 1} min on 2 quiet cores"
-    print(f"\n=== [{index}/{count}] {name}: {what} ({script} {' '.join(argv[3:])}{hint})", file=sys.stderr, flush=True)
+    print(f"\n=== [{index}/{count}] {name}: {what} ({script} {' '.join(argv[2:])}{hint})", file=sys.stderr, flush=True)
     start, wall_start = time.monotonic(), time.time()
     proc = subprocess.run(argv, cwd=os.path.dirname(HERE))
     took = time.monotonic() - start
