@@ -40,7 +40,7 @@ test: build
 	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) tests
 
 # The release checks (CI runs them after make test; .ci/run). Each caches what passed (~/.cache/ckpt_ext),
-# so an unchanged tree costs seconds; from empty caches, on 2 cores, about 10-15 minutes (docs/install.md).
+# so an unchanged tree costs seconds; from empty caches, on 2 cores, about 7-10 minutes (docs/install.md).
 check: check-cuda check-headers test-compat
 
 # The benchmarks' own dependencies are the pyproject extra [bench] (read from there, so that installing
