@@ -34,23 +34,32 @@ from common import DEFAULT_OUT, device_dir_name, env_info, env_line, finish_env
 import plot_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# name -> (script, what it measures, CPU arguments, CUDA arguments, --quick arguments, results stem,
-#          expected seconds on the 2-core CPU machine, quiet)
+# name -> (script, what it measures, CPU options, CUDA options, --quick options (override the others), results stem,
+#          expected seconds on the 2-core CPU machine, quiet). An option with the value None is a flag.
 PARTS = {
     "engine": ("bench_checkpoint.py", "per-call cost of a checkpointed call",
-               ["--skip-bert"], [], ["--rounds", "20", "--gemm-rounds", "10"], "engine", 60),
-    "ops": ("bench_ops.py", "fused ops against torch eager", [], [], ["--rounds", "3", "--dtype", "float32"], "ops", 60),
+               {"--skip-bert": None}, {}, {"--rounds": "20", "--gemm-rounds": "10"}, "engine", 40),
+    "ops": ("bench_ops.py", "fused ops against torch eager", {}, {}, {"--rounds": "3", "--dtype": "float32"}, "ops", 60),
     # CPU: BERT-large autocast left out (on CPU it measures what bf16 does, at the same cost: ~100 s)
     "fused": ("bench_fused.py", "fused layers and checkpointing against Hugging Face",
-              ["--configs", "bert-large-bf16,gpt2-medium-bf16,llama-bf16", "--rounds", "5", "--warmup", "1"], [],
-              ["--rounds", "2", "--warmup", "1"], "fused", 330),
+              {"--configs": "bert-large-bf16,gpt2-medium-bf16,llama-bf16", "--rounds": "5", "--warmup": "1"}, {},
+              {"--rounds": "2", "--warmup": "1"}, "fused", 330),
 }
 
 
+def part_argv(name: str, device: str, out: str, quick: bool) -> list:
+    script, _, cpu_opts, cuda_opts, quick_opts = PARTS[name][:5]
+    opts = {"--device": device, "--out": out, **(cuda_opts if device.startswith("cuda") else cpu_opts),
+            **(quick_opts if quick else {})}
+    argv = [sys.executable, os.path.join(HERE, script)]
+    for k, v in opts.items():
+        argv += [k] if v is None else [k, v]
+    return argv
+
+
 def run_part(name: str, device: str, out: str, quick: bool, index: int, count: int) -> dict:
-    script, what, cpu_args, cuda_args, quick_args, stem, expected = PARTS[name]
-    argv = [sys.executable, os.path.join(HERE, script), "--device", device, "--out", out]
-    argv += (cuda_args if device.startswith("cuda") else cpu_args) + (quick_args if quick else [])
+    script, what, stem, expected = PARTS[name][0], PARTS[name][1], PARTS[name][5], PARTS[name][6]
+    argv = part_argv(name, device, out, quick)
     hint = "" if device.startswith("cuda") else f"; about {expected // 60 or 1} min on 2 quiet cores"
     print(f"\n=== [{index}/{count}] {name}: {what} ({script} {' '.join(argv[2:])}{hint})", file=sys.stderr, flush=True)
     start, wall_start = time.monotonic(), time.time()

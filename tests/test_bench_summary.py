@@ -84,6 +84,8 @@ def test_bench_all_summary_from_its_parts(tmp_path, monkeypatch, capsys):
     assert bench_all.main(["--device", "cpu", "--out", str(tmp_path)]) == 0
     assert [os.path.basename(c[1]) for c in calls] == ["bench_checkpoint.py", "bench_ops.py", "bench_fused.py"]
     assert "--skip-bert" in calls[0] and calls[2][-4:] == ["--rounds", "5", "--warmup", "1"]
+    quick = bench_all.part_argv("fused", "cpu", "o", quick=True)
+    assert quick.count("--rounds") == 1 and quick[quick.index("--rounds") + 1] == "2" and "--configs" in quick
     summary = (tmp_path / "summary.md").read_text()
     assert summary in capsys.readouterr().out
     assert "| model | variant | step ms | × HF eager | peak MiB |" in summary
