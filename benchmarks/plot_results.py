@@ -117,7 +117,7 @@ def summary_table(panels: List[dict]) -> str:
                 lines.append(f"| {model} | {r['label']} | {err} | | |")
                 continue
             ratio = f"{r['step_ms'] / eager:.3f}" if eager else "-"
-            peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
+            peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}" if r["peak_mib"] >= 100 else f"{r['peak_mib']:.1f}"
             lines.append(f"| {model} | {r['label']} | {r['step_ms']:.1f} | {ratio} | {peak} |")
     return "\n".join(lines) + "\n"
 
@@ -127,18 +127,20 @@ def plot(panels: List[dict], path: str, caption: Optional[str] = None) -> str:
     from matplotlib.figure import Figure
 
     n = len(panels) + 1  # the last cell holds the legend
-    cols = min(3, n)
+    cols = n if n <= 4 else 3
     rows = math.ceil(n / cols)
     fig = Figure(figsize=(4.2 * cols, 3.4 * rows))
     FigureCanvasAgg(fig)
     seen = {}
     for i, p in enumerate(panels):
         ax = fig.add_subplot(rows, cols, i + 1)
+        peaks = [r["peak_mib"] for r in p["rows"] if r["step_ms"] is not None and r["peak_mib"] is not None]
+        unit, scale = ("GiB", 1024) if peaks and max(peaks) >= 1024 else ("MiB", 1)
         for r in p["rows"]:
             if r["step_ms"] is None or r["peak_mib"] is None:
                 continue
             marker, color = STYLE.get(r["label"], ("o", None))
-            h = ax.scatter([r["peak_mib"] / 1024], [r["step_ms"]], marker=marker, color=color, s=70,
+            h = ax.scatter([r["peak_mib"] / scale], [r["step_ms"]], marker=marker, color=color, s=70,
                            edgecolors="black", linewidths=0.5, zorder=3)
             seen.setdefault(r["label"], h)
         eager = next((r for r in p["rows"] if r["variant"] == "none" and r["step_ms"]), None)
@@ -148,7 +150,7 @@ def plot(panels: List[dict], path: str, caption: Optional[str] = None) -> str:
         if failed:
             ax.text(0.02, 0.02, "failed: " + ", ".join(failed), transform=ax.transAxes, fontsize=7, color="#9467bd")
         ax.set_title(p["title"], fontsize=9)
-        ax.set_xlabel(f"{p['peak']}, GiB", fontsize=8)
+        ax.set_xlabel(f"{p['peak']}, {unit}", fontsize=8)
         ax.set_ylabel("step ms (median)", fontsize=8)
         ax.set_xlim(left=0)
         ax.tick_params(labelsize=7)
