@@ -324,6 +324,18 @@ def test_max_batch_search(threshold, cap, expected):
     assert len(set(tries)) == len(tries)
 
 
+@pytest.mark.parametrize("threshold", [37, 300, 1000, 4095])
+def test_max_batch_search_with_precision(threshold):
+    """precision=0.125: at most 12.5% below the largest batch that fits, never above it, in fewer tries."""
+    exact_tries, tries = [], []
+    assert common.find_max_batch(_fake_step(threshold, exact_tries), 4096) == threshold
+    got = common.find_max_batch(_fake_step(threshold, tries), 4096, precision=0.125)
+    assert threshold * (1 - 0.125) <= got <= threshold
+    assert len(tries) <= len(exact_tries)
+    with pytest.raises(ValueError, match="precision"):
+        common.find_max_batch(_fake_step(1, []), 8, precision=1.0)
+
+
 def test_max_batch_search_oom_as_runtime_error():
     tries = []
     step = _fake_step(20, tries, exc=lambda b: RuntimeError(f"CUDA error: out of memory (batch {b})"))
@@ -352,8 +364,12 @@ def test_bench_ops_covers_every_op(tmp_path):
     for r in result["rows"]:
         assert r["status"] == "ok", r
         assert r["ours_gbps"] > 0 and r["eager_gbps"] > 0
+        assert r["of_copy"] > 0  # the op's GB/s over the copy bandwidth measured in the same run
+    assert [c["dtype"] for c in result["config"]["copy"]] == ["float32", "bfloat16"]
+    assert all(c["gbps"] > 0 for c in result["config"]["copy"])
     md = (tmp_path / "ops.md").read_text()
     assert "| add_layer_norm | 8x64 | float32 | ok |" in md and "| add_layer_norm | 8x64 | bfloat16 | ok |" in md
+    assert "Copy bandwidth in this run (float32" in md
 
 
 def test_entry_point_runs_the_checkout_suite(capsys):
