@@ -243,7 +243,8 @@ def main(argv=None) -> dict:
     for r in result_rows:
         ceiling = next(c["gbps"] for c in copy if c["dtype"] == r["dtype"])
         r["of_copy"] = r["ours_gbps"] / ceiling if r.get("ours_gbps") else None
-    cfg = {"copy": copy, "rows": rows, "hidden": hiddens, "dtype": ",".join(names), "rounds": rounds, "inner": inner,
+    covered = {r["op"] for r in result_rows}
+    cfg = {"copy": copy, "not_benchmarked": [] if only else sorted(set(ops.__all__) - covered), "rows": rows, "hidden": hiddens, "dtype": ",".join(names), "rounds": rounds, "inner": inner,
            "grad_forward": not args.no_grad_forward, "warm_heap": warm_heap,
            "argv": list(sys.argv[1:] if argv is None else argv)}
     md = to_markdown(finish_env(info), result_rows, cfg)
