@@ -130,8 +130,8 @@ class Report:
         """argv in its own process group, stdout + stderr into work/<key>/<name>.log; killed (the whole group)
         at the timeout. Returns rc (None when killed), seconds, timed_out, the log's path."""
         log = os.path.join(self.section_dir(key), name + ".log")
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
-            [REPO, BENCH] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(  # this checkout's ckpt_ext
+            [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         full_env.update(env or {})
         t0 = time.monotonic()
         rec = {"name": name, "argv": argv, "cwd": os.path.relpath(cwd, REPO), "log": os.path.relpath(log, self.work),
@@ -392,7 +392,7 @@ def _bench_fused_configs(rep: Report, timeout: float) -> List[str]:
     """benchmarks/bench_fused.py's CONFIGS keys, read at run time (new fused families join by adding theirs)."""
     path = os.path.join(rep.section_dir("c"), "configs.json")
     rep.py("c", "configs", ["-c", "import json, sys, bench_fused; json.dump(list(bench_fused.CONFIGS), "
-                                  "open(sys.argv[1], 'w'))", path], timeout)
+                                  "open(sys.argv[1], 'w'))", path], timeout, cwd=BENCH)
     try:
         with open(path) as f:
             return list(json.load(f))
