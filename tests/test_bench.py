@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 from types import SimpleNamespace
 
@@ -117,6 +118,18 @@ def test_lora_argument():
     for bad in ("rank=8", "r=0", "dropout=1", "r"):
         with pytest.raises(SystemExit):
             suite.resolve_config(suite.make_parser().parse_args(["--device", "cpu", "--lora", bad]), suite.make_parser())
+
+
+def test_custom_family_memory_cap_and_precision_arguments(capsys):
+    parser = suite.make_parser()
+    cfg = suite.resolve_config(parser.parse_args(TINY + ["--family", "llama", "--max-batch-precision", "0.125"]), parser)
+    assert (cfg["spec"].family, cfg["spec"].kv_heads, cfg["max_batch_precision"]) == ("llama", 1, 0.125)
+    for bad, message in ((["--memory-cap", "16"], "applies to CUDA only"),
+                         (["--max-batch-precision", "1"], "must be in \\[0, 1\\)"),
+                         (["--model", "bert-base", "--family", "llama"], "apply to --model custom only")):
+        with pytest.raises(SystemExit):
+            suite.resolve_config(parser.parse_args(["--device", "cpu"] + bad), parser)
+        assert re.search(message, capsys.readouterr().err), bad
 
 
 def _last_segments(err: str):
