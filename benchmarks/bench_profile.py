@@ -62,7 +62,9 @@ def profile_variant(workload: Workload, name: str, batch: int, warmup: int, top:
         events.sort(key=lambda e: _self_time_us(e, cuda), reverse=True)
         row.update(total_self_ms=total / 1e3, events=len(events), kernels=[
             {"name": e.key, "calls": e.count, "self_ms": _self_time_us(e, cuda) / 1e3,
-             "share": _self_time_us(e, cuda) / total if total else None} for e in events[:top]])
+             "share": _self_time_us(e, cuda) / total if total else None,
+             "of_step": _self_time_us(e, cuda) / 1e3 / row["step_ms"] if row["step_ms"] else None}
+            for e in events[:top]])
     except Exception as e:
         row["status"] = f"error: {short_error(e)}"
     finally:
@@ -79,7 +81,7 @@ def to_markdown(info: dict, runs: List[dict], cfg: dict) -> str:
     lines = [f"# Where the step goes: {info['device_name']} ({info['device']})", "", env_line(info), "",
              f"One profiled step per variant after {cfg['warmup']} warm-up step(s); top {cfg['top']} {what}. "
              "share = self time / the self time of every kernel of the step (on CUDA: the time the GPU was busy); "
-             "step ms = one step timed without the profiler."]
+             "of step = self time / the step's time (one step timed without the profiler)."]
     for run in runs:
         for r in run["rows"]:
             head = f"\n## {run['config']} ({run['model']}, batch {run['batch']}, {run['mode']}): {r['variant']}"
@@ -87,10 +89,12 @@ def to_markdown(info: dict, runs: List[dict], cfg: dict) -> str:
                 lines += [head, "", r["status"]]
                 continue
             lines += [head, "", f"step {r['step_ms']:.2f} ms; kernel self time {r['total_self_ms']:.2f} ms over "
-                      f"{r['events']} distinct kernels", "", "| # | kernel | calls | self ms | share |", "|---|---|---|---|---|"]
+                      f"{r['events']} distinct kernels", "", "| # | kernel | calls | self ms | share | of step |",
+                      "|---|---|---|---|---|---|"]
             for i, k in enumerate(r["kernels"], 1):
                 name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
-                lines.append(f"| {i} | `{name}` | {k['calls']} | {k['self_ms']:.3f} | {k['share']:.1%} |")
+                of_step = f"{k['of_step']:.1%}" if k["of_step"] is not None else "-"
+                lines.append(f"| {i} | `{name}` | {k['calls']} | {k['self_ms']:.3f} | {k['share']:.1%} | {of_step} |")
     return "\n".join(lines) + "\n"
 
 

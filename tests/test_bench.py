@@ -430,3 +430,18 @@ def test_bench_budget_smoke(tmp_path):
         assert rows[v]["step_ratio"] > 0 and rows[v]["cpu_step_ratio"] > 0
     text = (tmp_path / "budget.md").read_text()
     assert "predicted step / measured" in text and "predicted overhead" in text
+
+
+def test_bench_profile_smoke(tmp_path):
+    """bench_profile --tiny: one profiled step per variant, the top ops by self time with calls and shares."""
+    import bench_profile
+    result = bench_profile.main(["--tiny", "--device", "cpu", "--models", "llama", "--variants", "none,ckpt_ext-fused",
+                                 "--top", "5", "--warmup", "0", "--out", str(tmp_path)])
+    rows = result["runs"][0]["rows"]
+    assert [r["variant"] for r in rows] == ["none", "ckpt_ext-fused"]
+    for r in rows:
+        assert r["status"] == "ok" and r["step_ms"] > 0 and 0 < len(r["kernels"]) <= 5, r
+        shares = [k["share"] for k in r["kernels"]]
+        assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+        assert all(k["calls"] >= 1 and k["of_step"] is not None for k in r["kernels"])
+    assert "| # | kernel | calls | self ms | share | of step |" in (tmp_path / "profile.md").read_text()
