@@ -55,7 +55,7 @@ import sys
 import tarfile
 import time
 import xml.etree.ElementTree as ET
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
