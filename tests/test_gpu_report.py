@@ -1,6 +1,7 @@
 """The GPU report (tools/gpu_report.py, `bash tools/gpu_session.sh report`): its dry run end to end on CPU, so a broken
 report is found before a GPU is lent, and the readers of what the sections write (side_by_side.py's JSON, pytest's
 -v log, bench_compile.py's JSON whatever its layout) on fixed inputs."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,8 +11,10 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import gpu_report  # noqa: E402
+# Loaded from its file: tools/ on sys.path would put its build.py, compat.py ... before other packages.
+_spec = importlib.util.spec_from_file_location("gpu_report", os.path.join(ROOT, "tools", "gpu_report.py"))
+gpu_report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_report)
 
 
 @pytest.mark.slow  # minutes on a 2-core machine; deselect with -m "not slow"
