@@ -8,7 +8,7 @@ enable_checkpointing), fused (ckpt_ext.fuse), ckpt_ext-fused (fuse + enable_chec
 
 Configurations, dropout as in the configs (0.1 in BERT and GPT-2 attention, none in Llama):
   CUDA: BERT-large s512 b32 bf16 and autocast, GPT-2 medium s1024 b16 bf16, Llama 16x2048 s2048 b4 bf16
-  CPU:  the same families and modes, shrunk (4 layers, hidden 256, seq 128)
+  CPU:  the same families and modes, shrunk (4 layers, hidden 256, seq 128; --tiny: 2 layers, hidden 64, seq 32)
 Peak on CUDA: allocated above the weights during a step (the yardstick's "peak over weights"); on CPU,
 which has no allocator statistics, the activation bytes held from forward to backward.
 
@@ -37,21 +37,25 @@ CONFIGS = {
     "llama-bf16": (ModelSpec("llama", "llama", 16, 2048, 32, 2048, 8192, 32000, kv_heads=8), 4, "bf16"),
 }
 CPU_SHRINK = {"layers": 4, "hidden": 256, "heads": 4, "seq": 128, "intermediate": 1024, "vocab": 1000}
+# --tiny (CPU): the smallest shapes that still run every code path (the GPU report's dry run).
+CPU_TINY = {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "intermediate": 256, "vocab": 1000}
 # The GPU targets (GPU shapes): (fused / HF eager, fused + ckpt / HF eager).
 TARGETS = {"bert-large-bf16": (0.85, 1.10), "bert-large-autocast": (0.90, 1.15), "gpt2-medium-bf16": (0.85, 1.10),
            "llama-bf16": (0.74, 0.95)}
 
 
-def shrink(spec: ModelSpec) -> ModelSpec:
+def shrink(spec: ModelSpec, tiny: bool = False) -> ModelSpec:
     kv = 2 if spec.kv_heads else None
-    return ModelSpec(spec.name + "-small", spec.family, kv_heads=kv, **CPU_SHRINK)
+    return ModelSpec(spec.name + ("-tiny" if tiny else "-small"), spec.family, kv_heads=kv,
+                     **(CPU_TINY if tiny else CPU_SHRINK))
 
 
-def run_config(name: str, device, rounds: int, warmup: int, progress: Progress, notes: List[str]) -> List[dict]:
+def run_config(name: str, device, rounds: int, warmup: int, progress: Progress, notes: List[str],
+               tiny: bool = False) -> List[dict]:
     spec, batch, mode = CONFIGS[name]
     cuda = torch.device(device).type == "cuda"
     if not cuda:
-        spec, batch = shrink(spec), 4
+        spec, batch = shrink(spec, tiny), 2 if tiny else 4
     progress.describe(f"{name}: building")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename
@@ -120,6 +124,8 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds (default 15, as the yardstick)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant, the first being the trial")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU: tiny shapes (2 layers, hidden 64, seq 32, batch 2) instead of the CPU shapes")
     add_output_args(p)
     args = p.parse_args(argv)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -128,13 +134,15 @@ def main(argv=None) -> dict:
     if args.rounds < 1 or args.warmup < 1:
         p.error("--rounds and --warmup must be at least 1")
     device = torch.device(args.device)
+    if args.tiny and device.type == "cuda":
+        p.error("--tiny is for CPU runs (the GPU runs the configs' own shapes)")
     info = env_info(device)
     notes: List[str] = []
     progress = Progress(enabled=not args.no_progress)
     rows = []
     try:
         for name in names:
-            rows += run_config(name, device, args.rounds, args.warmup, progress, notes)
+            rows += run_config(name, device, args.rounds, args.warmup, progress, notes, args.tiny)
     finally:
         progress.close()
     cfg = {"configs": names, "rounds": args.rounds, "warmup": args.warmup, "variants": VARIANTS, "notes": notes,

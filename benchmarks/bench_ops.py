@@ -11,6 +11,8 @@ eager backward is autograd through the eager forward (retain_graph), what a mode
 runs; the LayerNorm's weight and bias both require grad there, as ours returns both gradients. Our
 bias_dropout_add_layer_norm_backward is handed the keep bits its forward returned, as the op's autograd
 does (on CPU: the mask, one bit per element, read instead of regenerated; on CUDA there are none).
+The device's copy bandwidth is measured in the same run (y.copy_(x), read + write) and every row says what
+fraction of it the op reaches (`of copy`): the ceiling a memory-bound kernel is judged against.
 
     python benchmarks/bench_ops.py                       # best device: CUDA bf16 rows 16384, else CPU fp32 + bf16 rows 2048
     python benchmarks/bench_ops.py --hidden 1024,4096,8192 --dtype bfloat16,float16
@@ -120,6 +122,17 @@ def time_pair(ours: Callable, eager: Callable, device, rounds: int, inner: int):
     return quantiles(t["ours"]), quantiles(t["eager"])
 
 
+def copy_bandwidth(rows: int, hiddens: List[int], dtype, device, rounds: int, inner: int) -> dict:
+    """The device's copy bandwidth in this run, the ceiling the ops' GB/s is read against: y.copy_(x) of the
+    largest tensor the ops touch (rows x 4 x the widest hidden), bytes = read + write."""
+    x = torch.randn(rows, 4 * max(hiddens), device=device, dtype=dtype)
+    y = torch.empty_like(x)
+    stats, _ = time_pair(lambda: y.copy_(x), lambda: y.copy_(x), device, rounds, inner)
+    nbytes = 2 * x.numel() * x.element_size()
+    return {"dtype": str(dtype).replace("torch.", ""), "elements": x.numel(), "bytes": nbytes, "s": stats,
+            "gbps": nbytes / stats["median"] / 1e9}
+
+
 def run(device, dtypes, rows: int, hiddens: List[int], rounds: int, inner: int, only=None,
         grad_forward: bool = True, progress: Progress = None) -> List[dict]:
     out = []
@@ -150,16 +163,21 @@ def run(device, dtypes, rows: int, hiddens: List[int], rounds: int, inner: int, 
 def to_markdown(info: dict, rows: List[dict], cfg: dict) -> str:
     lines = [f"# ckpt_ext fused ops against torch eager: {info['device_name']} ({info['device']})", "",
              env_line(info), "", f"{cfg['rounds']} rounds of {cfg['inner']} calls each, ours and eager alternating.",
-             "", "| op | rows x hidden | dtype | status | ours µs (p20-p80) | ours GB/s | eager µs | eager GB/s | "
-             "eager / ours | flags |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| op | rows x hidden | dtype | status | ours µs (p20-p80) | ours GB/s | of copy | eager µs | "
+             "eager GB/s | eager / ours | flags |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["ours_s"]:
-            lines.append(f"| {r['op']} | {r['rows']}x{r['hidden']} | {r['dtype']} | {r['status']} | - | - | - | - | - | |")
+            lines.append(f"| {r['op']} | {r['rows']}x{r['hidden']} | {r['dtype']} | {r['status']} | - | - | - | - | - | - "
+                         "| |")
             continue
         o, e = r["ours_s"], r["eager_s"]
+        of_copy = f"{r['of_copy']:.0%}" if r.get("of_copy") else "-"
         lines.append(f"| {r['op']} | {r['rows']}x{r['hidden']} | {r['dtype']} | ok | {o['median'] * 1e6:.1f} "
-                     f"({o['p20'] * 1e6:.1f}-{o['p80'] * 1e6:.1f}) | {r['ours_gbps']:.1f} | {e['median'] * 1e6:.1f} | "
-                     f"{r['eager_gbps']:.1f} | {r['speedup']:.2f}x | {'; '.join(r['flags'])} |")
+                     f"({o['p20'] * 1e6:.1f}-{o['p80'] * 1e6:.1f}) | {r['ours_gbps']:.1f} | {of_copy} | "
+                     f"{e['median'] * 1e6:.1f} | {r['eager_gbps']:.1f} | {r['speedup']:.2f}x | {'; '.join(r['flags'])} |")
+    for c in cfg.get("copy", []):
+        lines.append(f"\nCopy bandwidth in this run ({c['dtype']}, y.copy_(x) of {c['elements']} elements, read + "
+                     f"write): {c['gbps']:.1f} GB/s; `of copy` is the op's GB/s over it.")
     lines += ["", "- GB/s: bytes the op must move (inputs read once, outputs written once; vectors of length hidden "
               "and per-row statistics ignored) / median time. GELU and SwiGLU run on the intermediate width "
               "(4 x hidden); rotary on [4, hidden/128 heads, rows/4, 128].",
@@ -231,7 +249,12 @@ def main(argv=None) -> dict:
         result_rows = run(device, dtypes, rows, hiddens, rounds, inner, only, not args.no_grad_forward, progress)
     finally:
         progress.close()
-    cfg = {"rows": rows, "hidden": hiddens, "dtype": ",".join(names), "rounds": rounds, "inner": inner,
+    copy = [copy_bandwidth(rows, hiddens, d, device, rounds, inner) for d in dtypes]
+    for r in result_rows:
+        ceiling = next(c["gbps"] for c in copy if c["dtype"] == r["dtype"])
+        r["of_copy"] = r["ours_gbps"] / ceiling if r.get("ours_gbps") else None
+    covered = {r["op"] for r in result_rows}
+    cfg = {"copy": copy, "not_benchmarked": [] if only else sorted(set(ops.__all__) - covered), "rows": rows, "hidden": hiddens, "dtype": ",".join(names), "rounds": rounds, "inner": inner,
            "grad_forward": not args.no_grad_forward, "warm_heap": warm_heap,
            "argv": list(sys.argv[1:] if argv is None else argv)}
     md = to_markdown(finish_env(info), result_rows, cfg)

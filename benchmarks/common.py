@@ -166,13 +166,18 @@ def held_bytes(step_forward: Callable[[], torch.Tensor], params: Iterable[torch.
     return out
 
 
-def find_max_batch(step: Callable[[int], None], cap: int, free: Callable[[], None] = gc.collect) -> int:
+def find_max_batch(step: Callable[[int], None], cap: int, free: Callable[[], None] = gc.collect,
+                   precision: float = 0.0) -> int:
     """Largest batch in [1, cap] for which step(batch) does not run out of memory: doubling from 1,
     then bisection between the last batch that fitted and the first that did not. step raises an
     out-of-memory error (see is_oom) when a batch does not fit; any other exception propagates.
-    free() runs after each try that ran out of memory. Returns 0 when batch 1 does not fit."""
+    free() runs after each try that ran out of memory. Returns 0 when batch 1 does not fit.
+    precision > 0 stops the bisection once the first batch that did not fit is within that fraction of
+    the last that did (0.125: the answer is at most 12.5% below the true largest batch, in fewer tries)."""
     if cap < 1:
         raise ValueError(f"cap must be at least 1, got {cap}")
+    if not 0 <= precision < 1:
+        raise ValueError(f"precision must be in [0, 1), got {precision}")
 
     def fits(batch):
         ok = True
@@ -195,7 +200,7 @@ def find_max_batch(step: Callable[[int], None], cap: int, free: Callable[[], Non
             batch = min(2 * batch, cap)
         else:
             failed = batch
-    while failed - fitted > 1:
+    while failed - fitted > max(1, int(fitted * precision)):
         mid = (fitted + failed) // 2
         if fits(mid):
             fitted = mid

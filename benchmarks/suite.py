@@ -3,6 +3,7 @@
     python benchmarks/suite.py                                  # bert-large on the best device present
     python benchmarks/suite.py --model llama --batch max        # largest batch per variant
     python benchmarks/suite.py --device cpu --model bert-base   # CPU: shrunk model (4 layers, seq 128, batch 2)
+    python benchmarks/suite.py --batch max --memory-cap 16      # largest batch per variant as on a 16 GiB GPU
     python benchmarks/suite.py --model llama --mode bf16 --lora --variants none,hf-torch-nonreentrant,ckpt_ext,fused,ckpt_ext-fused
                                                                 # peft LoRA (r=16, alpha 32, dropout 0.05) on every variant
 
@@ -264,8 +265,10 @@ def cpu_batch_cap(suite: Suite, max_batch: int) -> int:
     return max(1, min(max_batch, room // max(1, 2 * suite.none_bytes(1))))
 
 
-def run_max(suite: Suite, cap: int, repeat: int, warmup: int, progress: Progress) -> Dict[str, dict]:
-    """Per variant, alone on the device: the largest batch that fits (find_max_batch), then its row there."""
+def run_max(suite: Suite, cap: int, repeat: int, warmup: int, progress: Progress,
+            precision: float = 0.0) -> Dict[str, dict]:
+    """Per variant, alone on the device: the largest batch that fits (find_max_batch, to within `precision`),
+    then its row there."""
     rows = {}
     for v in list(suite.variants):
         if not suite.build(v):
@@ -280,7 +283,7 @@ def run_max(suite: Suite, cap: int, repeat: int, warmup: int, progress: Progress
 
         found = None
         try:
-            found = find_max_batch(step, cap, free=lambda: free_memory(suite.workload.device))
+            found = find_max_batch(step, cap, free=lambda: free_memory(suite.workload.device), precision=precision)
         except Exception as e:
             suite.status[v] = _failure(e)
             suite.notes.append(f"{v}: the max-batch search failed with {short_error(e)}")
@@ -309,6 +312,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python benchmarks/suite.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bert-large", choices=[*MODELS, "custom"])
+    p.add_argument("--family", default="bert", choices=["bert", "gpt2", "llama"],
+                   help="custom only: the Hugging Face model family (default bert; llama: half as many KV heads)")
     p.add_argument("--layers", type=int, help="layers (custom; also overrides a named model's count)")
     p.add_argument("--hidden", type=int, help=f"custom only (default {CUSTOM_DEFAULTS['hidden']})")
     p.add_argument("--heads", type=int, help=f"custom only (default {CUSTOM_DEFAULTS['heads']})")
@@ -316,6 +321,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=parse_batches, default=None,
                    help="comma list of batch sizes, or 'max' (default CUDA 8,16,32; CPU 2)")
     p.add_argument("--max-batch", type=int, default=None, help="upper bound of --batch max (default CUDA 4096, CPU 8)")
+    p.add_argument("--max-batch-precision", type=float, default=0.0, metavar="FRACTION",
+                   help="--batch max: stop the bisection once within this fraction of the largest batch that "
+                        "fitted (default 0: exact; 0.125 saves tries on large batches)")
+    p.add_argument("--memory-cap", type=float, default=None, metavar="GiB",
+                   help="CUDA: cap this process's memory (torch.cuda.set_per_process_memory_fraction), weights "
+                        "included, as on a smaller GPU; with --batch max, the largest batch under the cap")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--mode", default=None, choices=MODES, help="default autocast on CUDA, fp32 on CPU")
     p.add_argument("--repeat", type=int, default=None, help="timed rounds (default CUDA 20, CPU 5)")
@@ -343,13 +354,15 @@ def resolve_config(args, parser) -> dict:
     small = not cuda and not args.full
     if args.model == "custom":
         hidden = args.hidden or CUSTOM_DEFAULTS["hidden"]
-        spec = ModelSpec("custom", "bert", args.layers or CUSTOM_DEFAULTS["layers"], hidden,
-                         args.heads or CUSTOM_DEFAULTS["heads"], args.seq or CUSTOM_DEFAULTS["seq"], 4 * hidden, 30522)
+        heads = args.heads or CUSTOM_DEFAULTS["heads"]
+        kv_heads = heads // 2 if args.family == "llama" and heads % 2 == 0 else None
+        spec = ModelSpec("custom", args.family, args.layers or CUSTOM_DEFAULTS["layers"], hidden, heads,
+                         args.seq or CUSTOM_DEFAULTS["seq"], 4 * hidden, 30522, kv_heads=kv_heads)
         if spec.hidden % spec.heads:
             parser.error(f"--hidden {spec.hidden} is not a multiple of --heads {spec.heads}")
     else:
-        if args.hidden or args.heads:
-            parser.error("--hidden and --heads apply to --model custom only")
+        if args.hidden or args.heads or args.family != "bert":
+            parser.error("--hidden, --heads and --family apply to --model custom only")
         spec = MODELS[args.model]
         if small:
             spec = replace(spec, layers=min(spec.layers, CPU_SMALL["layers"]), seq=min(spec.seq, CPU_SMALL["seq"]))
@@ -364,6 +377,15 @@ def resolve_config(args, parser) -> dict:
             lora = parse_lora(args.lora)
         except (TypeError, ValueError) as e:
             parser.error(f"--lora: {e}")
+    if args.memory_cap is not None:
+        if not cuda:
+            parser.error("--memory-cap applies to CUDA only (the CPU has no allocator cap to set)")
+        total = torch.cuda.get_device_properties(device).total_memory
+        if not 0 < args.memory_cap * 2**30 <= total:
+            parser.error(f"--memory-cap {args.memory_cap:g} GiB: must be positive and at most the device's "
+                         f"{total / 2**30:.1f} GiB")
+    if not 0 <= args.max_batch_precision < 1:
+        parser.error(f"--max-batch-precision must be in [0, 1), got {args.max_batch_precision:g}")
     budget = None
     if args.budget is not None:
         from ckpt_ext.planner import parse_bytes
@@ -376,7 +398,8 @@ def resolve_config(args, parser) -> dict:
            "max_batch": args.max_batch or (4096 if cuda else 8), "repeat": args.repeat or (20 if cuda else 5),
            "warmup": args.warmup if args.warmup is not None else (3 if cuda else 1), "variants": variants,
            "budget": budget, "cpu_small": small and args.model != "custom", "lora": lora,
-           "parity": not args.no_parity}
+           "parity": not args.no_parity, "memory_cap": args.memory_cap,
+           "max_batch_precision": args.max_batch_precision}
     if cfg["repeat"] < 1 or cfg["warmup"] < 1 or cfg["max_batch"] < 1:
         parser.error("--repeat, --warmup and --max-batch must be at least 1 (the first warm-up step is the trial)")
     return cfg
@@ -396,6 +419,11 @@ def flag_rows(rows: List[dict], suite: Suite) -> None:
 def run(cfg: dict, progress: Progress, notes: List[str]) -> dict:
     """Builds the workload and runs the configured measurement: rows (and the max batches)."""
     device = cfg["device"]
+    if cfg.get("memory_cap"):
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(cfg["memory_cap"] * 2**30 / total, device)
+        notes.append(f"memory capped at {cfg['memory_cap']:g} GiB of the device's {total / 2**30:.1f} GiB, weights "
+                     "included (torch.cuda.set_per_process_memory_fraction)")
     progress.describe(f"building {cfg['spec'].name}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename
@@ -411,7 +439,10 @@ def run(cfg: dict, progress: Progress, notes: List[str]) -> dict:
             if cap < cfg["max_batch"]:
                 notes.append(f"--batch max capped at {cap} by the memory estimate (CPU has no out-of-memory error)")
             cfg["max_batch"] = cap
-            measured = run_max(suite, cap, cfg["repeat"], cfg["warmup"], progress)
+            if cfg.get("max_batch_precision"):
+                notes.append(f"--batch max searched to within {cfg['max_batch_precision']:.1%} (the largest batch "
+                             "may be that much higher)")
+            measured = run_max(suite, cap, cfg["repeat"], cfg["warmup"], progress, cfg.get("max_batch_precision", 0.0))
             max_batch = {v: r["batch"] for v, r in measured.items()}
         else:
             for v in list(suite.variants):
@@ -447,6 +478,8 @@ def main(argv=None) -> dict:
               "intermediate": spec.intermediate, "vocab": spec.vocab, "mode": cfg["mode"],
               "batch": cfg["batch"], "max_batch": cfg["max_batch"], "repeat": cfg["repeat"], "warmup": cfg["warmup"],
               "variants": cfg["variants"], "budget_bytes": cfg["budget"], "cpu_small": cfg["cpu_small"],
+              "family": spec.family, "memory_cap_gib": cfg["memory_cap"],
+              "max_batch_precision": cfg["max_batch_precision"],
               "lora": cfg["lora"] and {**vars(cfg["lora"]), "description": cfg["lora"].describe(spec.family)},
               "argv": list(sys.argv[1:] if argv is None else argv)}
     result = {"env": finish_env(info), "config": config, "rows": measured["rows"],

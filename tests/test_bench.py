@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 from types import SimpleNamespace
 
@@ -117,6 +118,18 @@ def test_lora_argument():
     for bad in ("rank=8", "r=0", "dropout=1", "r"):
         with pytest.raises(SystemExit):
             suite.resolve_config(suite.make_parser().parse_args(["--device", "cpu", "--lora", bad]), suite.make_parser())
+
+
+def test_custom_family_memory_cap_and_precision_arguments(capsys):
+    parser = suite.make_parser()
+    cfg = suite.resolve_config(parser.parse_args(TINY + ["--family", "llama", "--max-batch-precision", "0.125"]), parser)
+    assert (cfg["spec"].family, cfg["spec"].kv_heads, cfg["max_batch_precision"]) == ("llama", 1, 0.125)
+    for bad, message in ((["--memory-cap", "16"], "applies to CUDA only"),
+                         (["--max-batch-precision", "1"], "must be in \\[0, 1\\)"),
+                         (["--model", "bert-base", "--family", "llama"], "apply to --model custom only")):
+        with pytest.raises(SystemExit):
+            suite.resolve_config(parser.parse_args(["--device", "cpu"] + bad), parser)
+        assert re.search(message, capsys.readouterr().err), bad
 
 
 def _last_segments(err: str):
@@ -324,6 +337,18 @@ def test_max_batch_search(threshold, cap, expected):
     assert len(set(tries)) == len(tries)
 
 
+@pytest.mark.parametrize("threshold", [37, 300, 1000, 4095])
+def test_max_batch_search_with_precision(threshold):
+    """precision=0.125: at most 12.5% below the largest batch that fits, never above it, in fewer tries."""
+    exact_tries, tries = [], []
+    assert common.find_max_batch(_fake_step(threshold, exact_tries), 4096) == threshold
+    got = common.find_max_batch(_fake_step(threshold, tries), 4096, precision=0.125)
+    assert threshold * (1 - 0.125) <= got <= threshold
+    assert len(tries) <= len(exact_tries)
+    with pytest.raises(ValueError, match="precision"):
+        common.find_max_batch(_fake_step(1, []), 8, precision=1.0)
+
+
 def test_max_batch_search_oom_as_runtime_error():
     tries = []
     step = _fake_step(20, tries, exc=lambda b: RuntimeError(f"CUDA error: out of memory (batch {b})"))
@@ -352,8 +377,12 @@ def test_bench_ops_covers_every_op(tmp_path):
     for r in result["rows"]:
         assert r["status"] == "ok", r
         assert r["ours_gbps"] > 0 and r["eager_gbps"] > 0
+        assert r["of_copy"] > 0  # the op's GB/s over the copy bandwidth measured in the same run
+    assert [c["dtype"] for c in result["config"]["copy"]] == ["float32", "bfloat16"]
+    assert all(c["gbps"] > 0 for c in result["config"]["copy"])
     md = (tmp_path / "ops.md").read_text()
     assert "| add_layer_norm | 8x64 | float32 | ok |" in md and "| add_layer_norm | 8x64 | bfloat16 | ok |" in md
+    assert "Copy bandwidth in this run (float32" in md
 
 
 def test_entry_point_runs_the_checkout_suite(capsys):
@@ -401,3 +430,18 @@ def test_bench_budget_smoke(tmp_path):
         assert rows[v]["step_ratio"] > 0 and rows[v]["cpu_step_ratio"] > 0
     text = (tmp_path / "budget.md").read_text()
     assert "predicted step / measured" in text and "predicted overhead" in text
+
+
+def test_bench_profile_smoke(tmp_path):
+    """bench_profile --tiny: one profiled step per variant, the top ops by self time with calls and shares."""
+    import bench_profile
+    result = bench_profile.main(["--tiny", "--device", "cpu", "--models", "llama", "--variants", "none,ckpt_ext-fused",
+                                 "--top", "5", "--warmup", "0", "--out", str(tmp_path)])
+    rows = result["runs"][0]["rows"]
+    assert [r["variant"] for r in rows] == ["none", "ckpt_ext-fused"]
+    for r in rows:
+        assert r["status"] == "ok" and r["step_ms"] > 0 and 0 < len(r["kernels"]) <= 5, r
+        shares = [k["share"] for k in r["kernels"]]
+        assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
+        assert all(k["calls"] >= 1 and k["of_step"] is not None for k in r["kernels"])
+    assert "| # | kernel | calls | self ms | share | of step |" in (tmp_path / "profile.md").read_text()

@@ -24,7 +24,7 @@ TORCH = functools.partial(tc.checkpoint, use_reentrant=False)
 CKPT = functools.partial(ckpt_ext.checkpoint, use_reentrant=False)
 # torch >= 2.15: checkpoint(respect_saved_tensors_hooks=...)
 RESPECT = "respect_saved_tensors_hooks" in inspect.signature(tc.checkpoint).parameters
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+from helpers.devices import DEVICES, requires_cuda  # noqa: E402  (cuda: marked `cuda`, skipped without a GPU)
 
 
 def both(scenario, *args, **kwargs):
@@ -500,7 +500,7 @@ def test_rng_dropout_matches_no_checkpoint(device):
 
 
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16), pytest.param(
-    "cuda", torch.float16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))])
+    "cuda", torch.float16, marks=[requires_cuda, pytest.mark.cuda])])
 def test_autocast_gradients_bit_identical(device, dtype):
     def run(ckpt):
         m, x = model(p=0.1).to(device), data().to(device).detach().requires_grad_()

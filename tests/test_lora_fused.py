@@ -24,7 +24,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 H, VOCAB, B, S = 48, 97, 2, 11
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only"))]
+from helpers.devices import DEVICES  # noqa: E402  (cuda: marked `cuda`, skipped without a GPU)
 TARGETS = {
     "bert": ["query", "key", "value", "dense"],  # dense: attention.output, intermediate, output
     "gpt2": ["c_attn", "c_proj", "c_fc"],

@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
-# The next session with a lent GPU runs exactly this, in one device call (limit: 10 minutes), from a clean checkout
-# with the image's default environment:
+# The next session with a lent GPU runs exactly this, in one device call (limit: 10 minutes; give the call
+# timeout_s=600 and carry .yardsticks), from a clean checkout with the image's default environment:
+#
+#   mkdir -p .yardsticks && cp ../shared/gpu/*.py .yardsticks/    # here, before the call
+#   bash tools/gpu_session.sh report
+#
+# tools/gpu_report.py: build, the CUDA tests, the yardsticks, profiles, kernel bandwidth, compile, the 16 GiB cap
+# and fused LoRA, each section with its own time limit, 9 minutes in all; it writes exactly two files into $OUT,
+# summary.md (the open issues' targets, met or short, and each section's result) and gpu-report.tar.gz (every log
+# and JSON), both rewritten after each section. `report --dry-run` runs every section on CPU with tiny
+# configurations (tests/test_gpu_report.py does). docs/gpu-report.md: the sections, budgets, and how results are
+# committed under benchmarks/results/<device>/. `report` takes the whole command line (other steps cannot follow).
+#
+# The older steps, one or several per call (commit what lands in $OUT under benchmarks/results/<device>/):
 #
 #   bash tools/gpu_session.sh build test bench
-#
-# and commits what lands in $OUT under benchmarks/results/<device>/. build + test alone take about 5 minutes
+# build + test alone take about 5 minutes
 # (build ~50 s for one arch with 16 jobs, the suite ~200 s with pytest -n 8). Steps can also be run one per call:
 #   bash tools/gpu_session.sh build test        # build the CUDA extension, run the whole suite
 #   bash tools/gpu_session.sh build bench       # the benchmarks (a warm machine skips the unchanged build)
@@ -32,6 +43,11 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 status=0
+
+if [ "${1:-}" = report ]; then  # the whole report, its own orchestration (tools/gpu_report.py --help)
+  shift
+  exec "$PY" tools/gpu_report.py --python "$PY" "$@"
+fi
 
 pin_compilers() {
   echo "image compilers: CC=${CC:-} CXX=${CXX:-} CUDAHOSTCXX=${CUDAHOSTCXX:-}"
