@@ -1,5 +1,8 @@
-# make test  : fresh machine -> .venv (reusing an installed torch), build ckpt_ext, run pytest.
-# make bench : same set-up, then the default benchmark on the best device present.
+# make test  : fresh machine -> .venv (reusing an installed torch), build ckpt_ext, run pytest. Nothing else.
+# make check : the release checks: CUDA sources through nvcc (sm_80, sm_90), C++ against the headers of other
+#              torch releases, the Hugging Face-facing tests on other transformers releases.
+# make bench : same set-up as make test, then the default benchmark set (benchmarks/bench_all.py): a summary
+#              table and a plot at the end.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +12,7 @@ export MAX_JOBS
 # pytest workers (pytest-xdist): one per core on CI's 2-core machine; PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: venv build test test-compat bench check-cuda check-headers clean
+.PHONY: venv build test check test-compat bench check-cuda check-headers clean
 
 # The venv sees system site-packages so that a torch already installed on the machine (for example a
 # CUDA build on a GPU box) is reused instead of downloading another one.
@@ -33,19 +36,21 @@ test-compat: build
 build: venv
 	$(PY) tools/build.py
 
-test: build check-cuda check-headers
+test: build
 	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) tests
 
+# The release checks (CI runs them after make test; .ci/run). Each caches what passed (~/.cache/ckpt_ext),
+# so an unchanged tree costs seconds; from empty caches, on 2 cores, about 7-10 minutes (docs/install.md).
+check: check-cuda check-headers test-compat
+
 # The benchmarks' own dependencies are the pyproject extra [bench] (read from there, so that installing
-# them does not rebuild the extension). Results go to bench-out/ (untracked); --save-results writes the
-# committed benchmarks/results/<device>/.
+# them does not rebuild the extension), pinned by constraints.txt. Results go to bench-out/<device>/
+# (untracked). BENCH_ARGS passes options to benchmarks/bench_all.py (e.g. BENCH_ARGS=--quick).
+BENCH_ARGS ?=
 bench: build
-	$(PY) -m pip install -q $$($(PY) -c "from setuptools.config.pyprojecttoml import read_configuration as r; \
+	$(PY) -m pip install -q -c constraints.txt $$($(PY) -c "from setuptools.config.pyprojecttoml import read_configuration as r; \
 	    print(*r('pyproject.toml', expand=False)['project']['optional-dependencies']['bench'])")
-	$(PY) benchmarks/bench_checkpoint.py
-	$(PY) benchmarks/bench_ops.py
-	$(PY) benchmarks/bench_fused.py
-	$(PY) benchmarks/suite.py
+	$(PY) benchmarks/bench_all.py $(BENCH_ARGS)
 
 # CI cannot run CUDA code, but it can compile it: every .cu source must build for sm_80 and sm_90.
 # Cached per source hash, nvcc and torch version (~/.cache/ckpt_ext/check-cuda).

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckpt_ext
-from common import (add_output_args, env_info, env_line, finish_env, held_bytes, hf_checkpointing_disable,
+from common import (Progress, add_output_args, env_info, env_line, finish_env, held_bytes, hf_checkpointing_disable,
                     hf_checkpointing_enable, interleaved, mib, ms, noise_flags, output_dir, write_results)
 
 VARIANTS = {
@@ -45,7 +45,7 @@ class Tiny(nn.Module):
         return torch.tanh(self.fc(x))
 
 
-def time_stack(blocks, x, variants, device, rounds, warmup):
+def time_stack(blocks, x, variants, device, rounds, warmup, progress=None):
     """Interleaved step times of `blocks` run in turn on x, each block called through each variant's
     checkpoint (None: plainly), then backward. Returns (stats by variant, median process CPU time per step
     by variant: robust to other load on the machine; warmup rounds left out)."""
@@ -61,16 +61,16 @@ def time_stack(blocks, x, variants, device, rounds, warmup):
             cpu_times[name].append(time.process_time() - t0)
         return run
 
-    stats, _ = interleaved({k: step(k, v) for k, v in variants.items()}, device, rounds, warmup=warmup)
+    stats, _ = interleaved({k: step(k, v) for k, v in variants.items()}, device, rounds, warmup=warmup, progress=progress)
     return stats, {k: statistics.median(v[warmup:]) for k, v in cpu_times.items()}
 
 
-def bench_per_call(device, n_blocks, width, rounds):
+def bench_per_call(device, n_blocks, width, rounds, progress=None):
     torch.manual_seed(0)
     blocks = nn.ModuleList(Tiny(width) for _ in range(n_blocks)).to(device)
     x = torch.randn(4, width, device=device, requires_grad=True)
 
-    stats, cpu = time_stack(blocks, x, VARIANTS, device, rounds, warmup=5)
+    stats, cpu = time_stack(blocks, x, VARIANTS, device, rounds, warmup=5, progress=progress)
     base = stats["none"]["median"]
     rows = []
     for k, s in stats.items():
@@ -90,7 +90,7 @@ class GemmEnded(nn.Module):
         return x + y if self.residual else y
 
 
-def bench_gemm_ended(device, n_blocks, width, rows, rounds):
+def bench_gemm_ended(device, n_blocks, width, rows, rounds, progress=None):
     """Step time of n_blocks GemmEnded blocks, each checkpointed, without and with a residual add."""
     out = []
     for residual in (False, True):
@@ -99,7 +99,7 @@ def bench_gemm_ended(device, n_blocks, width, rows, rounds):
         x = torch.randn(rows, width, device=device, requires_grad=True)
 
         variants = {k: v for k, v in VARIANTS.items() if "(reentrant)" not in k}
-        stats, cpu = time_stack(blocks, x, variants, device, rounds, warmup=3)
+        stats, cpu = time_stack(blocks, x, variants, device, rounds, warmup=3, progress=progress)
         torch_name = "torch.utils.checkpoint (non-reentrant)"
         ref = stats[torch_name]["median"]
         out.append({"residual": residual, "rows": [
@@ -109,7 +109,7 @@ def bench_gemm_ended(device, n_blocks, width, rows, rounds):
     return out
 
 
-def bench_bert(device, layers, hidden, heads, seq, batch, rounds, dtype):
+def bench_bert(device, layers, hidden, heads, seq, batch, rounds, dtype, progress=None):
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
@@ -135,7 +135,7 @@ def bench_bert(device, layers, hidden, heads, seq, batch, rounds, dtype):
         model.zero_grad(set_to_none=True)
         forward().backward()
 
-    stats, _ = interleaved({k: step for k in VARIANTS}, device, rounds, warmup=2, setup=configure)
+    stats, _ = interleaved({k: step for k in VARIANTS}, device, rounds, warmup=2, setup=configure, progress=progress)
     rows = []
     for k in VARIANTS:
         configure(k)
@@ -217,6 +217,7 @@ def main(argv=None):
     p.add_argument("--bert-seq", type=int, default=None)
     p.add_argument("--bert-batch", type=int, default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--no-progress", action="store_true")
     add_output_args(p)
     args = p.parse_args(argv)
     if args.threads:
@@ -231,16 +232,24 @@ def main(argv=None):
     per_call_cfg = {"blocks": args.blocks, "width": args.width}
 
     info = env_info(device)
-    print(f"per-call benchmark: {args.blocks} blocks, {rounds} rounds on {device} ...", file=sys.stderr)
-    per_call = bench_per_call(device, args.blocks, args.width, rounds)
     gemm_cfg = {"blocks": args.gemm_blocks, "width": args.gemm_width, "rows": args.gemm_rows or (4096 if cuda else 256)}
-    print(f"GEMM-ended blocks: {gemm_cfg} ...", file=sys.stderr)
-    gemm = bench_gemm_ended(device, gemm_cfg["blocks"], gemm_cfg["width"], gemm_cfg["rows"], args.gemm_rounds or 30)
-    bert = []
-    if not args.skip_bert:
-        print(f"BERT benchmark: {bert_cfg} ...", file=sys.stderr)
-        bert = bench_bert(device, bert_cfg["layers"], bert_cfg["hidden"], bert_cfg["heads"], bert_cfg["seq"],
-                          bert_cfg["batch"], max(5, rounds // 6), getattr(torch, bert_cfg["dtype"]))
+    gemm_rounds, bert_rounds = args.gemm_rounds or 30, max(5, rounds // 6)
+    progress = Progress(enabled=not args.no_progress)
+    # steps the bar counts: interleaved rounds (warm-up included) x variants, as each part runs them
+    progress.plan((rounds + 5) * len(VARIANTS) + 2 * (gemm_rounds + 3) * (len(VARIANTS) - 1)
+                  + (0 if args.skip_bert else (bert_rounds + 2) * len(VARIANTS)))
+    try:
+        progress.describe(f"per-call: {args.blocks} blocks")
+        per_call = bench_per_call(device, args.blocks, args.width, rounds, progress)
+        progress.describe("GEMM-ended blocks")
+        gemm = bench_gemm_ended(device, gemm_cfg["blocks"], gemm_cfg["width"], gemm_cfg["rows"], gemm_rounds, progress)
+        bert = []
+        if not args.skip_bert:
+            progress.describe(f"BERT {bert_cfg['layers']}x{bert_cfg['hidden']}")
+            bert = bench_bert(device, bert_cfg["layers"], bert_cfg["hidden"], bert_cfg["heads"], bert_cfg["seq"],
+                              bert_cfg["batch"], bert_rounds, getattr(torch, bert_cfg["dtype"]), progress)
+    finally:
+        progress.close()
     md = to_markdown(finish_env(info), per_call, per_call_cfg, bert, bert_cfg, gemm, gemm_cfg)
     print(md)
     result = {"env": info, "per_call": {"config": per_call_cfg, "rows": per_call},

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ckpt_ext import ops
-from common import Timer, add_output_args, env_info, env_line, finish_env, noise_flags, output_dir, quantiles, write_results
+from common import Progress, Timer, add_output_args, env_info, env_line, finish_env, noise_flags, output_dir, quantiles, write_results
 
 P, EPS, SEED = 0.1, 1e-5, 1234
 
@@ -134,12 +134,15 @@ def copy_bandwidth(rows: int, hiddens: List[int], dtype, device, rounds: int, in
 
 
 def run(device, dtypes, rows: int, hiddens: List[int], rounds: int, inner: int, only=None,
-        grad_forward: bool = True) -> List[dict]:
+        grad_forward: bool = True, progress: Progress = None) -> List[dict]:
     out = []
     for dtype, hidden in ((d, h) for d in dtypes for h in hiddens):
         for name, ours, eager, nbytes in cases(rows, hidden, dtype, device, grad_forward):
             if only and name not in only:
                 continue
+            if progress:
+                progress.plan(1)
+                progress.describe(f"{name} {str(dtype).replace('torch.', '')}")
             row = {"op": name, "rows": rows, "hidden": hidden, "dtype": str(dtype).replace("torch.", ""),
                    "bytes": nbytes, "status": "ok", "ours_s": None, "eager_s": None, "flags": []}
             try:
@@ -152,6 +155,8 @@ def run(device, dtypes, rows: int, hiddens: List[int], rounds: int, inner: int, 
                 row["speedup"] = row["eager_s"]["median"] / row["ours_s"]["median"]
                 row["flags"] = noise_flags(row["ours_s"]) + [f"eager {f}" for f in noise_flags(row["eager_s"])]
             out.append(row)
+            if progress:
+                progress()
     return out
 
 
@@ -221,6 +226,7 @@ def main(argv=None) -> dict:
     p.add_argument("--fresh-pages", action="store_true",
                    help="CPU: glibc's allocator defaults, under which a call's fresh outputs often fault their "
                         "pages in (the default keeps the heap warm, as a training loop's steady state does)")
+    p.add_argument("--no-progress", action="store_true")
     add_output_args(p)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -238,7 +244,11 @@ def main(argv=None) -> dict:
     only = set(args.ops.split(",")) if args.ops else None
     info = env_info(device)
     print(f"fused ops on {device}: rows {rows}, hidden {hiddens}, {', '.join(names)} ...", file=sys.stderr)
-    result_rows = run(device, dtypes, rows, hiddens, rounds, inner, only, not args.no_grad_forward)
+    progress = Progress(enabled=not args.no_progress)
+    try:
+        result_rows = run(device, dtypes, rows, hiddens, rounds, inner, only, not args.no_grad_forward, progress)
+    finally:
+        progress.close()
     copy = [copy_bandwidth(rows, hiddens, d, device, rounds, inner) for d in dtypes]
     for r in result_rows:
         ceiling = next(c["gbps"] for c in copy if c["dtype"] == r["dtype"])

@@ -373,7 +373,7 @@ def checkpoint(function: Optional[Callable] = None, *args, use_reentrant: Option
     ``use_reentrant`` is accepted for compatibility and changes nothing: ckpt_ext always behaves like
     torch's non-reentrant mode. Omitted, it draws the warning torch gives where torch gives one (torch 2.13:
     "the use_reentrant parameter should be passed explicitly"), since torch then runs its reentrant mode.
-    See README "Differences from torch.utils.checkpoint".
+    See docs/known-differences.md, "Differences from torch.utils.checkpoint".
     """
     respect = kwargs.pop("respect_saved_tensors_hooks", None) if _RESPECT_HOOKS and kwargs else None
     if function is None and not args:

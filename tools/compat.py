@@ -20,7 +20,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# set -> pip install arguments. Keep `oldest` in step with ckpt_ext/hf/versions.py (TESTED) and README.
+# set -> pip install arguments. Keep `oldest` in step with ckpt_ext/hf/versions.py (TESTED), README and docs/install.md.
 SETS = {
     "oldest": ["transformers==5.0.0"],
     "5.17": ["transformers==5.17.0"],  # the GPU image's

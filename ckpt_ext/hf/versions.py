@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 
 __all__ = ["TESTED", "check_versions"]
 
-# library -> (oldest tested, newest tested); keep in step with constraints.txt, tools/compat.py and README.
+# library -> (oldest tested, newest tested); keep in step with constraints.txt, tools/compat.py, README and docs/install.md.
 TESTED: Dict[str, Tuple[str, str]] = {
     "transformers": ("5.0.0", "5.24.0"),
     "peft": ("0.21.2", "0.21.2"),

@@ -153,4 +153,4 @@ def skip_if_eager_differs_from_sdpa_on_padding(model, family, kw):
     model.train()
     if not torch.allclose(a, b, rtol=1e-4, atol=1e-4):
         pytest.skip(f"transformers' own eager and SDPA {family} attention disagree on fully masked (padding) rows "
-                    "in this release; the fused layer follows SDPA there (README, Known differences)")
+                    "in this release; the fused layer follows SDPA there (docs/known-differences.md)")
