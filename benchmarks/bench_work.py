@@ -33,7 +33,8 @@ What differs from the GPU run, and how it is handled:
     not) and of the layer count (identical layers). Each variant is traced at batch 2 and 3 (batch 1 drops
     a reduction) and at 1 and 2
     layers; per op (the traces align op by op) the counts are extrapolated to the table's batch, and the
-    step's time to the table's layers as T(1) + (L-1) (T(2) - T(1)). The traces check that they align.
+    step's time to the table's layers from the 2- and 3-layer models (linear in L; 1 layer is special for
+    keep="attention"). The batch traces check that they align.
   * attention: CPU SDPA with dropout takes its math path (scores materialized); CUDA runs flash with the
     dropout inside. The traces run with attention dropout 0 (CPU's flash kernel, the same op structure as
     CUDA's flash/cuDNN: one forward, one backward op) -- attention dropout changes no count on the GPU.
@@ -169,6 +170,7 @@ class Op:
     flops: float
     bytes: float
     launches: int
+    shapes: str = ""  # argument and result shapes, for reading a trace
 
 
 def _elements(t: torch.Tensor) -> int:
@@ -274,17 +276,20 @@ class WorkMode(TorchDispatchMode):
             reads = [t for t in tensors_in if t is not args[0]]
         nbytes = _nbytes(reads) + _nbytes(outs)
         name = f"{func.namespace}.{packet.__name__}"
+        shapes = (",".join("x".join(map(str, t.shape)) for t in tensors_in) + " -> " +
+                  ",".join("x".join(map(str, t.shape)) for t in outs))
         if func.namespace == "ckpt_ext":
             op = packet.__name__
-            self.ops.append(Op(name, "ckpt", 0.0, nbytes, CKPT_LAUNCHES.get(op, 1)))
+            self.ops.append(Op(name, "ckpt", 0.0, nbytes, CKPT_LAUNCHES.get(op, 1), shapes))
         elif packet in GEMMS:
-            self.ops.append(Op(name, "gemm", float(flop_registry[packet](*args, **kwargs, out_val=out)), nbytes, 1))
+            self.ops.append(Op(name, "gemm", float(flop_registry[packet](*args, **kwargs, out_val=out)), nbytes, 1,
+                               shapes))
         elif packet in ATTN_FWD or packet in ATTN_BWD:
             causal = _is_causal(func, args, kwargs)
             self.ops.append(Op(name, "attn_fwd" if packet in ATTN_FWD else "attn_bwd",
-                               _attention_flops(func, args, kwargs, out, causal), nbytes, LAUNCHES.get(packet, 1)))
+                               _attention_flops(func, args, kwargs, out, causal), nbytes, LAUNCHES.get(packet, 1), shapes))
         else:
-            self.ops.append(Op(name, "mem", 0.0, nbytes, 1))
+            self.ops.append(Op(name, "mem", 0.0, nbytes, 1, shapes))
 
 
 # ------------------------------------------------------------------------------------------------ the models
@@ -412,10 +417,13 @@ def at_batch(ops1: List[Op], ops2: List[Op], batch: int) -> Counts:
                   [ex(a.bytes, b.bytes) for a, b in zip(ops1, ops2)], [o.launches for o in ops1])
 
 
-def op_seconds(c: Counts, rates: Dict[str, float], attn_dropout: float = 0.0) -> List[float]:
+def op_seconds(c: Counts, rates: Dict[str, float], attn_dropout: float = 0.0,
+               ckpt_gbps: Optional[Dict[str, float]] = None) -> List[float]:
     """Predicted seconds per op. Attention with dropout costs attn_dropout_cost times as much compute (the
-    flash kernels draw Philox numbers per score inside the tile loop)."""
+    flash kernels draw Philox numbers per score inside the tile loop). `ckpt_gbps`: ckpt_ext's kernels'
+    bandwidths (CKPT_OP_GBPS when None; what-if scenarios change them)."""
     attn = rates["attn_dropout_cost"] if attn_dropout > 0 else 1.0
+    ckpt_gbps = CKPT_OP_GBPS if ckpt_gbps is None else ckpt_gbps
     t = []
     for name, kind, fl, by, la in zip(c.names, c.kinds, c.flops, c.bytes, c.launches):
         if kind == "gemm":
@@ -426,7 +434,7 @@ def op_seconds(c: Counts, rates: Dict[str, float], attn_dropout: float = 0.0) ->
         elif kind == "attn_bwd":
             compute, bw = attn * fl / (rates["attn_bwd_tflops"] * 1e12), rates["mem_gbps"]
         elif kind == "ckpt":
-            compute, bw = 0.0, CKPT_OP_GBPS.get(name.split(".", 1)[1], rates["mem_gbps"])
+            compute, bw = 0.0, ckpt_gbps.get(name.split(".", 1)[1], rates["mem_gbps"])
         elif kind == "host":
             t.append(rates["python_mode_us"] * 1e-6)
             continue
@@ -440,29 +448,36 @@ def op_seconds(c: Counts, rates: Dict[str, float], attn_dropout: float = 0.0) ->
 
 @dataclass
 class Step:
-    """One variant of one config: the counts of the 1- and 2-layer models at the config's batch."""
+    """One variant of one config: the counts of the TRACE_LAYERS-layer models at the config's batch."""
     one: Counts
     two: Counts
     layers: int
     attn_dropout: float = 0.0
 
-    def seconds(self, rates) -> float:
-        t1 = sum(op_seconds(self.one, rates, self.attn_dropout))
-        t2 = sum(op_seconds(self.two, rates, self.attn_dropout))
-        return t1 + (self.layers - 1) * (t2 - t1)
+    def seconds(self, rates, ckpt_gbps=None, keep=None) -> float:
+        """Predicted step seconds; `keep(counts, i)` False drops op i (what-if scenarios)."""
+        def total(c):
+            secs = op_seconds(c, rates, self.attn_dropout, ckpt_gbps)
+            return sum(s for i, s in enumerate(secs) if keep is None or keep(c, i))
+        return self._extrapolate(total(self.one), total(self.two))
+
+    def _extrapolate(self, a, b):
+        l0, l1 = TRACE_LAYERS
+        return a + (self.layers - l0) / (l1 - l0) * (b - a)
 
     def totals(self) -> Dict[str, float]:
         """FLOPs, bytes and launches of the whole step (all layers)."""
         out = {}
         for key in ("flops", "bytes", "launches"):
-            a, b = sum(getattr(self.one, key)), sum(getattr(self.two, key))
-            out[key] = a + (self.layers - 1) * (b - a)
+            out[key] = self._extrapolate(sum(getattr(self.one, key)), sum(getattr(self.two, key)))
         return out
 
     def per_op(self, rates) -> Dict[str, List[float]]:
         """name -> [count, seconds, flops, bytes, launches] over the whole step (the layer part x layers)."""
         agg = collections.defaultdict(lambda: [0.0] * 5)
-        for counts, w in ((self.one, 2 - self.layers), (self.two, self.layers - 1)):
+        l0, l1 = TRACE_LAYERS
+        w1 = (self.layers - l0) / (l1 - l0)
+        for counts, w in ((self.one, 1 - w1), (self.two, w1)):
             for n, s, fl, by, la in zip(counts.names, op_seconds(counts, rates, self.attn_dropout), counts.flops, counts.bytes,
                                         counts.launches):
                 for i, v in enumerate((1, s, fl, by, la)):
@@ -470,12 +485,51 @@ class Step:
         return dict(agg)
 
 
+# A 1-layer model is special for some variants (keep="attention" keeps no attention there), so 2 and 3.
+TRACE_LAYERS = (2, 3)
+
+
 def step_of(cfg: Config, variant: str, model_fn=None, seq=None) -> Step:
     per_layers = []
-    for layers in (1, 2):
+    for layers in TRACE_LAYERS:
         ops = [trace(cfg.family, cfg.mode, variant, layers, b, seq=seq, model_fn=model_fn) for b in TRACE_BATCHES]
         per_layers.append(at_batch(ops[0], ops[1], cfg.batch))
     return Step(per_layers[0], per_layers[1], cfg.layers, cfg.attn_dropout)
+
+
+# ----------------------------------------------------------------------------------------------- what-if
+LOSS = ["aten._to_copy", "aten.pow", "aten.mean", "aten.ones_like", "aten.div", "aten.pow", "aten.mul", "aten.mul",
+        "aten._to_copy"]  # out.float().pow(2).mean() and its backward
+
+
+def _in_layers(c: Counts, i: int) -> bool:
+    """Op i is the layers' (not the embeddings' or the loss's): between the first and the last GEMM, outside
+    the loss's ops."""
+    gemms = [j for j, k in enumerate(c.kinds) if k == "gemm"]
+    start = next(j for j in range(len(c.names)) if c.names[j:j + len(LOSS)] == LOSS)
+    return gemms[0] <= i <= gemms[-1] and not start <= i < start + len(LOSS)
+
+
+def what_if(step: Step, rates) -> List[Tuple[str, float]]:
+    """The step's predicted ms with the layers' work beyond GEMMs and attention removed or sped up, part by
+    part, cumulatively (docs/bert-work.md)."""
+    fast = {k: max(v, 2500.0 if k.endswith("backward") else 3000.0) for k, v in CKPT_OP_GBPS.items()}
+    gone: set = set()
+    names = {"sum": "aten.sum", "cat": "aten.cat", "add": "aten.add", "cast": "aten._to_copy"}
+
+    def keep(c, i):
+        return not (c.names[i] in {names[g] for g in gone} and _in_layers(c, i))
+    out = [("as traced", step.seconds(rates) * 1e3),
+           ("ckpt_ext kernels at >= 3.0 TB/s forward, >= 2.5 TB/s backward", step.seconds(rates, fast, keep) * 1e3)]
+    for what, label in (("sum", "+ bias-gradient column sums folded into the backward kernels"),
+                        ("cat", "+ no cat (Q/K/V weights kept as one; dq, dk, dv written into one buffer)"),
+                        ("add", "+ no gradient adds (x's and h1's two uses summed in a kernel or GEMM epilogue)"),
+                        ("cast", "+ no autocast casts in the layers (bf16 weights copy cached per step)")):
+        gone.add(what)
+        out.append((label, step.seconds(rates, fast, keep) * 1e3))
+    out.append(("floor: GEMMs and attention only (their launches included)",
+                step.seconds(rates, keep=lambda c, i: c.kinds[i] in ("gemm", "attn_fwd", "attn_bwd")) * 1e3))
+    return out
 
 
 # -------------------------------------------------------------------------------------------------- the fit
@@ -534,6 +588,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--fit", action="store_true", help="refit the rates to the H200 table and print them")
     ap.add_argument("--per-op", default=None, metavar="CONFIG:VARIANT",
                     help="also print the step's ops by predicted time for this config and variant")
+    ap.add_argument("--what-if", default=None, metavar="CONFIG:VARIANT",
+                    help="also print that step's time with parts of the layers' work removed (docs/bert-work.md)")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--cache", default=None, help="keep the traced counts in this pickle (reused when present; "
                     "delete it after changing the code the traces run)")
@@ -588,6 +644,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         print(f"{'op':52s} {'calls':>6s} {'ms':>8s} {'TFLOP':>7s} {'GB':>7s}")
         for n, (c, s, fl, by, la) in sorted(per.items(), key=lambda kv: -kv[1][1])[:30]:
             print(f"{n:52s} {c:6.0f} {s * 1e3:8.2f} {fl / 1e12:7.2f} {by / 1e9:7.2f}")
+    if args.what_if:
+        name, v = args.what_if.split(":")
+        meas = H200_MS.get(name, {}).get("none")
+        print(f"--- {name} {v}: what if (cumulative; x = / H200 HF eager {meas} ms) ---")
+        for label, t in what_if(steps[(name, v)], rates):
+            print(f"{label:80s} {t:7.1f} ms" + (f"  x{t / meas:.3f}" if meas else ""))
     result = {"rates": rates, "rows": rows,
               "max_abs_error": max((abs(e) for e in errors), default=None), "n": len(errors)}
     if args.json:

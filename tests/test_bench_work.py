@@ -74,12 +74,14 @@ def test_batch_extrapolation_is_exact():
         assert got.bytes == pytest.approx([o.bytes for o in want], rel=0, abs=1e-6)
 
 
-def test_layer_extrapolation_is_exact():
-    """The step's time at 3 layers from the 1- and 2-layer traces equals the 3-layer trace's."""
-    cfg = bench_work.Config("tiny", "bert", 3, 4, "bf16", ("fused+ckpt",), 0.0)
-    step = bench_work.step_of(cfg, "fused+ckpt", model_fn=tiny_bert)
-    direct = bench_work.at_batch(_trace("fused+ckpt", 2, 3), _trace("fused+ckpt", 3, 3), 4)
+@pytest.mark.parametrize("variant", ["fused+ckpt", "fused+keep"])
+def test_layer_extrapolation_is_exact(variant):
+    """The step's time at 4 layers from the 2- and 3-layer traces equals the 4-layer trace's."""
+    cfg = bench_work.Config("tiny", "bert", 4, 4, "bf16", (variant,), 0.0)
+    step = bench_work.step_of(cfg, variant, model_fn=tiny_bert)
+    direct = bench_work.at_batch(_trace(variant, 2, 4), _trace(variant, 3, 4), 4)
     want = sum(bench_work.op_seconds(direct, bench_work.FIT))
+    assert step.totals()["flops"] == pytest.approx(sum(direct.flops), rel=1e-12)
     assert step.seconds(bench_work.FIT) == pytest.approx(want, rel=1e-12)
 
 
