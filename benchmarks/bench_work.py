@@ -498,8 +498,8 @@ def step_of(cfg: Config, variant: str, model_fn=None, seq=None) -> Step:
 
 
 # ----------------------------------------------------------------------------------------------- what-if
-LOSS = ["aten._to_copy", "aten.pow", "aten.mean", "aten.ones_like", "aten.div", "aten.pow", "aten.mul", "aten.mul",
-        "aten._to_copy"]  # out.float().pow(2).mean() and its backward
+# out.float().pow(2).mean() and its backward (the casts only where the output is bf16: not under autocast)
+LOSS = ["aten.pow", "aten.mean", "aten.ones_like", "aten.div", "aten.pow", "aten.mul", "aten.mul"]
 
 
 def _in_layers(c: Counts, i: int) -> bool:
@@ -507,7 +507,10 @@ def _in_layers(c: Counts, i: int) -> bool:
     the loss's ops."""
     gemms = [j for j, k in enumerate(c.kinds) if k == "gemm"]
     start = next(j for j in range(len(c.names)) if c.names[j:j + len(LOSS)] == LOSS)
-    return gemms[0] <= i <= gemms[-1] and not start <= i < start + len(LOSS)
+    end = start + len(LOSS)
+    if c.names[start - 1] == "aten._to_copy" and c.names[end] == "aten._to_copy":
+        start, end = start - 1, end + 1
+    return gemms[0] <= i <= gemms[-1] and not start <= i < end
 
 
 def what_if(step: Step, rates) -> List[Tuple[str, float]]:
