@@ -62,7 +62,7 @@ import math
 import os
 import pickle
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -110,11 +110,11 @@ CONFIGS = {
 
 # ------------------------------------------------------------------------------------------------- the rates
 # Fitted once to H200_MS (`--fit`), the four tables together.
-FIT = {"gemm_tflops": 695.95, "attn_fwd_tflops": 150.027, "attn_bwd_tflops": 355.862, "attn_dropout_cost": 1.361,
-       "simple_gbps": 4204.359, "mem_gbps": 2349.943, "launch_us": 4.68, "python_mode_us": 17.034}
-# Read them as fitted, not measured: GEMMs at 70% of the bf16 peak, the copy-like ATen kernels near the copy
-# rate, the others (norms, dropout, GELU, reductions) at 2.3 TB/s (kernel_bandwidth's torch eager rows: 2.4),
-# a launch 4.7 us (kernel gaps and tails). The attention forward is the least determined rate: its share of
+FIT = {"gemm_tflops": 679.566, "attn_fwd_tflops": 150.0, "attn_bwd_tflops": 438.154, "attn_dropout_cost": 1.278,
+       "simple_gbps": 4141.882, "mem_gbps": 2137.997, "launch_us": 4.038, "python_mode_us": 17.981}
+# Read them as fitted, not measured: GEMMs at 69% of the bf16 peak, the copy-like ATen kernels near the copy
+# rate, the others (norms, dropout, GELU, reductions) at 2.1 TB/s (kernel_bandwidth's torch eager rows: 2.4),
+# a launch 4.0 us (kernel gaps and tails). The attention forward is the least determined rate: its share of
 # every row is small and moves with the backward's, so the fit leaves it at its lower bound.
 # ckpt_ext's kernels, measured (kernel_bandwidth.txt, H200, bf16, 16384 rows; time / the bytes this model
 # counts for the same call): bytes per second achieved. Ops without a row take the closest measured kernel.
@@ -125,8 +125,11 @@ _ROWI = _R * _I * _KB
 _STAT = _R * 4  # a float row statistic
 CKPT_OP_GBPS = {
     # op: (bytes this model counts for the measured call) / (measured us)
-    "bias_dropout_add_layer_norm": (3 * _ROW + 4 * _H * _KB + 2 * _ROW + 2 * _STAT) / 61.9e-6 / 1e9,
-    "bias_dropout_add_layer_norm_backward": (3 * _ROW + 2 * _STAT + _H * _KB + 2 * _ROW + 2 * _H * _KB) / 67.2e-6 / 1e9,
+    # reads x, residual, bias, weight, ln bias; writes out, pre-norm sum, mean, rstd (CUDA: no keep bits)
+    "bias_dropout_add_layer_norm": (2 * _ROW + 3 * _H * _KB + 2 * _ROW + 2 * _STAT) / 61.9e-6 / 1e9,
+    # reads grad, pre-norm sum, weight, mean, rstd; writes the gradients of x and of the residual, weight, bias
+    "bias_dropout_add_layer_norm_backward": (2 * _ROW + 2 * _STAT + _H * _KB + 2 * _ROW + 2 * _H * _KB) / 67.2e-6
+    / 1e9,
     "add_layer_norm": (2 * _ROW + 2 * _H * _KB + 2 * _ROW + 2 * _STAT) / 52.7e-6 / 1e9,
     "add_layer_norm_backward": (2 * _ROW + 2 * _STAT + _H * _KB + _ROW + 2 * _H * _KB) / 52.7e-6 / 1e9,
     "bias_gelu": (_ROWI + _I * _KB + _ROWI) / 136.6e-6 / 1e9,
@@ -145,7 +148,8 @@ CKPT_OP_GBPS = {
 GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._addmm_activation}
 ATTN_FWD = {aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
             aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention}
-ATTN_BWD = {aten._scaled_dot_product_flash_attention_for_cpu_backward, aten._scaled_dot_product_flash_attention_backward,
+ATTN_BWD = {aten._scaled_dot_product_flash_attention_for_cpu_backward,
+            aten._scaled_dot_product_flash_attention_backward,
             aten._scaled_dot_product_efficient_attention_backward, aten._scaled_dot_product_cudnn_attention_backward}
 # Memory-bound ATen ops that stream their operands once with little arithmetic (copies, casts, pointwise
 # arithmetic): these run near the copy rate (simple_gbps); the others (norms, softmax, dropout, GELU,
@@ -158,8 +162,10 @@ NO_KERNEL = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, at
              aten.alias, aten._unsafe_view, aten.lift_fresh, aten.set_, aten.resize_, aten._local_scalar_dense,
              aten.is_nonzero, aten.sym_size, aten.sym_stride, aten.sym_numel, aten._fused_sdp_choice}
 WRITE_ONLY = {aten.copy_, aten.fill_, aten.zero_, aten.bernoulli_, aten.normal_, aten.uniform_}
-LAUNCHES = {aten._scaled_dot_product_flash_attention_backward: 3, aten._scaled_dot_product_flash_attention_for_cpu_backward: 3,
-            aten._scaled_dot_product_efficient_attention_backward: 2, aten._scaled_dot_product_cudnn_attention_backward: 2}
+LAUNCHES = {aten._scaled_dot_product_flash_attention_backward: 3,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: 3,
+            aten._scaled_dot_product_efficient_attention_backward: 2,
+            aten._scaled_dot_product_cudnn_attention_backward: 2}
 CKPT_LAUNCHES = {"bias_dropout_add_layer_norm_backward": 2, "add_layer_norm_backward": 2, "add_rms_norm_backward": 2}
 
 
@@ -287,7 +293,8 @@ class WorkMode(TorchDispatchMode):
         elif packet in ATTN_FWD or packet in ATTN_BWD:
             causal = _is_causal(func, args, kwargs)
             self.ops.append(Op(name, "attn_fwd" if packet in ATTN_FWD else "attn_bwd",
-                               _attention_flops(func, args, kwargs, out, causal), nbytes, LAUNCHES.get(packet, 1), shapes))
+                               _attention_flops(func, args, kwargs, out, causal), nbytes, LAUNCHES.get(packet, 1),
+                               shapes))
         else:
             self.ops.append(Op(name, "mem", 0.0, nbytes, 1, shapes))
 
@@ -478,7 +485,8 @@ class Step:
         l0, l1 = TRACE_LAYERS
         w1 = (self.layers - l0) / (l1 - l0)
         for counts, w in ((self.one, 1 - w1), (self.two, w1)):
-            for n, s, fl, by, la in zip(counts.names, op_seconds(counts, rates, self.attn_dropout), counts.flops, counts.bytes,
+            secs = op_seconds(counts, rates, self.attn_dropout)
+            for n, s, fl, by, la in zip(counts.names, secs, counts.flops, counts.bytes,
                                         counts.launches):
                 for i, v in enumerate((1, s, fl, by, la)):
                     agg[n][i] += w * v
