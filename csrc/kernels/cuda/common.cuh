@@ -115,6 +115,17 @@ inline cudaStream_t current_stream(c10::Device device) {
   return static_cast<cudaStream_t>(impl.getStream(device).native_handle());
 }
 
+// Blocks of `threads` threads of `kernel` that one SM holds at once (its registers and shared memory decide).
+// A grid-stride grid of more blocks than that runs the rest as a second, partly empty wave: each block has an
+// equal share, so the kernel takes two block-times where one and a fraction would do (256-thread blocks
+// above 32 registers a thread: 8 per SM do not fit).
+template <typename Kernel>
+int resident_blocks_per_sm(Kernel kernel, int threads) {
+  int blocks = 0;
+  CKPT_EXT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+  return std::max(blocks, 1);
+}
+
 // Grid for a grid-stride loop over `items` work items with `threads` threads per block.
 inline int grid_for(int64_t items, int threads, int blocks_per_sm = 8) {
   const int64_t needed = (items + threads - 1) / threads;

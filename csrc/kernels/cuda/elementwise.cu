@@ -25,21 +25,42 @@ struct MutPtrs {
   T* p[N];
 };
 
+// Groups of four a thread loads before it computes and stores any: the grid is capped at a full machine
+// (grid_for), so a large tensor gives each thread many groups, and with one group per iteration a thread
+// has a single 8-byte (bf16) load per input in flight -- the stores of one iteration may alias the loads
+// of the next, so the compiler cannot overlap them. Two groups double the bytes in flight. Which
+// thread computes a group changes, what it computes does not (op is a function of the group), so the
+// results and the Philox streams are the same bits.
+constexpr int kGroupsInFlight = 2;
+
 // in[i] / out[o]: four values of input i / output o for elements base .. base+count-1.
 template <typename T, int NIn, int NOut, typename Op>
 __global__ void elementwise4_kernel(ConstPtrs<T, NIn> in, MutPtrs<T, NOut> out, int64_t n, bool vec, Op op) {
   const int64_t groups = (n + 3) / 4;
-  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
-       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t base = g * 4;
-    const int count = static_cast<int>(min(static_cast<int64_t>(4), n - base));
-    float a[NIn][4];
-    float b[NOut][4];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t g0 = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g0 < groups;
+       g0 += stride * kGroupsInFlight) {
+    float a[kGroupsInFlight][NIn][4];
+    float b[kGroupsInFlight][NOut][4];
 #pragma unroll
-    for (int i = 0; i < NIn; ++i) load4(in.p[i], base, count, vec, a[i]);
-    op(g, base, count, a, b);
+    for (int u = 0; u < kGroupsInFlight; ++u) {
+      const int64_t g = g0 + u * stride;
+      if (g >= groups) break;
+      const int64_t base = g * 4;
+      const int count = static_cast<int>(min(static_cast<int64_t>(4), n - base));
 #pragma unroll
-    for (int o = 0; o < NOut; ++o) store4(out.p[o], base, count, vec, b[o]);
+      for (int i = 0; i < NIn; ++i) load4(in.p[i], base, count, vec, a[u][i]);
+    }
+#pragma unroll
+    for (int u = 0; u < kGroupsInFlight; ++u) {
+      const int64_t g = g0 + u * stride;
+      if (g >= groups) break;
+      const int64_t base = g * 4;
+      const int count = static_cast<int>(min(static_cast<int64_t>(4), n - base));
+      op(g, base, count, a[u], b[u]);
+#pragma unroll
+      for (int o = 0; o < NOut; ++o) store4(out.p[o], base, count, vec, b[u][o]);
+    }
   }
 }
 
@@ -50,8 +71,10 @@ void launch_elementwise4(c10::Device device, const ConstPtrs<T, NIn>& in, const 
   for (int i = 0; i < NIn; ++i) vec = vec && pack4_aligned<T>(in.p[i]);
   for (int o = 0; o < NOut; ++o) vec = vec && pack4_aligned<T>(out.p[o]);
   const int64_t groups = (n + 3) / 4;
-  elementwise4_kernel<T, NIn, NOut, Op>
-      <<<grid_for(groups, kThreads), kThreads, 0, current_stream(device)>>>(in, out, n, vec, op);
+  // Once per instantiation (the grid's size changes no result, only how well the SMs are filled).
+  static const int resident = resident_blocks_per_sm(elementwise4_kernel<T, NIn, NOut, Op>, kThreads);
+  elementwise4_kernel<T, NIn, NOut, Op><<<grid_for(groups, kThreads, std::min(resident, 8)), kThreads, 0,
+                                          current_stream(device)>>>(in, out, n, vec, op);
   CKPT_EXT_CUDA_LAUNCH_CHECK();
 }
 

@@ -1,0 +1,91 @@
+"""The work model (benchmarks/bench_work.py): its counts against hand-computed ones, its batch extrapolation
+against a direct trace, and what it sees of the fused layers and their replay."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import helpers.benchmarks  # noqa: E402,F401  (puts benchmarks/ on sys.path)
+import bench_work  # noqa: E402
+
+L, H, HEADS, I, S, VOCAB = 2, 32, 2, 64, 16, 50
+
+
+def tiny_bert(layers):
+    import transformers
+    cfg = transformers.BertConfig(hidden_size=H, num_hidden_layers=layers, num_attention_heads=HEADS,
+                                  intermediate_size=I, max_position_embeddings=S, vocab_size=VOCAB,
+                                  attn_implementation="sdpa", attention_probs_dropout_prob=0.0)
+    return transformers.BertModel(cfg, add_pooling_layer=False), VOCAB, S
+
+
+def _trace(variant, batch=2, layers=L, mode="bf16"):
+    return bench_work.trace("bert", mode, variant, layers, batch, model_fn=tiny_bert)
+
+
+def test_linear_counts_by_hand():
+    """One nn.Linear forward and backward: addmm (bias) then the two mm of its backward, 2*M*N*K FLOPs each,
+    the bias gradient a sum; bytes of the forward: x, W, b read, y written."""
+    M, K, N = 6, 40, 24
+    lin = torch.nn.Linear(K, N)
+    x = torch.randn(M, K, requires_grad=True)
+    work = bench_work.WorkMode()
+    with work:
+        lin(x).sum().backward()
+    gemms = [o for o in work.ops if o.kind == "gemm"]
+    assert [o.name for o in gemms] == ["aten.addmm", "aten.mm", "aten.mm"]
+    assert [o.flops for o in gemms] == [2 * M * N * K] * 3
+    assert gemms[0].bytes == 4 * (M * K + N * K + N + M * N)
+    assert sum(o.flops for o in work.ops) == 3 * 2 * M * N * K
+    assert x.grad is not None and x.grad.shape == x.shape  # counted, not computed: shapes only
+
+
+@pytest.mark.parametrize("variant, passes", [("none", 3), ("hf-gc", 4), ("ckpt_ext", 4), ("fused", 3),
+                                             ("fused+ckpt", 4)])
+def test_bert_gemm_flops_by_hand(variant, passes):
+    """A BERT layer's GEMMs: Q, K, V, attention output (H x H each), intermediate and output (H x I): a
+    forward of 2*T*(4H^2 + 2HI) FLOPs; backward twice that; a checkpointed layer's replay once more."""
+    batch = 2
+    ops = _trace(variant, batch)
+    tokens = batch * S
+    per_forward = 2 * tokens * (4 * H * H + 2 * H * I)
+    assert sum(o.flops for o in ops if o.kind == "gemm") == passes * L * per_forward
+    attn = [o for o in ops if o.kind.startswith("attn")]
+    assert len([o for o in attn if o.kind == "attn_fwd"]) == L * (passes - 2)
+    assert len([o for o in attn if o.kind == "attn_bwd"]) == L
+
+
+def test_fused_layers_are_seen_inside():
+    """The fused layers' ATen calls and ckpt_ext ops reach the mode, in the forward and in the segment's
+    replay in backward."""
+    fused = [o.name for o in _trace("fused")]
+    replayed = [o.name for o in _trace("fused+ckpt")]
+    assert fused.count("ckpt_ext.bias_gelu") == L and replayed.count("ckpt_ext.bias_gelu") == 2 * L
+    assert fused.count("ckpt_ext.bias_dropout_add_layer_norm_backward") == 2 * L
+    assert fused.count("aten.native_layer_norm") == 1  # the embeddings' only: the layers' norms are ckpt_ext's
+
+
+def test_batch_extrapolation_is_exact():
+    """Counts at batch 5 extrapolated from the traces at 2 and 3 equal a trace at 5, op by op."""
+    for variant in ("none", "fused+ckpt"):
+        got = bench_work.at_batch(_trace(variant, 2), _trace(variant, 3), 5)
+        want = _trace(variant, 5)
+        assert got.names == [o.name for o in want]
+        assert got.flops == pytest.approx([o.flops for o in want], rel=0, abs=1e-6)
+        assert got.bytes == pytest.approx([o.bytes for o in want], rel=0, abs=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["fused+ckpt", "fused+keep"])
+def test_layer_extrapolation_is_exact(variant):
+    """The step's time at 4 layers from the 2- and 3-layer traces equals the 4-layer trace's."""
+    cfg = bench_work.Config("tiny", "bert", 4, 4, "bf16", (variant,), 0.0)
+    step = bench_work.step_of(cfg, variant, model_fn=tiny_bert)
+    direct = bench_work.at_batch(_trace(variant, 2, 4), _trace(variant, 3, 4), 4)
+    want = sum(bench_work.op_seconds(direct, bench_work.FIT))
+    assert step.totals()["flops"] == pytest.approx(sum(direct.flops), rel=1e-12)
+    assert step.seconds(bench_work.FIT) == pytest.approx(want, rel=1e-12)
+
+
+def test_rank_check():
+    table = {"a": 100.0, "b": 110.0, "c": 111.0}
+    assert bench_work.rank_check(table, {"a": 1.0, "b": 2.0, "c": 1.5}) == []  # b, c: a tie
+    assert bench_work.rank_check(table, {"a": 3.0, "b": 2.0, "c": 2.5}) == ["a vs b", "a vs c"]
