@@ -100,8 +100,7 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
-@torch.library.custom_op("ckpt_ext::linear_cross_entropy", mutates_args=())
-def _lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
+def _lce_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
          softcap: float, chunk: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool, seq: int,
          shifted: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(sum of the losses of the trained rows (float32), their count (float32), d sum/d hidden,
@@ -139,6 +138,9 @@ def _lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
             gb.to(bias.dtype) if gb is not None else _empty(weight))
 
 
+_lce = torch.library.custom_op("ckpt_ext::linear_cross_entropy", _lce_impl, mutates_args=())
+
+
 @_lce.register_fake
 def _lce_fake(hidden, weight, bias, target, ignore_index, softcap, chunk, grad_hidden, grad_weight, grad_bias,
               seq, shifted):
@@ -166,8 +168,7 @@ _lce.register_autograd(_lce_backward, setup_context=_lce_setup)
 
 # The checkpoint's way: forward keeps the log-sum-exp of each row (float32, N values); backward computes the
 # logits of each chunk again. Measured against the above in benchmarks/bench_head.py (docs/head.md).
-@torch.library.custom_op("ckpt_ext::linear_cross_entropy_recompute", mutates_args=())
-def _lce_rc(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
+def _lce_rc_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
             softcap: float, chunk: int, seq: int, shifted: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(sum of the losses, count of trained rows, log-sum-exp per row (0 for ignored rows))."""
     vocab = weight.shape[0]
@@ -185,14 +186,16 @@ def _lce_rc(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tens
     return loss, torch.tensor(float(count), device=hidden.device), lses
 
 
+_lce_rc = torch.library.custom_op("ckpt_ext::linear_cross_entropy_recompute", _lce_rc_impl, mutates_args=())
+
+
 @_lce_rc.register_fake
 def _lce_rc_fake(hidden, weight, bias, target, ignore_index, softcap, chunk, seq, shifted):
     scalar = hidden.new_empty((), dtype=torch.float32)
     return scalar, scalar.clone(), hidden.new_empty(hidden.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("ckpt_ext::linear_cross_entropy_backward", mutates_args=())
-def _lce_rc_bwd(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+def _lce_rc_bwd_impl(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                 lse: Tensor, ignore_index: int, softcap: float, chunk: int, grad_hidden: bool, grad_weight: bool,
                 grad_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
     valid = target != ignore_index
@@ -221,6 +224,9 @@ def _lce_rc_bwd(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Ten
         gh = torch.zeros_like(hidden).index_copy_(0, idx, gh)
     return (gh if gh is not None else _empty(hidden), gw.to(weight.dtype) if gw is not None else _empty(weight),
             gb.to(bias.dtype) if gb is not None else _empty(weight))
+
+
+_lce_rc_bwd = torch.library.custom_op("ckpt_ext::linear_cross_entropy_backward", _lce_rc_bwd_impl, mutates_args=())
 
 
 @_lce_rc_bwd.register_fake
