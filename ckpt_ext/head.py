@@ -302,7 +302,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                                     need and weight.requires_grad,
                                     need and bias is not None and bias.requires_grad, seq, shift)
     if num_items_in_batch is None:
-        return loss / count
+        # HF's mean: nan for a batch without a trained token, and zero gradients (not nan's 0 * inf).
+        return torch.where(count > 0, loss / count.clamp(min=1), torch.full_like(loss, float("nan")))
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
