@@ -15,27 +15,30 @@ gradients) and ``ckpt_ext::linear_cross_entropy_recompute`` / ``..._backward`` (
 They are opaque to torch.compile (no graph break, any shapes), and inside them the trained rows are picked
 out (data-dependent shapes are fine there) and the labels checked.
 """
-import math
+import functools
 import os
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["linear_cross_entropy", "chunk_rows", "CHUNK_BYTES"]
+__all__ = ["linear_cross_entropy", "chunk_rows", "CHUNK_ROWS", "CHUNK_BYTES"]
 
-# Bytes of one chunk's float32 logits. 128 MiB: for a 128256-word vocabulary 256 rows (a GEMM with M = 256
-# runs near peak on CPU and GPU), for 32000 words 1024 rows. Overridden by CKPT_EXT_HEAD_CHUNK_BYTES.
-CHUNK_BYTES = int(os.environ.get("CKPT_EXT_HEAD_CHUNK_BYTES", 128 << 20))
+# Rows (tokens) per chunk: CHUNK_ROWS, fewer if their float32 logits would pass CHUNK_BYTES. Each chunk adds its
+# weight-gradient term to a V x H sum (read and written once per chunk), so rows set the ratio of GEMM work to
+# that traffic (0.75 x rows FLOP/byte: 1024 rows is ~3x an H100's ridge); on CPU 1024 rows ran 1.46x faster
+# than 128 and as fast as 512 (docs/head.md). V = 128256: 1024 rows, 501 MiB of float32 logits; V = 256000: 512.
+CHUNK_ROWS = int(os.environ.get("CKPT_EXT_HEAD_CHUNK_ROWS", 1024))
+CHUNK_BYTES = int(os.environ.get("CKPT_EXT_HEAD_CHUNK_BYTES", 512 << 20))
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def chunk_rows(vocab: int, chunk_bytes: Optional[int] = None) -> int:
-    """Rows (tokens) per chunk: the largest multiple of 64 (at least 64, or 1 for tiny budgets) whose float32
-    logits fit in ``chunk_bytes``."""
+def chunk_rows(vocab: int, chunk_bytes: Optional[int] = None, rows: Optional[int] = None) -> int:
+    """Rows (tokens) per chunk: ``rows`` (CHUNK_ROWS), fewer if their float32 logits pass ``chunk_bytes``
+    (CHUNK_BYTES), then a multiple of 64 (or at least 1)."""
     budget = CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
-    rows = max(1, budget // (4 * max(1, vocab)))
-    return rows - rows % 64 if rows >= 64 else rows
+    n = min(CHUNK_ROWS if rows is None else int(rows), max(1, budget // (4 * max(1, vocab))))
+    return n - n % 64 if n >= 64 else n
 
 
 def _check_labels(target: Tensor, ignore_index: int, vocab: int, seq: int, shifted: bool) -> Tuple[Tensor, int]:
@@ -69,16 +72,42 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: fl
     return z, None
 
 
-def _grad_logits_(z: Tensor, lse: Tensor, t: Tensor, th: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
-    """d(sum of the chunk's losses)/d(logits before the cap), written over z: softmax - one-hot, times the
-    cap's derivative (1 - tanh^2) and ``scale`` (the incoming gradient; None: 1)."""
-    g = z.sub_(lse.unsqueeze(1)).exp_()
-    g.scatter_add_(1, t.unsqueeze(1), torch.full((t.numel(), 1), -1.0, dtype=g.dtype, device=g.device))
+def _softmax_(z: Tensor, t: Tensor) -> Tuple[Tensor, Tensor]:
+    """Over z (one chunk's float32 logits, ours to overwrite) their softmax; returns (log-sum-exp per row,
+    loss per row). One exp per logit: the softmax is the exponentials divided by their sum."""
+    m = z.amax(1, keepdim=True)
+    zt = z.gather(1, t.unsqueeze(1))
+    s = z.sub_(m).exp_().sum(1, keepdim=True)
+    z.div_(s)
+    lse = m.add_(s.log_())
+    return lse.squeeze(1), (lse - zt).squeeze(1)
+
+
+def _grad_logits_(p: Tensor, t: Tensor, th: Optional[Tensor], scale: Optional[Tensor]) -> Tensor:
+    """d(sum of the chunk's losses)/d(logits before the cap), over the softmax p: p - one-hot, times the cap's
+    derivative (1 - tanh^2) and ``scale`` (the incoming gradient; None: 1)."""
+    p.scatter_add_(1, t.unsqueeze(1), torch.full((t.numel(), 1), -1.0, dtype=p.dtype, device=p.device))
     if th is not None:
-        g.mul_(1 - th * th)
+        p.mul_(1 - th * th)
     if scale is not None:
-        g.mul_(scale)
-    return g
+        p.mul_(scale)
+    return p
+
+
+def _chunk_grads(g: Tensor, hc: Tensor, weight: Tensor, gh_rows: Optional[Tensor], gw: Optional[Tensor],
+                 gb: Optional[Tensor]):
+    """The chunk's gradient of the logits (float32) into the hidden rows' gradient and the weight's and bias'
+    sums: g @ W, g^T @ h, g.sum(0), the GEMMs in the weight's dtype (as HF's backward)."""
+    if gb is not None:
+        gb += g.sum(0)
+    g = g.to(weight.dtype)
+    if gh_rows is not None:
+        torch.mm(g, weight, out=gh_rows)
+    if gw is not None:
+        if gw.dtype == g.dtype:
+            gw.addmm_(g.t(), hc)
+        else:
+            gw += torch.mm(g.t(), hc)
 
 
 def _select(hidden: Tensor, target: Tensor, valid: Tensor, count: int):
@@ -100,6 +129,17 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
+def _no_autocast(fn):
+    """The operators run their ops in the dtypes they are given: a custom op falls through autocast's
+    dispatch key, so eager autocast would otherwise still be on inside (the casts are made by the caller)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.autocast(args[1].device.type, enabled=False):
+            return fn(*args, **kwargs)
+    return run
+
+
+@_no_autocast
 def _lce_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
          softcap: float, chunk: int, grad_hidden: bool, grad_weight: bool, grad_bias: bool, seq: int,
          shifted: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -115,21 +155,11 @@ def _lce_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
     for s in range(0, h.shape[0], chunk):
         hc, tc = h[s:s + chunk], t[s:s + chunk]
         z, th = _chunk_logits(hc, weight, bias, softcap)
-        lse = torch.logsumexp(z, 1)
-        loss += (lse - z.gather(1, tc.unsqueeze(1)).squeeze(1)).sum()
-        if gh is None and gw is None and gb is None:
-            continue
-        g = _grad_logits_(z, lse, tc, th, None)
-        if gb is not None:
-            gb += g.sum(0)
-        g = g.to(weight.dtype)
-        if gh is not None:
-            torch.mm(g, weight, out=gh[s:s + chunk])
-        if gw is not None:
-            if gw.dtype == g.dtype:
-                gw.addmm_(g.t(), hc)
-            else:
-                gw += torch.mm(g.t(), hc)
+        _, rows = _softmax_(z, tc)
+        loss += rows.sum()
+        if gh is not None or gw is not None or gb is not None:
+            _chunk_grads(_grad_logits_(z, tc, th, None), hc, weight,
+                         gh[s:s + chunk] if gh is not None else None, gw, gb)
     if gh is not None and idx is not None:
         gh = torch.zeros_like(hidden).index_copy_(0, idx, gh)
     return (loss, torch.tensor(float(count), device=hidden.device),
@@ -168,6 +198,7 @@ _lce.register_autograd(_lce_backward, setup_context=_lce_setup)
 
 # The checkpoint's way: forward keeps the log-sum-exp of each row (float32, N values); backward computes the
 # logits of each chunk again. Measured against the above in benchmarks/bench_head.py (docs/head.md).
+@_no_autocast
 def _lce_rc_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
             softcap: float, chunk: int, seq: int, shifted: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(sum of the losses, count of trained rows, log-sum-exp per row (0 for ignored rows))."""
@@ -178,9 +209,8 @@ def _lce_rc_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target:
     lses = torch.empty(h.shape[0], dtype=torch.float32, device=hidden.device)
     for s in range(0, h.shape[0], chunk):
         z, _ = _chunk_logits(h[s:s + chunk], weight, bias, softcap)
-        lse = torch.logsumexp(z, 1)
-        lses[s:s + chunk] = lse
-        loss += (lse - z.gather(1, t[s:s + chunk].unsqueeze(1)).squeeze(1)).sum()
+        lses[s:s + chunk], rows = _softmax_(z, t[s:s + chunk])
+        loss += rows.sum()
     if idx is not None:
         lses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device).index_copy_(0, idx, lses)
     return loss, torch.tensor(float(count), device=hidden.device), lses
@@ -195,6 +225,7 @@ def _lce_rc_fake(hidden, weight, bias, target, ignore_index, softcap, chunk, seq
     return scalar, scalar.clone(), hidden.new_empty(hidden.shape[0], dtype=torch.float32)
 
 
+@_no_autocast
 def _lce_rc_bwd_impl(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                 lse: Tensor, ignore_index: int, softcap: float, chunk: int, grad_hidden: bool, grad_weight: bool,
                 grad_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -209,17 +240,9 @@ def _lce_rc_bwd_impl(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optiona
     for s in range(0, h.shape[0], chunk):
         hc = h[s:s + chunk]
         z, th = _chunk_logits(hc, weight, bias, softcap)
-        g = _grad_logits_(z, lse[s:s + chunk], t[s:s + chunk], th, scale)
-        if gb is not None:
-            gb += g.sum(0)
-        g = g.to(weight.dtype)
-        if gh is not None:
-            torch.mm(g, weight, out=gh[s:s + chunk])
-        if gw is not None:
-            if gw.dtype == g.dtype:
-                gw.addmm_(g.t(), hc)
-            else:
-                gw += torch.mm(g.t(), hc)
+        p = z.sub_(lse[s:s + chunk].unsqueeze(1)).exp_()
+        _chunk_grads(_grad_logits_(p, t[s:s + chunk], th, scale), hc, weight,
+                     gh[s:s + chunk] if gh is not None else None, gw, gb)
     if gh is not None and idx is not None:
         gh = torch.zeros_like(hidden).index_copy_(0, idx, gh)
     return (gh if gh is not None else _empty(hidden), gw.to(weight.dtype) if gw is not None else _empty(weight),

@@ -163,8 +163,8 @@ def test_peak_is_one_chunk_of_logits(softcap):
 
 
 def test_chunk_rows():
-    assert chunk_rows(128256) == 256 and chunk_rows(32000) == 1024 and chunk_rows(10 ** 9, 1000) == 1
-    assert chunk_rows(1000, 4 * 1000 * 100) == 64
+    assert chunk_rows(128256) == 1024 and chunk_rows(32000) == 1024 and chunk_rows(256000) == 512
+    assert chunk_rows(10 ** 9, 1000) == 1 and chunk_rows(1000, 4 * 1000 * 100) == 64 and chunk_rows(10, rows=5) == 5
 
 
 @pytest.mark.parametrize("device", DEVICES)
