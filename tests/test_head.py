@@ -360,3 +360,48 @@ def test_refused_and_undone():
     ckpt_ext.unfuse_lm_head(model)
     assert type(model.lm_head) is torch.nn.Linear
     assert model.train()(input_ids=ids, labels=labels).logits is not None
+
+
+def test_replaced_head_or_loss_falls_back():
+    _, model = fused_pair("llama")
+    ids, labels = batch()
+    model.resize_token_embeddings(MV + 3)  # a new, plain nn.Linear head
+    with pytest.warns(UserWarning, match="lm_head was replaced"):
+        assert model(input_ids=ids, labels=labels).logits.shape[-1] == MV + 3
+    assert ckpt_ext.fuse_lm_head(model) and model(input_ids=ids, labels=labels).logits is None
+    model.loss_function = ForCausalLMLoss
+    with pytest.warns(UserWarning, match="loss_function was replaced"):
+        assert model(input_ids=ids, labels=labels).logits is not None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak_and_model():
+    """CUDA: the allocator's peak of the op is a few chunks, HF's is several full logits; a fused model under
+    bf16 autocast matches HF's within bf16 error."""
+    n, H, vocab, chunk = 4096, 64, 32000, 256
+    h = torch.randn(1, n, H, device="cuda", requires_grad=True)
+    w = (torch.randn(vocab, H, device="cuda") * 0.1).requires_grad_()
+    labels = torch.randint(0, vocab, (1, n), device="cuda")
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn().backward()
+        torch.cuda.synchronize()
+        h.grad = w.grad = None
+        return torch.cuda.max_memory_allocated() - base
+
+    ours = peak(lambda: linear_cross_entropy(h, w, None, labels, chunk=chunk))
+    hf = peak(lambda: hf_loss(h, w, None, labels))
+    assert hf >= 4 * n * vocab and ours <= 4 * (2 * n * H + 2 * vocab * H) + 4 * 4 * chunk * vocab
+    ref, model = fused_pair("llama")
+    ref, model = ref.cuda(), model.cuda()
+    ids, labels = (t.cuda() for t in batch())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = ref(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss
+    a.backward()
+    b.backward()
+    close(b, a, 1e-2, what="loss")
+    close(model.lm_head.weight.grad, ref.lm_head.weight.grad, 5e-2, what="head grad")

@@ -63,7 +63,7 @@ class _HeadState:
     def __init__(self, name: str, labels_pos: Optional[int], original_loss, softcap_attr: Optional[str]):
         self.name, self.labels_pos, self.original_loss, self.softcap_attr = name, labels_pos, original_loss, softcap_attr
         self.saved_softcap = None
-        self.warned = False
+        self.warned = set()
 
 
 class FusedCausalLMLoss:
@@ -102,11 +102,15 @@ def _pre_hook(model, args, kwargs):
     fused = (model.training and labels is not None) if skip is None else bool(skip)
     if fused and labels is None:
         raise ValueError("ckpt_ext: skip_logits=True needs labels (the fused head computes only the loss)")
-    if fused and not isinstance(head, FusedLMHead):
-        if not state.warned:
-            state.warned = True
-            warnings.warn(f"ckpt_ext: {type(model).__name__}.{state.name} was replaced after fuse "
-                          f"({type(head).__name__}); its head and loss run Hugging Face's way", stacklevel=3)
+    if fused and not (isinstance(head, FusedLMHead) and isinstance(model.__dict__.get("_loss_function"),
+                                                                      FusedCausalLMLoss)):
+        what = (f"{state.name} was replaced ({type(head).__name__})" if not isinstance(head, FusedLMHead)
+                else "its loss_function was replaced")
+        if what not in state.warned:  # once per reason and model
+            state.warned.add(what)
+            warnings.warn(f"ckpt_ext: {type(model).__name__}'s {what} after fuse: its head and loss run Hugging "
+                          "Face's way (call ckpt_ext.fuse_lm_head(model) again to fuse a new nn.Linear head)",
+                          stacklevel=3)
         fused = False
     if isinstance(head, FusedLMHead):
         head._fused_call = fused
@@ -161,8 +165,12 @@ def head_refusal(model: nn.Module) -> Optional[str]:
 def fuse_lm_head(model: nn.Module, warn: bool = True) -> bool:
     """Makes ``model``'s head and loss one chunked operation in training with labels (see the module's
     docstring and docs/head.md); returns whether it did. Idempotent."""
-    if hasattr(model, "_ckpt_ext_head"):
-        return True
+    state = model.__dict__.get("_ckpt_ext_head")
+    if state is not None:  # fused before; a head replaced since (resize_token_embeddings) is wrapped again
+        head = getattr(model, state.name)
+        if type(head) is nn.Linear:
+            setattr(model, state.name, FusedLMHead(head))
+        return isinstance(getattr(model, state.name), FusedLMHead)
     why = head_refusal(model)
     if why is not None:
         if warn:
