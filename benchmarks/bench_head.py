@@ -111,7 +111,11 @@ def variants(device) -> Dict[str, Callable]:
         else:
             def liger(h, w, lab):
                 lab = torch.nn.functional.pad(lab, (0, 1), value=-100)[..., 1:]
-                return liger_fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), w, lab.reshape(-1))
+                if torch.is_autocast_enabled():  # as HF's lm_head under autocast (and ckpt_ext): bf16 operands
+                    dtype = torch.get_autocast_gpu_dtype()
+                    h, w = h.to(dtype), w.to(dtype)
+                out = liger_fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), w, lab.reshape(-1))
+                return out[0] if isinstance(out, tuple) else out
             out["liger"] = liger
     return out
 

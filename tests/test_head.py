@@ -405,3 +405,13 @@ def test_cuda_peak_and_model():
     b.backward()
     close(b, a, 1e-2, what="loss")
     close(model.lm_head.weight.grad, ref.lm_head.weight.grad, 5e-2, what="head grad")
+
+
+def test_bench_head_smoke(tmp_path):
+    import bench_head
+    result = bench_head.main(["--device", "cpu", "--vocab", "500", "--tokens", "64", "--hidden", "16", "--rounds",
+                              "1", "--out", str(tmp_path)])
+    rows = {r["variant"]: r for r in result["results"]}
+    assert set(rows) == {"hf", "ckpt_ext", "ckpt_ext-recompute"} and all("error" not in r for r in rows.values())
+    assert rows["ckpt_ext"]["peak_bytes"] < rows["hf"]["peak_bytes"]
+    assert (tmp_path / "bench_head.md").exists()
