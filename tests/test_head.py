@@ -415,3 +415,16 @@ def test_bench_head_smoke(tmp_path):
     assert set(rows) == {"hf", "ckpt_ext", "ckpt_ext-recompute"} and all("error" not in r for r in rows.values())
     assert rows["ckpt_ext"]["peak_bytes"] < rows["hf"]["peak_bytes"]
     assert (tmp_path / "bench_head.md").exists()
+
+
+def test_logits_to_keep():
+    """logits_to_keep slices the hidden states before the head, as in HF: with labels, HF's loss fails on the
+    mismatch and so does the fused one (clearly); without labels or in eval, HF's path serves it."""
+    ref, model = fused_pair("llama")
+    ids, labels = batch()
+    with pytest.raises(ValueError):
+        ref(input_ids=ids, labels=labels, logits_to_keep=1)
+    with pytest.raises(ValueError, match="logits_to_keep must keep every position"):
+        model(input_ids=ids, labels=labels, logits_to_keep=1)
+    assert not model.lm_head._fused_call and model.lm_head._fused_hidden is None
+    close(model(input_ids=ids, logits_to_keep=1).logits, ref(input_ids=ids, logits_to_keep=1).logits, what="kept")
