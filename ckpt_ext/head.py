@@ -67,7 +67,7 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], softcap: fl
     logits = torch.addmm(bias, h, weight.t()) if bias is not None else torch.mm(h, weight.t())
     z = logits.float()  # a copy in bfloat16/float16 (as HF's .float()); the same tensor in float32
     if softcap:
-        th = torch.tanh(z / softcap)
+        th = z.div_(softcap).tanh_()  # z is this chunk's own buffer
         return th * softcap, th
     return z, None
 
@@ -88,7 +88,7 @@ def _grad_logits_(p: Tensor, t: Tensor, th: Optional[Tensor], scale: Optional[Te
     derivative (1 - tanh^2) and ``scale`` (the incoming gradient; None: 1)."""
     p.scatter_add_(1, t.unsqueeze(1), torch.full((t.numel(), 1), -1.0, dtype=p.dtype, device=p.device))
     if th is not None:
-        p.mul_(1 - th * th)
+        p.mul_(th.mul_(th).neg_().add_(1))  # 1 - tanh^2, over th (the chunk's own, not used after)
     if scale is not None:
         p.mul_(scale)
     return p
@@ -160,6 +160,7 @@ def _lce_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
         if gh is not None or gw is not None or gb is not None:
             _chunk_grads(_grad_logits_(z, tc, th, None), hc, weight,
                          gh[s:s + chunk] if gh is not None else None, gw, gb)
+        del z, th  # before the next chunk's GEMM allocates: one chunk of logits alive at a time
     if gh is not None and idx is not None:
         gh = torch.zeros_like(hidden).index_copy_(0, idx, gh)
     return (loss, torch.tensor(float(count), device=hidden.device),
@@ -211,6 +212,7 @@ def _lce_rc_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target:
         z, _ = _chunk_logits(h[s:s + chunk], weight, bias, softcap)
         lses[s:s + chunk], rows = _softmax_(z, t[s:s + chunk])
         loss += rows.sum()
+        del z
     if idx is not None:
         lses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device).index_copy_(0, idx, lses)
     return loss, torch.tensor(float(count), device=hidden.device), lses
@@ -243,6 +245,7 @@ def _lce_rc_bwd_impl(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optiona
         p = z.sub_(lse[s:s + chunk].unsqueeze(1)).exp_()
         _chunk_grads(_grad_logits_(p, t[s:s + chunk], th, scale), hc, weight,
                      gh[s:s + chunk] if gh is not None else None, gw, gb)
+        del z, th, p
     if gh is not None and idx is not None:
         gh = torch.zeros_like(hidden).index_copy_(0, idx, gh)
     return (gh if gh is not None else _empty(hidden), gw.to(weight.dtype) if gw is not None else _empty(weight),
