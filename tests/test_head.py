@@ -316,14 +316,22 @@ def test_autocast_model():
     close(model.lm_head.weight.grad, ref.lm_head.weight.grad, 5e-2, what="autocast head grad")
 
 
-def test_peft_lora_neighbours():
+@pytest.mark.parametrize("order", ["fuse-then-peft", "peft-then-fuse"])
+def test_peft_lora_neighbours(order):
     peft = pytest.importorskip("peft")
-    ref, model = fused_pair("llama")
+    ref = causal_lm("llama")
+    model = copy.deepcopy(ref)
+    if order == "fuse-then-peft":
+        ckpt_ext.fuse(model)
     cfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
     torch.manual_seed(3)
-    ref = peft.get_peft_model(ref, peft.LoraConfig(**cfg))
+    ref = peft.get_peft_model(ref, peft.LoraConfig(**cfg)).train()
     torch.manual_seed(3)
-    model = peft.get_peft_model(model, peft.LoraConfig(**cfg))
+    model = peft.get_peft_model(model, peft.LoraConfig(**cfg)).train()
+    if order == "peft-then-fuse":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the head of the peft model's base is found, no warning
+            ckpt_ext.fuse(model)
     ids, labels = batch()
     out = model(input_ids=ids, labels=labels)
     assert out.logits is None

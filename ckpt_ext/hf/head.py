@@ -164,7 +164,10 @@ def head_refusal(model: nn.Module) -> Optional[str]:
 
 def fuse_lm_head(model: nn.Module, warn: bool = True) -> bool:
     """Makes ``model``'s head and loss one chunked operation in training with labels (see the module's
-    docstring and docs/head.md); returns whether it did. Idempotent."""
+    docstring and docs/head.md); returns whether it did. Idempotent. A peft model: its base model's head."""
+    base = getattr(model, "get_base_model", None)
+    if callable(base) and base() is not model:
+        return fuse_lm_head(base(), warn)
     state = model.__dict__.get("_ckpt_ext_head")
     if state is not None:  # fused before; a head replaced since (resize_token_embeddings) is wrapped again
         head = getattr(model, state.name)
@@ -193,6 +196,9 @@ def fuse_lm_head(model: nn.Module, warn: bool = True) -> bool:
 
 def unfuse_lm_head(model: nn.Module) -> None:
     """Undoes :func:`fuse_lm_head`: Hugging Face's head (a plain nn.Linear with the same Parameters) and loss."""
+    base = getattr(model, "get_base_model", None)
+    if callable(base) and base() is not model:
+        return unfuse_lm_head(base())
     state = model.__dict__.pop("_ckpt_ext_head", None)
     if state is None:
         return
