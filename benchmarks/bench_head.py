@@ -7,7 +7,7 @@ interleaved rounds, p20-p80) and peak memory above what existed before the step 
 peak; CPU: the peak of the bytes of live tensors created during the step, counted by a dispatch mode that
 also looks inside ckpt_ext's operators). Same process, same inputs, device named in the result.
 
-    python benchmarks/bench_head.py                        # CUDA when there is one: Llama-3 width, 8192 tokens, bf16 autocast
+    python benchmarks/bench_head.py    # CUDA when there is one: Llama-3 width, 8192 tokens, bf16 autocast
     python benchmarks/bench_head.py --device cpu --tokens 1024 --hidden 512 --rounds 5
 """
 import argparse
@@ -36,6 +36,7 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.live: Dict[int, list] = {}
+        self.seen = set()  # storages that existed before (inputs, parameters): their views are not new bytes
         self.current = self.peak = 0
         if LiveBytes._IMPLS is None:
             LiveBytes._IMPLS = {torch.ops.ckpt_ext.linear_cross_entropy.default: head_mod._lce_impl,
@@ -54,9 +55,9 @@ class LiveBytes(TorchDispatchMode):
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
         s = t.untyped_storage()
-        ptr = s.data_ptr()
-        if ptr == 0:
+        if s.data_ptr() == 0:
             return
+        ptr = s._cdata  # the storage itself (views share it); data pointers are reused by the allocator
         entry = self.live.get(ptr)
         if entry is None:
             if ptr in self.seen:  # a storage made before the mode (an input, a parameter) or its view
@@ -67,28 +68,21 @@ class LiveBytes(TorchDispatchMode):
         entry[1] += 1
         weakref.finalize(t, self._release, ptr)
 
-    def __enter__(self):
-        self.seen = set()
-        return super().__enter__()
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor) and a.untyped_storage()._cdata not in self.live:
+                self.seen.add(a.untyped_storage()._cdata)
         impl = self._IMPLS.get(func)
         if impl is not None:
-            with self:
+            with self:  # the operator's own ops, counted too
                 out = impl(*args, **kwargs)
         else:
-            for a in torch.utils._pytree.tree_leaves((args, kwargs)):
-                if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() not in self.live:
-                    self.seen.add(a.untyped_storage().data_ptr())
             out = func(*args, **kwargs)
         for t in torch.utils._pytree.tree_leaves(out):
             self._track(t)
         return out
 
-    def __exit__(self, *exc):
-        # super().__enter__ of a re-entered mode pushes it again; only the outermost exit ends the count
-        return super().__exit__(*exc)
 
 
 def hf_head_loss(hidden, weight, labels, num_items_in_batch=None):
@@ -125,7 +119,8 @@ def run(args) -> dict:
     cuda = device.type == "cuda"
     info = common.env_info(device)
     torch.manual_seed(0)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if args.autocast else torch.autocast(device.type, enabled=False)
+    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if args.autocast
+           else torch.autocast(device.type, enabled=False))
     results = []
     for vocab in args.vocab:
         w = (torch.randn(vocab, args.hidden, device=device) * args.hidden ** -0.5).requires_grad_()
@@ -172,7 +167,8 @@ def run(args) -> dict:
              f"tokens {args.batch} x {args.tokens}, hidden {args.hidden}, "
              f"{'bf16 autocast' if args.autocast else 'fp32'}; peak: "
              f"{'CUDA allocator above the step start' if cuda else 'live tensors created in the step (LiveBytes)'}",
-             "", "| vocab | variant | step ms, median (p20-p80) | vs hf | peak MiB | vs hf |", "|---|---|---|---|---|---|"]
+             "", "| vocab | variant | step ms, median (p20-p80) | vs hf | peak MiB | vs hf |",
+             "|---|---|---|---|---|---|"]
     for vocab in args.vocab:
         by = {r["variant"]: r for r in results if r["vocab"] == vocab}
         ref = by.get("hf", {})

@@ -61,7 +61,8 @@ class _HeadState:
     """What the hooks and the loss of one model share (no module attributes: kept out of state_dict)."""
 
     def __init__(self, name: str, labels_pos: Optional[int], original_loss, softcap_attr: Optional[str]):
-        self.name, self.labels_pos, self.original_loss, self.softcap_attr = name, labels_pos, original_loss, softcap_attr
+        self.name, self.labels_pos, self.original_loss = name, labels_pos, original_loss
+        self.softcap_attr = softcap_attr
         self.saved_softcap = None
         self.warned = set()
 
