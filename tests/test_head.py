@@ -437,3 +437,18 @@ def test_logits_to_keep():
         model(input_ids=ids, labels=labels, logits_to_keep=1)
     assert not model.lm_head._fused_call and model.lm_head._fused_hidden is None
     close(model(input_ids=ids, logits_to_keep=1).logits, ref(input_ids=ids, logits_to_keep=1).logits, what="kept")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    """torch.library.opcheck of the three operators: schema, fake kernels, autograd registration, AOT dispatch."""
+    from ckpt_ext.head import _lce, _lce_rc, _lce_rc_bwd
+    h, w, b, labels = inputs(device, bias=True, S=23, H=8)
+    hh = h.detach().reshape(-1, 8).requires_grad_()  # 46 rows, some ignored
+    t = labels.reshape(-1)
+    torch.library.opcheck(_lce, (hh, w, b, t, -100, 0.0, 5, True, True, True, 23, True))
+    torch.library.opcheck(_lce, (hh, w, None, t, -100, 2.0, 64, False, True, False, 23, True))
+    torch.library.opcheck(_lce_rc, (hh, w, b, t, -100, 2.0, 5, 23, True))
+    lse = _lce_rc(hh.detach(), w.detach(), b.detach(), t, -100, 0.0, 5, 23, True)[2]
+    g = torch.tensor(0.5, device=device)
+    torch.library.opcheck(_lce_rc_bwd, (g, hh.detach(), w.detach(), b.detach(), t, lse, -100, 0.0, 5, True, True, True))
