@@ -187,11 +187,22 @@ def _lce_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1], output[2], output[3], output[4])
 
 
-def _lce_backward(ctx, g_loss, g_count, g_gh, g_gw, g_gb):
+def _is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+def _lce_backward(ctx, g_loss, g_count, g_gh, g_gw, g_gw_b):
     gh, gw, gb = ctx.saved_tensors
     has_h, has_w, has_b = ctx.has
-    return (gh * g_loss.to(gh.dtype) if has_h else None, gw * g_loss.to(gw.dtype) if has_w else None,
-            gb * g_loss.to(gb.dtype) if has_b else None, None, None, None, None, None, None, None, None, None)
+    # Eager: scaled in place (the gradients are the operator's own outputs, dropped by its caller), so the
+    # weight's gradient is not held twice when backward starts, the step's peak. A second backward through
+    # the same graph (retain_graph) then meets autograd's error for a saved tensor modified in place, instead
+    # of scaling twice. Traced (compile, AOT, fake tensors): out of place, which the compiler may reuse.
+    eager = not _is_compiling() and all(type(t) is torch.Tensor for t in (g_loss, gh, gw, gb))  # not traced
+    scale = (lambda t: t.mul_(g_loss.to(t.dtype))) if eager else (lambda t: t * g_loss.to(t.dtype))
+    return (scale(gh) if has_h else None, scale(gw) if has_w else None, scale(gb) if has_b else None,
+            None, None, None, None, None, None, None, None, None)
 
 
 _lce.register_autograd(_lce_backward, setup_context=_lce_setup)

@@ -452,3 +452,17 @@ def test_opcheck(device):
     lse = _lce_rc(hh.detach(), w.detach(), b.detach(), t, -100, 0.0, 5, 23, True)[2]
     g = torch.tensor(0.5, device=device)
     torch.library.opcheck(_lce_rc_bwd, (g, hh.detach(), w.detach(), b.detach(), t, lse, -100, 0.0, 5, True, True, True))
+
+
+def test_second_backward_through_the_same_graph_is_refused():
+    """Backward scales the forward's gradients in place (the weight's gradient is not held twice): a second
+    backward through a retained graph gets autograd's in-place error rather than gradients scaled twice."""
+    h, w, _, labels = inputs("cpu")
+    loss = linear_cross_entropy(h, w, None, labels) * 3
+    loss.backward(retain_graph=True)
+    close(w.grad, torch.autograd.grad(hf_loss(h, w, None, labels) * 3, [w])[0], what="weight grad")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    loss2 = linear_cross_entropy(h, w, None, labels, recompute=True) * 3
+    loss2.backward(retain_graph=True)
+    loss2.backward()  # the recompute order keeps no gradient: any number of backwards
