@@ -18,6 +18,8 @@ from .pool import (empty_pool, is_pooled, pool_chunk_bytes, pool_min_chunk_bytes
 from . import ops  # noqa: E402  (torch.ops.ckpt_ext: fake kernels, documented wrappers)
 from .fused import FusedTransformerLayer, fuse  # noqa: E402
 from .hf import take_over_hf_checkpointing  # noqa: E402
+from .hf.head import fuse_lm_head, unfuse_lm_head  # noqa: E402
+from .head import linear_cross_entropy  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
@@ -31,6 +33,9 @@ __all__ = [
     "take_over_hf_checkpointing",
     "fuse",
     "FusedTransformerLayer",
+    "fuse_lm_head",
+    "unfuse_lm_head",
+    "linear_cross_entropy",
     "pool_stats",
     "reset_peak_stats",
     "empty_pool",

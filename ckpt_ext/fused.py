@@ -36,6 +36,7 @@ from ._layout import BERT, FAMILY_NAMES, LLAMA
 from ._user_frame import user_stacklevel
 from .hf.cache import cache_parameters, find_cache
 from .hf.versions import check_versions
+from .hf.head import fuse_lm_head
 from .hf.layers import (LORA_PROJECTIONS, WEIGHT_PATHS, Unsupported, collecting_attentions,
                         install_output_capturing, layer_classes, layer_spec,
                         positional_parameters, returns_tuple)
@@ -423,6 +424,10 @@ def fuse(model: nn.Module) -> nn.Module:
     has no supported layer, or none that can be fused. Rotary scaling variants (Llama ``rope_scaling``)
     need no support of their own: the fused layer applies the (cos, sin) tables the model computes.
 
+    On a causal LM (``*ForCausalLM``, ``GPT2LMHeadModel``: an ``nn.Linear`` head and transformers'
+    ``ForCausalLMLoss``) the head and the loss become one chunked operation in training with labels, which
+    never holds the whole batch's logits; the output's ``logits`` is then None (docs/head.md).
+
     Apply module replacements (a quantised linear) before ``fuse``: a layer whose submodules are replaced
     afterwards runs Hugging Face's forward (with a warning). peft LoRA adapters on the attention and MLP
     projections are computed by the fused layer (read per call: added after ``fuse``, merged, disabled or
@@ -460,4 +465,6 @@ def fuse(model: nn.Module) -> nn.Module:
     if fused == 0:
         raise ValueError(f"fuse: none of the {len(targets)} supported layer(s) of {type(model).__name__} could be "
                          "fused (see the warnings)")
+    # A causal LM's head and loss: one chunked operation in training with labels (ckpt_ext/hf/head.py).
+    fuse_lm_head(model, warn=type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")))
     return model
