@@ -380,8 +380,14 @@ def test_bench_keep_attention_smoke(tmp_path):
     assert rows["ckpt_ext-keep-attention"]["activation_bytes"] - rows["ckpt_ext"]["activation_bytes"] == kept
     for kept_variant, full in bench_keep_attention.RATIOS:
         assert rows[kept_variant]["ratio_to_full"] > 0 and rows[kept_variant]["full_variant"] == full
+        q = rows[kept_variant]["ratio_to_full_q"]
+        assert q["n"] == 2 and q["p20"] <= q["median"] <= q["p80"]
+    for ours in bench_keep_attention.TARGETS:  # the paired per-round difference of savings against torch's SAC
+        d = rows[ours]["saving_vs_torch"]
+        assert d["n"] == 2 and 0 <= d["at_least"] <= 2 and d["p20"] <= d["median"] <= d["p80"]
     text = (tmp_path / "keep-attention.md").read_text()
-    assert "target (ours <= torch's)" in text and json.loads((tmp_path / "keep-attention.json").read_text())["rows"]
+    assert "target (ours <= torch's)" in text and "rounds: target" in text
+    assert json.loads((tmp_path / "keep-attention.json").read_text())["rows"]
 
 
 def test_bench_budget_smoke(tmp_path):
