@@ -122,6 +122,38 @@ def test_gpt2_in_bfloat16_bit_identical():
     assert got[2] == 3
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("forced", [False, True], ids=["default-settings", "sdpa_kernel-cudnn"])
+def test_cuda_cudnn_attention_kept_bit_identical(forced):
+    """Hugging Face Llama in bfloat16 on CUDA (head dim 64): where SDPA picks cuDNN attention (torch's default on
+    Hopper), keep="attention" keeps cuDNN's output and log-sum-exp: bit-identical, one cuDNN forward per layer."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = make_model("llama", layers=2, hidden_size=128, num_attention_heads=2,
+                       num_key_value_heads=2).cuda().bfloat16().train()
+    kw = inputs_for("llama", padding=False, device="cuda")
+    q = torch.randn(2, 2, 37, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        with CountKernels() as kernels:
+            out = m(**kw).last_hidden_state
+            (out.float() * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}, kernels.runs
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if forced else contextlib.nullcontext():
+        if torch._fused_sdp_choice(q, q, q, None, 0.0, True, None, False) != 3:
+            pytest.skip("SDPA does not pick cuDNN attention here (GPU, cuDNN version or settings)")
+        ref = step(copy.deepcopy(model))
+        keep = _quiet_enable(copy.deepcopy(model), keep="attention")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing falls back
+            got = step(keep)
+    _assert_equal(got, ref)
+    assert ref[2] == got[2] == 2
+
+
 def test_take_over_hf_checkpointing_keeps_attention():
     model = make_model("llama", layers=3).train()
     kw = inputs_for("llama", padding=False)
