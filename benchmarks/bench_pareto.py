@@ -27,6 +27,7 @@ counterpart yet.
 
     python benchmarks/bench_pareto.py                                   # CPU: Llama and BERT 4 x 256, s512
     python benchmarks/bench_pareto.py --models llama --points 6 --rounds 9 --plot pareto.png
+    python benchmarks/bench_pareto.py --models llama-gpu --mode bf16      # the GPU report's sweep
 """
 import argparse
 import sys
@@ -47,7 +48,10 @@ MODELS = {
     "llama": ModelSpec("llama-4x256", "llama", 4, 256, 4, 512, 1024, 1000),
     "bert": ModelSpec("bert-4x256", "bert", 4, 256, 4, 512, 1024, 1000),
     "llama-tiny": ModelSpec("llama-2x64", "llama", 2, 64, 2, 64, 128, 100),  # the tests' smoke run
+    # the GPU report's sweep (tools/gpu_session.sh pareto): Llama 8 x 2048, 16 heads, s2048, batch 4, bf16
+    "llama-gpu": ModelSpec("llama-8x2048", "llama", 8, 2048, 16, 2048, 5632, 32000),
 }
+BATCH = {"llama-tiny": 2, "llama-gpu": 4}
 
 
 class TorchSelectiveBoth(TorchSelective):
@@ -99,11 +103,11 @@ def _budget_range(workload: Workload, cls, batch: int):
     return low, high
 
 
-def run_model(name: str, device, points: int, rounds: int, warmup: int, progress: Progress,
+def run_model(name: str, device, mode: str, points: int, rounds: int, warmup: int, progress: Progress,
               notes: List[str]) -> dict:
     spec = MODELS[name]
-    batch = 1 if name != "llama-tiny" else 2
-    workload = Workload(spec, "fp32", device)
+    batch = BATCH.get(name, 1)
+    workload = Workload(spec, mode, device)
     variants: Dict[str, Variant] = {}
     models: Dict[str, torch.nn.Module] = {}
     held: Dict[str, int] = {}
@@ -159,7 +163,7 @@ def run_model(name: str, device, points: int, rounds: int, warmup: int, progress
                 ratios = [a / b for a, b in zip(raw[k], raw[best])]
                 row.update(torch_best=best, ratio_to_torch_best=quantiles(ratios))
         rows.append(row)
-    return {"model": name, "spec": spec.describe(), "batch": batch, "budgets": budgets, "rows": rows}
+    return {"model": name, "spec": spec.describe(), "batch": batch, "mode": mode, "budgets": budgets, "rows": rows}
 
 
 def verdict(result: dict) -> List[str]:
@@ -182,7 +186,7 @@ def verdict(result: dict) -> List[str]:
 def to_markdown(info: dict, results: List[dict], cfg: dict) -> str:
     lines = [f"# Step time against activation memory: {info['device_name']} ({info['device']})", "",
              env_line(info), "", f"{cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up round(s); "
-             f"{cfg['points']} budgets per model, fp32, attention dropout 0.", ""]
+             f"{cfg['points']} budgets per model, {cfg['mode']}, attention dropout 0.", ""]
     for res in results:
         lines += [f"## {res['model']}: {res['spec']}, batch {res['batch']}", "",
                   "| variant | held fwd→bwd MiB | step ms, median (p20-p80) | vs the fastest torch policy holding no "
@@ -230,6 +234,7 @@ def main(argv=None) -> dict:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--models", default="llama,bert", help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--mode", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--points", type=int, default=5, help="budgets per model (default 5)")
     p.add_argument("--rounds", type=int, default=7, help="timed interleaved rounds (default 7)")
     p.add_argument("--warmup", type=int, default=1)
@@ -250,10 +255,11 @@ def main(argv=None) -> dict:
     notes: List[str] = []
     progress = Progress(enabled=not args.no_progress)
     try:
-        results = [run_model(m, device, args.points, args.rounds, args.warmup, progress, notes) for m in names]
+        results = [run_model(m, device, args.mode, args.points, args.rounds, args.warmup, progress, notes)
+                   for m in names]
     finally:
         progress.close()
-    cfg = {"models": names, "points": args.points, "rounds": args.rounds, "warmup": args.warmup, "notes": notes,
+    cfg = {"models": names, "mode": args.mode, "points": args.points, "rounds": args.rounds, "warmup": args.warmup, "notes": notes,
            "argv": list(sys.argv[1:] if argv is None else argv)}
     md = to_markdown(finish_env(info), results, cfg)
     print(md)
