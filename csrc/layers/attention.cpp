@@ -1,6 +1,6 @@
 // Attention and its projections, shared by the families: q/k/v split and merge, Conv1D products, and
 // attention(): SDPA's own kernel choice, the fused kernels (which return a log-sum-exp) called directly
-// (cuDNN's through the dispatcher by name: see CudnnOps), their dropout drawn from a generator state derived
+// (cuDNN's through the dispatcher by name: see NamedOp), their dropout drawn from a generator state derived
 // from the layer's seed (rng.h), and keep-attention (layer.h's KeptAttention: the kernel's output and
 // log-sum-exp kept from forward, its backward op called in the replay; a path without a log-sum-exp keeps
 // nothing and says why); on CPU with dropout, attention written out with ckpt_ext's Philox dropout.
@@ -250,7 +250,7 @@ int64_t as_int(const c10::IValue& v) {
 // Why no kernel with a log-sum-exp takes this call (what keep-attention says of a layer it replays in full).
 std::string no_lse_reason(int64_t kernel, const Tensor& q, double p) {
   if (q.is_cpu() && p > 0)
-    return "of attention dropout (p=" + std::to_string(p) + ") on CPU: SDPA's CPU flash kernel has no dropout, so "
+    return "of attention dropout (p=" + c10::str(p) + ") on CPU: SDPA's CPU flash kernel has no dropout, so "
            "the attention is written out (softmax and ckpt_ext's dropout), with no log-sum-exp to keep (train "
            "with attention dropout 0 to keep it)";
   if (kernel == kCudnn) {
