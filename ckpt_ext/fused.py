@@ -24,7 +24,7 @@ residual stream in the parameters' dtype, gradients in the parameters' dtype.
 """
 import sys
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from ._compiler import check_not_capturing, in_compile_fallback, traced_under_co
 from ._extension import load
 from ._layout import BERT, FAMILY_NAMES, LLAMA
 from ._user_frame import user_stacklevel
+from .keep import warn_not_kept
 from .hf.cache import cache_parameters, find_cache
 from .hf.versions import check_versions
 from .hf.head import fuse_lm_head
@@ -349,7 +350,8 @@ def _check_segment_not_capturing():
         "keep the checkpointed part outside the captured region (under torch.no_grad() nothing is checkpointed).")
 
 
-def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_attention: bool = False):
+def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_attention: bool = False,
+                names: Optional[Sequence[str]] = None, report: Optional[Callable[[int, Optional[str]], None]] = None):
     """Runs consecutive fused layers as one C++ SegmentFunction (checkpointed: one autograd node that
     replays them in backward), calling them with the first layer's arguments as Hugging Face's stack
     does. Returns ``NotImplemented`` when the layers or the call do not allow it (not all fused layers of
@@ -358,9 +360,11 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
 
     ``keep_attention``: each layer's attention kernel output and log-sum-exp (on CUDA with dropout, also
     the kernel's Philox seed/offset) are kept in the BoundaryPool from forward to backward, and the replay
-    runs the layers without the attention forward (bit-identical gradients). Raises ``ValueError`` naming
-    the layer where its attention runs no kernel with a log-sum-exp (attention dropout in training on
-    CPU: SDPA's math path), and ``NotImplementedError`` under torch.compile."""
+    runs the layers without the attention forward (bit-identical gradients). A layer whose attention runs no
+    kernel with a log-sum-exp (SDPA's math path, attention dropout in training on CPU, a CUDA flash head dim
+    SDPA pads) keeps nothing and is replayed in full: one warning per reason (keep.warn_not_kept, naming the
+    layer by ``names[i]``), and ``report(i, reason)`` is told for every layer (reason None: kept).
+    ``NotImplementedError`` under torch.compile."""
     first = layers[0] if layers else None
     if not isinstance(first, FusedTransformerLayer):
         return NotImplemented
@@ -374,35 +378,35 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
     if any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
         return NotImplemented
     if keep_attention:
-        _check_keep_attention(layers, call.hidden)
+        _check_keep_attention()
     if compiled.use_ops():
         return first._as_returned(compiled.fused_segment(layers, call.hidden, call.mask, call.cos, call.sin,
                                                          first.training))
     _check_segment_not_capturing()
     specs, weights = zip(*(layer._call_args() for layer in layers))
-    return first._as_returned(_C.segment_apply(list(specs), call.hidden, call.mask, call.cos, call.sin, list(weights),
-                                                first.training, keep_attention))
+    if not keep_attention:
+        return first._as_returned(_C.segment_apply(list(specs), call.hidden, call.mask, call.cos, call.sin,
+                                                    list(weights), first.training))
+    out, not_kept = _C.segment_apply_keeping_attention(list(specs), call.hidden, call.mask, call.cos, call.sin,
+                                                        list(weights), first.training)
+    for i, why in enumerate(not_kept):
+        if report is not None:
+            report(i, why or None)
+        if why:
+            name = names[i] if names is not None else \
+                f"fused {layers[i].layer_class} (layer {i} of this checkpointed group of {len(layers)})"
+            warn_not_kept(name, why)
+    return first._as_returned(out)
 
 
-def _check_keep_attention(layers: Sequence["FusedTransformerLayer"], hidden: torch.Tensor):
-    """What keep-attention refuses before any compute (the C++ layer raises for the rest, naming the layer
-    and SDPA's choice): torch.compile, and attention dropout in training on CPU (SDPA's CPU flash kernel has
-    no dropout: the math path runs, which has no log-sum-exp to keep)."""
+def _check_keep_attention():
+    """What keep-attention refuses before any compute: torch.compile. (A layer whose attention has no
+    log-sum-exp to keep is replayed in full instead: run_segment.)"""
     if compiled.use_ops() or in_compile_fallback():
         raise NotImplementedError(
             "ckpt_ext: keeping the attention of checkpointed fused layers is not supported under torch.compile "
             "(the ckpt_ext::fused_segment operator keeps only its input); compile with full recompute, or run "
             "keep-attention eagerly.")
-    if hidden.device.type != "cpu":
-        return
-    for i, layer in enumerate(layers):
-        if layer.training and layer.spec.attn_p > 0:
-            raise ValueError(
-                f"ckpt_ext keep-attention: fused {layer.layer_class} (layer {i} of this checkpointed group of "
-                f"{len(layers)}) has attention dropout {layer.spec.attn_p} in training on CPU, where SDPA's flash "
-                "kernel takes no dropout: attention runs SDPA's math path, which returns no log-sum-exp to keep. "
-                "Train with attention dropout 0 (attention_probs_dropout_prob / attn_pdrop / attention_dropout), "
-                "or checkpoint these layers without keep-attention (full recompute).")
 
 
 def _copy_hooks(src: nn.Module, dst: nn.Module):

@@ -18,10 +18,11 @@ forward) or hands back (in the replay) the outputs of the fused kernel. Autograd
 as usual in both runs, so the checkpoint engine's checks (what the replay saved, shapes, dtypes) hold.
 
 Where an SDPA call runs a path without an LSE (SDPA's math path: attention dropout on CPU, an unsupported
-mask or dtype, ``sdpa_kernel`` restrictions) nothing is kept for it and its replay recomputes it in full --
-the gradients stay exact -- and a warning says so once, naming the layer and the reason. A layer that
-calls no SDPA at all (Hugging Face eager attention) gets the same warning; a Hugging Face model configured
-for another attention implementation is refused when checkpointing is enabled (stack.py).
+mask, dtype or head size, ``sdpa_kernel`` restrictions) nothing is kept for it and its replay recomputes it in
+full -- the gradients stay exact -- and one warning per reason says so, naming the first layer
+(:func:`warn_not_kept`; ``explain()`` lists every layer and why). A layer that calls no SDPA at all (Hugging
+Face eager attention) gets the same warning; a Hugging Face model configured for another attention
+implementation is refused when checkpointing is enabled (stack.py). Fused layers (C++) follow the same rule.
 
 Under torch.compile the region is traced as torch's checkpoint with a selective-checkpoint policy that
 must save the same kernels' outputs (:func:`compiled_context_fn`); AOTAutograd's partitioner then keeps
@@ -44,7 +45,7 @@ from torch.utils._pytree import tree_map
 from ._user_frame import user_stacklevel
 
 __all__ = ["KEEP_VALUES", "check_keep", "keep_attention", "KeepAttention", "AttentionProbe", "LSE_OPS",
-           "compiled_context_fn"]
+           "compiled_context_fn", "warn_not_kept"]
 
 # The documented values of keep=, with what each keeps besides the checkpointed segments' inputs.
 KEEP_VALUES = {
@@ -197,6 +198,16 @@ def _warn_once(key, message: str):
             return
         _warned.add(key)
     warnings.warn(message, stacklevel=user_stacklevel())
+
+
+def warn_not_kept(name: str, reason: str):
+    """keep='attention''s one warning per reason a layer keeps no attention output (plain and fused layers):
+    names the first such layer; explain() lists them all."""
+    _warn_once(("not kept", reason),
+               f"ckpt_ext keep='attention': {name} keeps no attention output, because {reason}. Its attention is "
+               "recomputed in backward (that layer is replayed in full; gradients are unaffected, only the saving is "
+               "lost). Every other layer for which the same holds is replayed the same way without another warning: "
+               "ckpt_ext.explain(model) lists them after the step.")
 
 
 def _math_path_reason(args, kwargs) -> str:
@@ -356,7 +367,7 @@ class KeepAttention:
     ``names``: the layers the region runs, for messages (default: one, "the checkpointed function");
     ``current()``: the index of the layer running now (a group of several layers); ``report(index,
     kept_bytes, reason)``: told, at every forward, what each SDPA call kept (``kept_bytes`` None and a
-    ``reason`` when nothing). Nothing kept warns once per layer and reason."""
+    ``reason`` when nothing). Nothing kept warns once per reason (:func:`warn_not_kept`)."""
 
     __slots__ = ("where", "names", "current", "report")
 
@@ -371,10 +382,7 @@ class KeepAttention:
         if self.report is not None:
             self.report(layer, kept_bytes, reason)
         if reason is not None:
-            name = self.names[layer]
-            _warn_once((name, reason),
-                       f"ckpt_ext keep='attention': {name} keeps no attention output, because {reason}. Its "
-                       "attention is recomputed in backward (gradients are unaffected; only the saving is lost).")
+            warn_not_kept(self.names[layer], reason)
 
     def __call__(self):
         region = _Region(self)

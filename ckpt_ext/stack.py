@@ -160,14 +160,17 @@ class _Group:
                 not is_fused_layer(layers[0]):
             return run_segment(layers, layer_args, layer_kwargs, keep_attention=keep)
         before = pool_stats(hidden.device)["in_use_bytes"]
-        out = run_segment(layers, layer_args, layer_kwargs, keep_attention=True)
+        why: List[Optional[str]] = [None] * len(layers)
+        out = run_segment(layers, layer_args, layer_kwargs, keep_attention=True, names=self.names,
+                          report=why.__setitem__)
         if out is not NotImplemented:
             kept = pool_stats(hidden.device)["in_use_bytes"] - before
             h = _hidden_of(out)
             if isinstance(h, torch.Tensor) and is_pooled(h):
                 kept -= -(-h.untyped_storage().nbytes() // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
+            keeping = sum(w is None for w in why)
             for k in range(len(layers)):
-                self.attention[k] = (max(0, kept) // len(layers), None)
+                self.attention[k] = (None, why[k]) if why[k] else (max(0, kept) // keeping, None)
         return out
 
     def _running(self) -> int:
@@ -629,8 +632,20 @@ def explain(model: nn.Module) -> Explanation:
             text += "; every group keeps only its input from forward to backward."
         else:
             lines = [f"  {name}: keeps {g.keeps(k)}" for g in groups for k, name in enumerate(g.names)]
-            text += ", keep='attention'. From forward to backward:\n" + "\n".join(lines)
+            text += ", keep='attention'. From forward to backward:\n" + "\n".join(lines + _not_kept_summary(groups))
     return Explanation(text)
+
+
+def _not_kept_summary(groups: List["_Group"]) -> List[str]:
+    """keep='attention': one line per reason for the layers whose attention kept nothing in the last step (they
+    are replayed in full)."""
+    layers: Dict[str, List[str]] = {}
+    for g in groups:
+        for k, seen in enumerate(g.attention):
+            if g.keep == "attention" and seen is not None and seen[1] is not None:
+                layers.setdefault(seen[1], []).append(g.names[k])
+    return [f"  replayed in full (attention not kept) in the last step: {', '.join(names)}, because {why}"
+            for why, names in layers.items()]
 
 
 def _planned_layers(model: nn.Module, p: StackPlanner) -> List[str]:
@@ -639,13 +654,15 @@ def _planned_layers(model: nn.Module, p: StackPlanner) -> List[str]:
     lines = []
     if p.installed:
         lines.append("  each layer, from forward to backward:")
-        seen = set()
+        seen, groups = set(), []
         for layer in p.layers:
             g = layer.__dict__.get(_ATTR)
             if g is None or g.planner is not p or id(g) in seen:
                 continue
             seen.add(id(g))
+            groups.append(g)
             lines += [f"    {name}: keeps {g.keeps(k)}" for k, name in enumerate(g.names)]
+        lines += _not_kept_summary(groups)
     if p.keep == "auto":
         reasons = {}
         for i, why in enumerate(p.why):

@@ -169,6 +169,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("specs"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
       py::arg("training"), py::arg("keep_attention") = false);
+  m.def(
+      "segment_apply_keeping_attention",
+      [](const std::vector<L::LayerSpec>& specs, const at::Tensor& hidden, const OptTensor& mask,
+         const OptTensor& cos, const OptTensor& sin, const std::vector<std::vector<OptTensor>>& weights,
+         bool training) {
+        std::vector<std::vector<at::Tensor>> w;
+        w.reserve(weights.size());
+        for (const auto& l : weights) w.push_back(undefined_if_absent(l));
+        std::vector<std::string> not_kept;
+        at::Tensor out = ckpt_ext::segment_apply(specs, hidden, layer_inputs(mask, cos, sin), w, training,
+                                                 /*keep_attention=*/true, &not_kept);
+        return std::make_pair(out, not_kept);
+      },
+      py::arg("specs"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
+      py::arg("training"),
+      "segment_apply keeping attention; returns (output, per layer why its attention kept nothing, '' if kept)");
+  m.def("cudnn_attention_problem", &ckpt_ext::layers::cudnn_attention_problem,
+        "Why torch's cuDNN attention ops cannot be called by name here ('' when they can)");
 
   m.def("pool_stats", [](c10::Device d) { return stats_dict(BoundaryPool::for_device(d)->stats()); });
   m.def("reset_peak_stats", [](c10::Device d) { BoundaryPool::for_device(d)->reset_peak(); });

@@ -409,8 +409,35 @@ def test_bench_keep_attention_smoke(tmp_path):
     assert rows["ckpt_ext-keep-attention"]["activation_bytes"] - rows["ckpt_ext"]["activation_bytes"] == kept
     for kept_variant, full in bench_keep_attention.RATIOS:
         assert rows[kept_variant]["ratio_to_full"] > 0 and rows[kept_variant]["full_variant"] == full
+        q = rows[kept_variant]["ratio_to_full_q"]
+        assert q["n"] == 2 and q["p20"] <= q["median"] <= q["p80"]
+    for ours in bench_keep_attention.TARGETS:  # the paired per-round difference of savings against torch's SAC
+        d = rows[ours]["saving_vs_torch"]
+        assert d["n"] == 2 and 0 <= d["at_least"] <= 2 and d["p20"] <= d["median"] <= d["p80"]
     text = (tmp_path / "keep-attention.md").read_text()
-    assert "target (ours <= torch's)" in text and json.loads((tmp_path / "keep-attention.json").read_text())["rows"]
+    assert "target (ours <= torch's)" in text and "rounds: target" in text
+    assert json.loads((tmp_path / "keep-attention.json").read_text())["rows"]
+
+
+def test_bench_pareto_smoke(tmp_path):
+    """bench_pareto: the torch policies and the planned points at each budget run; each planned point is compared
+    with the fastest torch policy holding no more bytes (when one does); the table, the verdict and the PNG are
+    written; the sweep starts at the planner's least achievable budget, so no budget is refused."""
+    import bench_pareto
+    result = bench_pareto.main(["--device", "cpu", "--models", "llama-tiny", "--points", "2", "--rounds", "1",
+                                "--warmup", "0", "--no-progress", "--out", str(tmp_path)])
+    (res,) = result["results"]
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(bench_pareto.TORCH_POLICIES) <= set(rows)
+    planned = [r for v, r in rows.items() if v not in bench_pareto.TORCH_POLICIES]
+    assert len(planned) == 4 and not result["config"]["notes"], result["config"]["notes"]
+    for r in planned:
+        assert r["plan"] and "predicted peak" in r["plan"]
+        best = r.get("torch_best")
+        if best is not None:
+            assert rows[best]["held_bytes"] <= r["held_bytes"] and r["ratio_to_torch_best"]["n"] == 1
+    assert "target (ours <= torch's best at no more memory)" in (tmp_path / "pareto.md").read_text()
+    assert (tmp_path / "pareto.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bench_budget_smoke(tmp_path):

@@ -122,6 +122,38 @@ def test_gpt2_in_bfloat16_bit_identical():
     assert got[2] == 3
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("forced", [False, True], ids=["default-settings", "sdpa_kernel-cudnn"])
+def test_cuda_cudnn_attention_kept_bit_identical(forced):
+    """Hugging Face Llama in bfloat16 on CUDA (head dim 64): where SDPA picks cuDNN attention (torch's default on
+    Hopper), keep="attention" keeps cuDNN's output and log-sum-exp: bit-identical, one cuDNN forward per layer."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = make_model("llama", layers=2, hidden_size=128, num_attention_heads=2,
+                       num_key_value_heads=2).cuda().bfloat16().train()
+    kw = inputs_for("llama", padding=False, device="cuda")
+    q = torch.randn(2, 2, 37, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        with CountKernels() as kernels:
+            out = m(**kw).last_hidden_state
+            (out.float() * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}, kernels.runs
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if forced else contextlib.nullcontext():
+        if torch._fused_sdp_choice(q, q, q, None, 0.0, True, None, False) != 3:
+            pytest.skip("SDPA does not pick cuDNN attention here (GPU, cuDNN version or settings)")
+        ref = step(copy.deepcopy(model))
+        keep = _quiet_enable(copy.deepcopy(model), keep="attention")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing falls back
+            got = step(keep)
+    _assert_equal(got, ref)
+    assert ref[2] == got[2] == 2
+
+
 def test_take_over_hf_checkpointing_keeps_attention():
     model = make_model("llama", layers=3).train()
     kw = inputs_for("llama", padding=False)
@@ -324,18 +356,26 @@ class HandWritten(Block):
         return x + self.drop(self.fc2(F.gelu(self.fc1(self.norm2(x)))))
 
 
-def test_layers_without_an_lse_warn_once_naming_layer_and_reason_and_stay_exact():
+def _not_kept_warnings(caught):
+    return [str(w.message) for w in caught if "keeps no attention output" in str(w.message)]
+
+
+def test_layers_without_an_lse_warn_once_naming_layer_and_reason_and_stay_exact(monkeypatch):
+    monkeypatch.setattr(ckpt_ext.keep, "_warned", set())  # warned once per process: as in a fresh one
     # attention dropout on CPU: SDPA's math path
     model = Stack(n=3, p=0.1, attn_p=0.1).train()
     x = torch.randn(2, 17, 48)
     ref = _grads(copy.deepcopy(model), lambda m: m(x))
     keep = ckpt_ext.enable_checkpointing(copy.deepcopy(model), keep="attention")
-    with pytest.warns(UserWarning, match=r"layers\.\d \(Block\) keeps no attention output, because attention "
-                                         r"dropout p=0\.1 on CPU") as caught:
+    with pytest.warns(UserWarning, match=r"layers\.0 \(Block\) keeps no attention output, because attention "
+                                         r"dropout p=0\.1 on CPU.*explain\(model\) lists them") as caught:
         got = _grads(keep, lambda m: m(x))
     _assert_equal(got, ref)
-    assert sorted(str(w.message).split(": ")[1].split(" ")[0] for w in caught) == ["layers.0", "layers.1", "layers.2"]
-    assert "its attention keeps nothing, because attention dropout" in ckpt_ext.explain(keep)
+    assert len(_not_kept_warnings(caught)) == 1  # one warning for the three layers
+    text = ckpt_ext.explain(keep)
+    for i in range(3):
+        assert f"layers.{i} (Block): keeps its input only: its attention keeps nothing, because attention dropout" \
+            in text, text
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once
         _assert_equal(_grads(keep, lambda m: m(x), seed=2), _grads(copy.deepcopy(model), lambda m: m(x), seed=2))
@@ -345,11 +385,36 @@ def test_layers_without_an_lse_warn_once_naming_layer_and_reason_and_stay_exact(
     hand.layers = nn.ModuleList(HandWritten() for _ in range(2))
     ref = _grads(copy.deepcopy(hand), lambda m: m(x))
     keep = ckpt_ext.enable_checkpointing(copy.deepcopy(hand), keep="attention")
-    with pytest.warns(UserWarning, match=r"layers\.\d \(HandWritten\) keeps no attention output, because it called no "
+    with pytest.warns(UserWarning, match=r"layers\.0 \(HandWritten\) keeps no attention output, because it called no "
                                          r"torch\.nn\.functional\.scaled_dot_product_attention") as caught:
         got = _grads(keep, lambda m: m(x))
     _assert_equal(got, ref)
-    assert len(caught) == 2
+    assert len(_not_kept_warnings(caught)) == 1
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_math_path_forced_by_sdpa_kernel_replays_in_full_exactly(every, monkeypatch):
+    """torch.nn.attention.sdpa_kernel(SDPBackend.MATH): no kernel with a log-sum-exp. The step runs (never an
+    error), bit-identical to no checkpointing, each layer's attention recomputed, one warning, and explain() says
+    which layers and why."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    monkeypatch.setattr(ckpt_ext.keep, "_warned", set())
+    model = Stack(n=4).train()
+    x = torch.randn(2, 17, 48)
+    keep = ckpt_ext.enable_checkpointing(copy.deepcopy(model), every=every, keep="attention")
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = _grads(copy.deepcopy(model), lambda m: m(x))
+        with pytest.warns(UserWarning, match=r"layers\.0 \(Block\) keeps no attention output, because SDPA chose "
+                                             r"its math path") as caught:
+            got = _grads(keep, lambda m: m(x))
+    _assert_equal(got, ref)
+    assert ref[2] == got[2] == 0  # no fused kernel anywhere
+    assert len(_not_kept_warnings(caught)) == 1
+    text = ckpt_ext.explain(keep)
+    assert text.count("its attention keeps nothing, because SDPA chose its math path") == 4, text
+    # out of the sdpa_kernel block the kernels are fused again and kept
+    assert _grads(keep, lambda m: m(x))[2] == 4
 
 
 def test_hugging_face_attention_dropout_on_cpu_warns():
@@ -380,11 +445,22 @@ def test_fused_layers_through_enable_checkpointing_exactly(family, every):
     assert full[2] == 4  # full recompute runs each layer's attention again
 
 
-def test_fused_attention_dropout_on_cpu_is_refused_through_enable_checkpointing():
+@pytest.mark.parametrize("every", [1, 2])
+def test_fused_attention_dropout_on_cpu_replays_in_full_through_enable_checkpointing(every, monkeypatch):
+    """Fused layers whose attention has no log-sum-exp (attention dropout on CPU): replayed in full, the same
+    gradients as the fused model without checkpointing, one warning, explain() naming each layer and why."""
+    monkeypatch.setattr(ckpt_ext.keep, "_warned", set())
     model = ckpt_ext.fuse(make_model("gpt2", layers=2, attn_pdrop=0.1)).train()
-    keep = _quiet_enable(model, keep="attention")
-    with pytest.raises(ValueError, match="(?i)dropout"):
-        keep(**inputs_for("gpt2", padding=False))
+    kw = inputs_for("gpt2", padding=False)
+    ref = _grads(copy.deepcopy(model), _hf_call(kw))
+    keep = _quiet_enable(copy.deepcopy(model), every=every, keep="attention")
+    with pytest.warns(UserWarning, match=r"h\.0 \(FusedTransformerLayer\) keeps no attention output, because of "
+                                         r"attention dropout") as caught:
+        got = _grads(keep, _hf_call(kw))
+    _assert_equal(got, ref)
+    assert len(_not_kept_warnings(caught)) == 1
+    text = ckpt_ext.explain(keep)
+    assert text.count("its attention keeps nothing, because of attention dropout (p=0.1") == 2, text
 
 
 def test_explain_and_disable():

@@ -2,8 +2,9 @@
 (ckpt_ext.fused.run_segment's seam) keeps each layer's attention output and log-sum-exp in the pool, and its
 replay runs no attention forward. Checked against the fused model without checkpointing (bit-identical:
 outputs, the input gradient, every parameter gradient; hidden dropout on and off, with and without padding),
-against Hugging Face (float32 tolerance), for what the pool holds from forward to backward, and for the
-refusals (attention dropout on CPU, SDPA's math path, torch.compile)."""
+against Hugging Face (float32 tolerance), for what the pool holds from forward to backward, for the layers whose
+attention has no log-sum-exp (attention dropout on CPU, SDPA's math path: replayed in full, one warning) and the
+refusal under torch.compile; on CUDA, cuDNN attention kept (the kernel SDPA picks on Hopper)."""
 import copy
 
 import pytest
@@ -12,10 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckpt_ext
 from ckpt_ext import compiled, fuse
+from ckpt_ext import keep as keep_attention
 from ckpt_ext.fused import run_segment
 
 transformers = pytest.importorskip("transformers")
-from helpers.devices import DEVICES  # noqa: E402
+from helpers.devices import DEVICES, requires_cuda  # noqa: E402
 from helpers.fused import _seed  # noqa: E402,F401  (an autouse fixture)
 from helpers.hf_models import (B, S, assert_training_parity, embeds_call, inputs_for, layers_of,  # noqa: E402
                                make_model)
@@ -183,31 +185,114 @@ def test_pool_holds_boundaries_kept_outputs_and_lse_only(family):
         assert stats()["in_use_bytes"] == before["in_use_bytes"]
 
 
-# ---- refusals -------------------------------------------------------------------------------------------------------
+# ---- no log-sum-exp to keep: that layer replayed in full, one warning, never an error ------------------------------
 
 
-def test_attention_dropout_on_cpu_is_refused_naming_the_layer():
-    model = fuse(make_model("gpt2", dropout=0.1, layers=2)).train()
-    _segments(model, every=2)
-    with pytest.raises(ValueError, match=r"GPT2Block \(layer 0 of this checkpointed group of 2\).*attention "
-                                         r"dropout 0.1.*math path"):
-        model(**inputs_for("gpt2", padding=False))
-    # In eval mode there is no dropout: nothing is refused (and nothing is checkpointed: no grad needed).
-    model.eval()
-    with torch.no_grad():
-        model(**inputs_for("gpt2", padding=False))
+def _counting(names):
+    """A dispatch mode counting the runs of the aten ops whose names contain one of `names`."""
+    class _Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.runs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(n in str(func) for n in names):
+                self.runs += 1
+            return func(*args, **(kwargs or {}))
+    return _Count()
 
 
-def test_math_path_is_refused_naming_the_layer_and_reason():
+def test_attention_dropout_on_cpu_replays_those_layers_in_full_with_one_warning(monkeypatch):
+    """Attention dropout on CPU: SDPA's CPU flash kernel takes none, so the fused layer writes the attention out
+    (no log-sum-exp). keep-attention keeps nothing for those layers, replays them in full (the same dropout
+    masks: bit-identical to the fused model without checkpointing), warns once, and the pool holds only the
+    segments' outputs."""
+    model = fuse(make_model("gpt2", dropout=0.1, layers=3)).train()
+    ck = _segments(copy.deepcopy(model), every=1)
+    kw = inputs_for("gpt2", padding=True)
+    monkeypatch.setattr(keep_attention, "_warned", set())  # warned once per process: as in a fresh one
+    with pytest.warns(UserWarning, match=r"fused GPT2Block \(layer 0 of this checkpointed group of 1\) keeps no "
+                                         r"attention output, because of attention dropout \(p=0\.1.*\) on CPU") as w:
+        _assert_same_step(model, ck, "gpt2", kw)
+    assert len([x for x in w if "keeps no attention output" in str(x.message)]) == 1
+    held_before = stats()["in_use_bytes"]
+    out = ck(**kw).last_hidden_state
+    assert stats()["in_use_bytes"] - held_before == 3 * slot_bytes(torch.empty(B, S, model.config.hidden_size))
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_math_path_replays_those_layers_in_full_exactly(family, every, monkeypatch):
+    """sdpa_kernel(MATH): no fused kernel, no log-sum-exp. keep-attention runs the step anyway, bit-identical to
+    the fused model without checkpointing; the replay runs the attention forward again; one warning names the
+    first layer and the reason."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    model, ck = _pair("llama", every=2, layers=2)
-    kw = inputs_for("llama", padding=True)
+    model, ck = _pair(family, every=every, layers=2)
+    kw = inputs_for(family, padding=True)
+    monkeypatch.setattr(keep_attention, "_warned", set())  # warned once per process: as in a fresh one
     with sdpa_kernel(SDPBackend.MATH):
-        with pytest.raises(RuntimeError, match=r"keep-attention: layer 0 \(llama\) of a checkpointed segment of 2 "
-                                               r"cannot keep its attention: no fused SDPA kernel"):
-            ck(**kw)
-        model(**kw)  # without keep-attention the math path serves
+        with pytest.warns(UserWarning, match=r"layer 0 of this checkpointed group of \d\) keeps no attention output, "
+                                             r"because no fused SDPA kernel takes this attention .*math path") as w:
+            _assert_same_step(model, ck, family, kw)
+        assert len([x for x in w if "keeps no attention output" in str(x.message)]) == 1
+        out = ck(**kw).last_hidden_state
+        with _counting(["aten._softmax.default", "aten._safe_softmax.default"]) as ops:
+            out.sum().backward()
+        assert ops.runs == 2  # each layer's attention forward (its softmax) runs again in the replay
+
+
+def test_cudnn_attention_ops_match_their_schemas_on_this_torch():
+    """The cuDNN attention ops are called by name (their C++ signatures are private): on this torch every
+    argument ckpt_ext passes exists, every other one has a default, and the results are where they are read."""
+    from ckpt_ext._extension import load
+
+    assert load().cudnn_attention_problem() == ""
+
+
+# ---- CUDA: cuDNN attention (SDPA's default on Hopper) kept ----------------------------------------------------------
+
+
+def _cudnn_chosen(model, family):
+    """Whether SDPA picks cuDNN for this model's attention (bfloat16, head dim 64, no mask) on this GPU."""
+    cfg = model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    q = torch.randn(B, cfg.num_attention_heads, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    k = torch.randn(B, kv, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return torch._fused_sdp_choice(q, k, k, None, 0.0, True, None, kv != cfg.num_attention_heads) == 3
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("forced", [False, True], ids=["default-settings", "sdpa_kernel-cudnn"])
+@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("family", ["llama", "llama-gqa"])
+def test_cudnn_attention_is_kept_exactly(family, every, forced):
+    """Where SDPA picks cuDNN (torch's default on H100/H200 for bfloat16), keep-attention keeps cuDNN's output and
+    log-sum-exp: the step is bit-identical to the fused model without checkpointing, the replay runs cuDNN's
+    backward but not its forward, and nothing is warned."""
+    import contextlib
+    import warnings
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = fuse(make_model(family, layers=2, hidden_size=128, num_attention_heads=2,
+                            num_key_value_heads=1 if family == "llama-gqa" else 2)).train().cuda().bfloat16()
+    ck = _segments(copy.deepcopy(model), every)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if forced else contextlib.nullcontext():
+        if not _cudnn_chosen(model, family):
+            pytest.skip("SDPA does not pick cuDNN attention here (GPU, cuDNN version or settings)")
+        kw = inputs_for(family, padding=False, device="cuda")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _assert_same_step(model, ck, family, kw)
+        out = ck(**kw).last_hidden_state
+        with _counting(["_scaled_dot_product_cudnn_attention.default"]) as fwd, \
+                _counting(["_scaled_dot_product_cudnn_attention_backward"]) as bwd:
+            out.float().sum().backward()
+        assert fwd.runs == 0 and bwd.runs == 2
 
 
 def test_keep_attention_under_compile_is_refused(monkeypatch):

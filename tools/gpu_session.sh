@@ -21,6 +21,7 @@
 #   bash tools/gpu_session.sh build bench       # the benchmarks (a warm machine skips the unchanged build)
 #   bash tools/gpu_session.sh build suite       # benchmarks/suite.py, bert-large, batches 8..64
 #   bash tools/gpu_session.sh build suite-max   # the same with --batch max
+#   bash tools/gpu_session.sh build pareto      # bench_pareto.py: Llama b4 s2048 bf16, planner vs torch SAC policies
 #   bash tools/gpu_session.sh build suite-lora  # peft LoRA (r=16, alpha 32, dropout 0.05), bf16: BERT-large,
 #                                               # GPT-2 medium, Llama; peft (+ HF ckpt, + ckpt_ext) vs fuse (+ ckpt)
 #   bash tools/gpu_session.sh build yardsticks  # the issues' yardsticks, ../shared/gpu/side_by_side.py (BERT-large
@@ -90,6 +91,11 @@ for step in "$@"; do
       "$PY" benchmarks/bench_checkpoint.py --out "$OUT" 2>&1 | tee "$OUT/bench_checkpoint.log" | tail -30 || status=1
       "$PY" benchmarks/bench_ops.py --out "$OUT" 2>&1 | tee "$OUT/bench_ops.log" | tail -40 || status=1
       "$PY" benchmarks/bench_fused.py --rounds 10 --no-progress --out "$OUT" 2>&1 | tee "$OUT/bench_fused.log" | tail -40 || status=1 ;;
+    pareto)
+      # Issue 33: step time against activation memory, Llama 8 x 2048 s2048 b4 bf16: the planner (plain and fused)
+      # swept over budgets against torch's selective-checkpointing policies; pareto.png with the tables.
+      timeout 540 "$PY" benchmarks/bench_pareto.py --models llama-gpu --mode bf16 --points 4 --rounds 5 --no-progress \
+        --out "$OUT" 2>&1 | tee "$OUT/bench_pareto.log" | tail -30 || status=1 ;;
     suite) "$PY" benchmarks/suite.py --model bert-large --batch 8,16,32,64 --no-progress --out "$OUT" 2>&1 | tee "$OUT/suite.log" | tail -40 || status=1 ;;
     suite-max) "$PY" benchmarks/suite.py --model bert-large --batch max --no-progress --out "$OUT" 2>&1 | tee "$OUT/suite-max.log" | tail -40 || status=1 ;;
     suite-lora)

@@ -1,14 +1,19 @@
 // Attention and its projections, shared by the families: q/k/v split and merge, Conv1D products, and
-// attention(): SDPA's own kernel choice, the fused kernels (which return a log-sum-exp) called directly,
-// their dropout drawn from a generator state derived from the layer's seed (rng.h), and keep-attention
-// (layer.h's KeptAttention: the kernel's output and log-sum-exp kept from forward, its backward op called
-// in the replay); on CPU with dropout, attention written out with ckpt_ext's Philox dropout.
+// attention(): SDPA's own kernel choice, the fused kernels (which return a log-sum-exp) called directly
+// (cuDNN's through the dispatcher by name: see NamedOp), their dropout drawn from a generator state derived
+// from the layer's seed (rng.h), and keep-attention (layer.h's KeptAttention: the kernel's output and
+// log-sum-exp kept from forward, its backward op called in the replay; a path without a log-sum-exp keeps
+// nothing and says why); on CPU with dropout, attention written out with ckpt_ext's Philox dropout.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <limits>
+#include <optional>
+#include <unordered_map>
 
 #include "../ops/ops.h"
 #include "family.h"
@@ -135,8 +140,9 @@ struct Call {
 Tensor sdpa_bias(const Tensor& mask, const Tensor& q, const Tensor& k, int64_t kernel) {
   if (!mask.defined()) return mask;
   Tensor m = mask;
-  if (m.scalar_type() == at::kBool)
-    m = at::zeros_like(m, q.options()).masked_fill_(m.logical_not(), -std::numeric_limits<double>::infinity());
+  // SDPA gives cuDNN -65504 for masked-out positions instead of -inf (convert_boolean_attn_mask_cudnn).
+  const double masked = kernel == kCudnn && q.is_cuda() ? -65504.0 : -std::numeric_limits<double>::infinity();
+  if (m.scalar_type() == at::kBool) m = at::zeros_like(m, q.options()).masked_fill_(m.logical_not(), masked);
   if (kernel != kEfficient || !q.is_cuda()) return m;
   constexpr int64_t kAlign = 16;
   bool aligned = m.stride(-1) == 1;
@@ -148,26 +154,121 @@ Tensor sdpa_bias(const Tensor& mask, const Tensor& q, const Tensor& k, int64_t k
   return m.expand({q.size(0), q.size(1), q.size(2), k.size(2)});
 }
 
-// Why no kernel with a log-sum-exp takes this call (keep-attention's error).
+// ---- cuDNN attention, called by name ----
+// torch's _scaled_dot_product_cudnn_attention and its _backward are private ops whose C++ signatures have
+// changed between releases (arguments added with defaults). They are called through the dispatcher, their
+// arguments matched to the schema by name (an argument not named here must have a default) and their
+// results checked by name, once per process; a torch whose schemas differ from what is matched here gets
+// no direct cuDNN path: SDPA runs it (at::scaled_dot_product_attention) and keep-attention replays those
+// layers in full, saying why.
+struct NamedOp {
+  std::optional<c10::OperatorHandle> op;
+  std::string problem;  // empty: usable
+
+  // `args`: what this file passes, by name; `results`: the names the first results must have (those
+  // without names in the schema are taken by position).
+  NamedOp(const char* name, std::initializer_list<const char*> args, std::initializer_list<const char*> results) {
+    op = c10::Dispatcher::singleton().findOp({name, ""});
+    if (!op) {
+      problem = std::string("this torch has no ") + name + " op";
+      return;
+    }
+    const auto& schema = op->schema();
+    std::unordered_map<std::string, bool> given;
+    for (const char* a : args) given[a] = false;
+    for (const auto& a : schema.arguments()) {
+      auto it = given.find(a.name());
+      if (it != given.end()) {
+        it->second = true;
+      } else if (!a.default_value()) {
+        problem = std::string("this torch's ") + name + " takes an argument ckpt_ext does not know (" + a.name() + ")";
+        return;
+      }
+    }
+    for (const auto& [a, found] : given) {
+      if (!found) {
+        problem = std::string("this torch's ") + name + " takes no argument " + a + ", which ckpt_ext passes";
+        return;
+      }
+    }
+    const auto& returns = schema.returns();
+    if (returns.size() < results.size()) {
+      problem = std::string("this torch's ") + name + " returns fewer results than ckpt_ext reads";
+      return;
+    }
+    size_t i = 0;
+    for (const char* r : results) {
+      if (!returns[i].name().empty() && returns[i].name() != r) {
+        problem = std::string("this torch's ") + name + " returns " + returns[i].name() + " where ckpt_ext reads " + r;
+        return;
+      }
+      ++i;
+    }
+  }
+
+  // Calls the op with `args` matched by name (defaults for the rest); returns its results. An undefined
+  // tensor goes to an optional argument as None.
+  torch::jit::Stack operator()(const std::unordered_map<std::string, c10::IValue>& args) const {
+    torch::jit::Stack stack;
+    for (const auto& a : op->schema().arguments()) {
+      auto it = args.find(a.name());
+      if (it == args.end()) {
+        stack.push_back(*a.default_value());
+        continue;
+      }
+      const c10::IValue& v = it->second;
+      const bool none = v.isTensor() && !v.toTensor().defined() && a.type()->kind() == c10::TypeKind::OptionalType;
+      stack.push_back(none ? c10::IValue() : v);
+    }
+    op->callBoxed(&stack);
+    return stack;
+  }
+};
+
+const NamedOp& cudnn_forward() {
+  static const NamedOp op("aten::_scaled_dot_product_cudnn_attention",
+                          {"query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
+                           "return_debug_mask", "scale"},
+                          {"output", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed",
+                           "philox_offset"});
+  return op;
+}
+
+const NamedOp& cudnn_backward() {
+  static const NamedOp op("aten::_scaled_dot_product_cudnn_attention_backward",
+                          {"grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset",
+                           "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal",
+                           "scale"},
+                          {});
+  return op;
+}
+
+int64_t as_int(const c10::IValue& v) {
+  return v.isInt() ? v.toInt() : v.toSymInt().expect_int();
+}
+
+// Why no kernel with a log-sum-exp takes this call (what keep-attention says of a layer it replays in full).
 std::string no_lse_reason(int64_t kernel, const Tensor& q, double p) {
-  if (kernel == kCudnn)
-    return "SDPA chooses its cuDNN kernel here, whose outputs ckpt_ext does not keep; turn it off with "
-           "torch.backends.cuda.enable_cudnn_sdp(False) so that SDPA takes the flash or memory-efficient kernel";
   if (q.is_cpu() && p > 0)
-    return "attention dropout (p=" + std::to_string(p) + ") on CPU: SDPA's CPU flash kernel has no dropout, so "
-           "attention runs SDPA's math path, which has no log-sum-exp (train with attention dropout 0, or "
-           "checkpoint these layers without keep-attention)";
+    return "of attention dropout (p=" + c10::str(p) + ") on CPU: SDPA's CPU flash kernel has no dropout, so "
+           "the attention is written out (softmax and ckpt_ext's dropout), with no log-sum-exp to keep (train "
+           "with attention dropout 0 to keep it)";
+  if (kernel == kCudnn) {
+    const std::string& why = cudnn_forward().problem.empty() ? cudnn_backward().problem : cudnn_forward().problem;
+    return "SDPA chooses its cuDNN kernel, but " + why + " (ckpt_ext calls it by name); SDPA runs it instead";
+  }
   if (kernel == kFlash)  // CUDA flash with a head dim SDPA pads
     return "the head dim (" + std::to_string(q.size(-1)) + ") is not a multiple of 8, which SDPA's CUDA flash "
            "path pads; ckpt_ext calls the kernel only where it needs no padding";
   return "no fused SDPA kernel takes this attention (dtype " + std::string(c10::toString(q.scalar_type())) +
-         ", head dim " + std::to_string(q.size(-1)) + ", mask, or the torch.backends SDPA settings), so it runs "
-         "SDPA's math path, which has no log-sum-exp";
+         ", head dim " + std::to_string(q.size(-1)) + ", mask, or the torch.backends / sdpa_kernel SDPA settings), "
+         "so it runs SDPA's math path, which has no log-sum-exp";
 }
 
 // A fused kernel this file calls directly: one that returns a log-sum-exp and needs no padding.
 bool direct(int64_t kernel, const Tensor& q) {
   if (kernel == kFlash) return q.is_cpu() || (q.is_cuda() && q.size(-1) % 8 == 0);
+  if (kernel == kCudnn) return q.is_cuda() && cudnn_forward().problem.empty() && cudnn_backward().problem.empty();
   return kernel == kEfficient && q.is_cuda();
 }
 
@@ -181,6 +282,30 @@ Tensor run_kernel(const Call& c, KeptAttention* kept) {
       kept->lse = lse;
     }
     return out;
+  }
+  if (c.kernel == kCudnn) {
+    // Its log-sum-exp always: cuDNN's inference graph (no statistics) is another kernel, whose output need
+    // not be the same bits as the training graph's, and forward, replay and keep-attention must agree.
+    const auto r = cudnn_forward()({{"query", c.q},
+                                    {"key", c.k},
+                                    {"value", c.v},
+                                    {"attn_bias", c.bias},
+                                    {"compute_log_sumexp", true},
+                                    {"dropout_p", c.p},
+                                    {"is_causal", c.causal},
+                                    {"return_debug_mask", false},
+                                    {"scale", c.scale}});
+    if (kept != nullptr) {
+      kept->out = r[0].toTensor();
+      kept->lse = r[1].toTensor();
+      kept->cum_seq_q = r[2].toTensor();
+      kept->cum_seq_k = r[3].toTensor();
+      kept->max_q = as_int(r[4]);
+      kept->max_k = as_int(r[5]);
+      kept->philox_seed = r[6].toTensor();
+      kept->philox_offset = r[7].toTensor();
+    }
+    return r[0].toTensor();
   }
   if (c.kernel == kFlash) {
     auto r = at::_scaled_dot_product_flash_attention(c.q, c.k, c.v, c.p, c.causal, /*return_debug_mask=*/false,
@@ -247,6 +372,24 @@ struct KeptAttentionFunction : public torch::autograd::Function<KeptAttentionFun
     if (q.is_cpu()) {
       gqkv = at::_scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, kept.out, kept.lse, p, causal,
                                                                       opt(bias), scale);
+    } else if (kernel == kCudnn) {
+      const auto b = cudnn_backward()({{"grad_out", g},
+                                       {"query", q},
+                                       {"key", k},
+                                       {"value", v},
+                                       {"out", kept.out},
+                                       {"logsumexp", kept.lse},
+                                       {"philox_seed", kept.philox_seed},
+                                       {"philox_offset", kept.philox_offset},
+                                       {"attn_bias", bias},
+                                       {"cum_seq_q", kept.cum_seq_q},
+                                       {"cum_seq_k", kept.cum_seq_k},
+                                       {"max_q", ctx->saved_data["max_q"].toInt()},
+                                       {"max_k", ctx->saved_data["max_k"].toInt()},
+                                       {"dropout_p", p},
+                                       {"is_causal", causal},
+                                       {"scale", scale}});
+      gqkv = {b[0].toTensor(), b[1].toTensor(), b[2].toTensor()};
     } else if (kernel == kFlash) {
       gqkv = at::_scaled_dot_product_flash_attention_backward(
           g, q, k, v, kept.out, kept.lse, kept.cum_seq_q, kept.cum_seq_k, ctx->saved_data["max_q"].toInt(),
@@ -266,6 +409,10 @@ struct KeptAttentionFunction : public torch::autograd::Function<KeptAttentionFun
 
 }  // namespace
 
+std::string cudnn_attention_problem() {
+  return cudnn_forward().problem.empty() ? cudnn_backward().problem : cudnn_forward().problem;
+}
+
 Tensor attention(const Tensor& q_in, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
                  double p, int64_t seed, int64_t offset, KeptAttention* kept) {
   const int64_t n_rep = q_in.size(1) / k.size(1);
@@ -273,9 +420,12 @@ Tensor attention(const Tensor& q_in, const Tensor& k, const Tensor& v, const Ten
   // Grouped-query attention: SDPA's own GQA support when there is no mask (the fast kernels need
   // none), repeated heads otherwise -- Hugging Face's rule.
   const bool gqa = n_rep > 1 && !mask.defined();
-  if (p > 0 && kept == nullptr && dropout_written_out(q_in, k, mask, use_causal))
+  const bool replaying_kept = kept != nullptr && kept->filled();
+  if (p > 0 && !replaying_kept && dropout_written_out(q_in, k, mask, use_causal)) {
+    if (kept != nullptr) kept->not_kept = no_lse_reason(kMath, q_in, p);
     return attention_with_philox_dropout(q_in, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, use_causal, scale, p,
                                          seed, offset);
+  }
   Tensor q = q_in, kk = gqa ? k : repeat_kv(k, n_rep), vv = gqa ? v : repeat_kv(v, n_rep);
   Tensor m = mask;  // additive masks made finite by prepared()
   // Autocast: SDPA is on autocast's lower-precision list; the fused kernels called below may not be, so the
@@ -290,15 +440,17 @@ Tensor attention(const Tensor& q_in, const Tensor& k, const Tensor& v, const Ten
     if (m.defined()) m = at::autocast::cached_cast(to, m, dt);
   }
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  if (kept != nullptr && kept->filled()) {  // keep-attention's replay: no attention forward
+  if (replaying_kept) {  // keep-attention's replay: no attention forward
     Call c{q, kk, vv, sdpa_bias(m, q, kk, kept->kernel), use_causal, scale, p, kept->kernel};
     return KeptAttentionFunction::apply(q, kk, vv, c, *kept)[0];
   }
   const std::optional<Tensor> om = opt(m);
   const int64_t kernel = at::_fused_sdp_choice(q, kk, vv, om, p, use_causal, scale, gqa);
   const bool fused = direct(kernel, q);  // SDPA calls this kernel with these tensors too
-  TORCH_CHECK(kept == nullptr || fused, "ckpt_ext keep-attention: ", kept->who,
-              " cannot keep its attention: ", no_lse_reason(kernel, q, p), ".");
+  if (kept != nullptr && !fused) {  // nothing to keep: this layer's replay runs its attention forward
+    kept->not_kept = no_lse_reason(kernel, q, p);
+    kept = nullptr;
+  }
   // SDPA draws its dropout from the device's default generator (CUDA flash/efficient kernels: the
   // philox (seed, offset) they read from it and return for their backward; the math path, CPU: a
   // bernoulli mask from it). Set to a state that is a function of the layer call's seed and this

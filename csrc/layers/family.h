@@ -75,12 +75,12 @@ Tensor merge_heads(const Tensor& ctx);
 
 // Multi-head attention of q [B, heads, S, D] over k, v [B, kv_heads, S, D] -> [B, heads, S, D]. The kernel
 // is SDPA's own choice (at::_fused_sdp_choice); a fused kernel with a log-sum-exp (CPU: flash; CUDA: flash,
-// memory-efficient) is called directly, the rest (the math path: attention dropout on CPU; cuDNN) through
+// memory-efficient, cuDNN) is called directly, the rest (the math path) through
 // at::scaled_dot_product_attention. `mask`: see LayerInputs; `causal` applies only when there is no mask
 // (Hugging Face passes causal masks explicitly when padding is present). p > 0: SDPA's dropout, drawn
 // from the device's default generator set to a state derived from (seed, offset) for the call and
 // restored afterwards (rng.h). `kept`: keep-attention (layer.h): fill it (no grad), or replay from it;
-// a kernel without a log-sum-exp then raises, naming kept->who and the reason.
+// a path without a log-sum-exp fills only kept->not_kept (the reason) and runs as without `kept`.
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
                  double p, int64_t seed, int64_t offset, KeptAttention* kept = nullptr);
 

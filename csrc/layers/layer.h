@@ -120,11 +120,14 @@ struct LayerOutput {
 
 // Keep-attention (a checkpointed segment's keep_attention): what a layer call's attention kernel returned
 // in forward, kept until backward so that the replay runs the layer without the attention forward.
-// Attention runs one of SDPA's fused kernels, chosen as SDPA chooses (CPU: flash; CUDA: flash, or the
-// memory-efficient kernel for a mask), called directly in every mode so that plain, checkpointed and
-// keep-attention runs use the same kernel (attention.cpp). A layer call given an empty KeptAttention
-// (forward, no grad) fills it; one given a filled KeptAttention (replay, grad on) returns the kept `out`
-// as a node whose backward is the kernel's own backward op with the kept `out` and `lse`.
+// Attention runs one of SDPA's fused kernels, chosen as SDPA chooses (CPU: flash; CUDA: flash, the
+// memory-efficient kernel for a mask, cuDNN where SDPA prefers it), called directly in every mode so that
+// plain, checkpointed and keep-attention runs use the same kernel (attention.cpp). A layer call given an
+// empty KeptAttention (forward, no grad) fills it; one given a filled KeptAttention (replay, grad on)
+// returns the kept `out` as a node whose backward is the kernel's own backward op with the kept `out` and
+// `lse`. Where the attention runs no kernel with a log-sum-exp (SDPA's math path, attention dropout on CPU,
+// a CUDA flash head dim SDPA pads) nothing is filled: `not_kept` says why, and the layer's replay runs its
+// attention forward like any other op (full recompute of that layer; the same gradients).
 struct KeptAttention {
   Tensor out;                         // the kernel's output [B, heads, S, D]
   Tensor lse;                         // its log-sum-exp (float32)
@@ -133,6 +136,7 @@ struct KeptAttention {
   int64_t max_q = 0, max_k = 0;       // CUDA flash: sequence lengths its backward takes
   int64_t kernel = -1;                // SDPA's numbering (_fused_sdp_choice): 1 flash, 2 efficient
   std::string who;                    // names the layer in errors ("layer 2 (llama) of a checkpointed segment")
+  std::string not_kept;               // forward: why nothing was kept (empty when kept or not yet run)
 
   bool filled() const { return out.defined(); }
   // The tensors, in a fixed order (saved by the segment's node, restored with from_tensors).
@@ -140,6 +144,9 @@ struct KeptAttention {
   void from_tensors(const Tensor* t);
   static constexpr size_t kTensors = 6;
 };
+
+// Why torch's cuDNN attention ops cannot be called by name in this process ("" when they can; attention.cpp).
+std::string cudnn_attention_problem();
 
 // One layer. Differentiable through the weights and `hidden` when grad mode is on. `out_slot`
 // (no grad only): where to write the output (contiguous, hidden's shape), e.g. a BoundaryPool slot.

@@ -87,14 +87,14 @@ class SegmentAutocast {
 // layers and the last one's replay_forward under forward's autocast, the last one's replay_backward
 // (and the caller's autograd::grad) under the backward's own, as in the un-checkpointed backward.
 // `kept` (keep-attention): per layer, the attention forward's kept outputs; the layers then run no
-// attention forward.
+// attention forward (a layer whose attention kept nothing runs it: full recompute of that layer).
 layers::ReplayBackward replay(const SegmentState& st, const at::Tensor& x, const std::vector<at::Tensor>& values,
                               const at::Tensor& grad_out, const std::vector<bool>& need_param,
                               std::vector<layers::KeptAttention>* kept) {
   const size_t last = st.specs.size() - 1;
   const auto w = st.weights_of(last, values);
   const layers::LayerRng rng{st.training, st.seeds[last]};
-  auto kept_of = [&](size_t l) { return kept != nullptr ? &(*kept)[l] : nullptr; };
+  auto kept_of = [&](size_t l) { return kept != nullptr && (*kept)[l].filled() ? &(*kept)[l] : nullptr; };
   at::AutoGradMode grad_mode(true);
   RecomputingScope recomputing;
   layers::LayerOutput tail;
@@ -128,7 +128,7 @@ at::Tensor run_forward(SegmentState& st, const at::Tensor& hidden) {
     if (l + 1 == K) slot = pool->empty(h.sizes(), c10::contiguous_strides(h.sizes()), h.scalar_type());
     layers::KeptAttention* kept = st.keep_attention ? &st.kept[l] : nullptr;
     h = layers::layer_forward(st.specs[l], h, st.inputs, st.weights_of(l, st.params), rng, slot, kept).out;
-    if (kept != nullptr) {  // the kernel's output and log-sum-exp into the pool, their strides kept
+    if (kept != nullptr && kept->filled()) {  // the kernel's output and log-sum-exp into the pool, strides kept
       kept->out = pool->store(kept->out);
       kept->lse = pool->store(kept->lse);
     }
@@ -261,7 +261,7 @@ c10::intrusive_ptr<SegmentState> make_state(const std::vector<layers::LayerSpec>
 
 at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
                          const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
-                         bool training, bool keep_attention) {
+                         bool training, bool keep_attention, std::vector<std::string>* not_kept) {
   for (const at::Tensor* t : {&inputs.mask, &inputs.cos, &inputs.sin}) {
     TORCH_CHECK(!t->defined() || !t->requires_grad(),
                 "ckpt_ext fused segment: the attention mask and rotary tables must not require grad (their "
@@ -280,7 +280,12 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
   all.reserve(1 + st->params.size());
   all.push_back(hidden);
   all.insert(all.end(), st->params.begin(), st->params.end());
-  return SegmentFunction::apply(st, at::TensorList(all))[0];
+  at::Tensor out = SegmentFunction::apply(st, at::TensorList(all))[0];
+  if (not_kept != nullptr) {
+    not_kept->clear();
+    for (const auto& k : st->kept) not_kept->push_back(k.not_kept);
+  }
+  return out;
 }
 
 // ---- the operators ckpt_ext::fused_segment / fused_segment_backward (torch.compile's path) ---------------

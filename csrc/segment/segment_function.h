@@ -18,6 +18,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 #include "../layers/layer.h"  // the layers floor's public interface
@@ -28,11 +29,12 @@ namespace ckpt_ext {
 // `training`: dropout active. Returns the segment output (pooled, differentiable).
 // `keep_attention`: each layer's attention output and log-sum-exp (CUDA: and dropout state) are kept in
 // pool slots from forward to backward, and the replay runs the layers without the attention forward,
-// calling the attention kernel's backward op with them (layers::KeptAttention). Raises, naming the layer,
-// where a layer's attention runs a kernel without a log-sum-exp (SDPA's math path: attention dropout on CPU).
+// calling the attention kernel's backward op with them (layers::KeptAttention). A layer whose attention
+// runs no kernel with a log-sum-exp (SDPA's math path, attention dropout on CPU) keeps nothing and is
+// replayed in full; `not_kept` (when given) receives, per layer, why ("" for a layer that kept its attention).
 at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
                          const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
-                         bool training, bool keep_attention = false);
+                         bool training, bool keep_attention = false, std::vector<std::string>* not_kept = nullptr);
 
 // The operators ckpt_ext::fused_segment(specs, hidden, mask, cos, sin, weights, layout, training, seeds,
 // autocast_dtype) -> out and ckpt_ext::fused_segment_backward(..., needs) -> grads: the same segment as a
