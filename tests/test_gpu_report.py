@@ -54,14 +54,14 @@ def test_sections_share_what_is_left(tmp_path, monkeypatch):
     rep = gpu_report.Report(str(tmp_path / "o"), False, 540, sys.executable, list(gpu_report.SECTIONS),
                             str(tmp_path / "w"))
     budget, estimate = gpu_report.budget_of, gpu_report.estimate_of
-    later = sum(estimate(k, False) for k in "bcdefgh")
+    later = sum(estimate(k, False) for k in "bcdefghij")
     assert rep.allot("a") == pytest.approx(min(budget("a", False), rep.left() - later), abs=1)
     monkeypatch.setattr(rep, "left", lambda: 1000.0)  # ahead of schedule: the whole budget
     assert rep.allot("e") == budget("e", False)
     monkeypatch.setattr(rep, "left", lambda: 100.0)  # behind: a share in proportion to the estimates
-    rest = sum(estimate(k, False) for k in "efgh")
+    rest = sum(estimate(k, False) for k in "efghij")
     assert rep.allot("e") == pytest.approx(100.0 * estimate("e", False) / rest)
-    assert rep.allot("h") == pytest.approx(min(budget("h", False), 100.0))  # the last takes what is left
+    assert rep.allot("j") == pytest.approx(min(budget("j", False), 100.0))  # the last takes what is left
 
 
 def test_work_folder_that_is_not_a_report_is_not_emptied(tmp_path):

@@ -28,8 +28,10 @@ measured as a whole on a GPU yet. Replace them with the seconds a run writes int
   g 16 GiB cap (suite.py --batch max --memory-cap 16:        90          70
     BERT-large s512 autocast, Llama s4096 bf16)
   h fused LoRA (suite.py --lora: Llama b4, BERT-large b32)   60          40
+  i planner sweep (bench_pareto.py llama-gpu, 4 budgets)     45          20
+  j LM head and loss (bench_head.py, 3 vocabularies)         30          10
                                                             ----        ----
-                                                             830         500
+                                                             905         530
 
 The whole run stops at --limit seconds (default 540 = 9 minutes, leaving a 10-minute device call a minute
 to bring the files back). A section may run up to its budget as far as that leaves every later section its
@@ -78,9 +80,9 @@ H200 = {("gpt2-medium-bf16", "fused"): 0.693, ("gpt2-medium-bf16", "fused+ckpt")
 NOISE = 0.02  # allowance on "no worse than the H200 table" (rounds-to-rounds spread of a median)
 
 NOT_MEASURED = [
-    "33: the planner at twice the full-checkpoint peak <= 0.80x (needs benchmarks/bench_pareto.py's Llama sweep)",
+    "33: the planner at twice the full-checkpoint peak <= 0.80x of HF eager (section i sweeps the planner against torch's policies, not against HF eager at that budget)",
     "35: compile seconds at 24 layers <= 1.5x compiled HF + torch ckpt (section f compiles 6 layers to fit the call)",
-    "37: the head's step and peak at Llama-3 shape s4096 b2 (needs benchmarks/bench_head.py)",
+    "37: the whole step of a Llama-3-shaped model s4096 b2 with the fused head (section j measures the head and loss alone)",
     "36, 38: no GPU targets",
 ]
 
@@ -797,6 +799,43 @@ def section_h(rep: Report, limit: float) -> dict:
     return {"status": _cmd_status(recs), "line": prefix + "; ".join(parts), "commands": recs}
 
 
+def _markdown_lines(path: str, limit: int = 40) -> List[str]:
+    try:
+        with open(path) as f:
+            return [l.rstrip("\n") for l in f.readlines()[:limit]]
+    except OSError:
+        return []
+
+
+def section_i(rep: Report, limit: float) -> dict:
+    """i. The planner's sweep (issue 33): benchmarks/bench_pareto.py on Llama 8 x 2048 s2048 b4 bf16, budgets from
+    the full-checkpoint peak to none, ckpt_ext's plan against the best torch selective-checkpoint policy that fits."""
+    out = rep.section_dir("i")
+    if rep.dry_run:
+        args = ["bench_pareto.py", "--device", "cpu", "--models", "llama-tiny", "--points", "2", "--rounds", "1"]
+    else:
+        args = ["bench_pareto.py", "--models", "llama-gpu", "--mode", "bf16", "--points", "4", "--rounds", "3"]
+    rec = rep.py("i", "pareto", args + ["--warmup", "1", "--no-progress", "--out", out], limit, cwd=BENCH)
+    rep.extra["i"] = _markdown_lines(os.path.join(out, "pareto.md"))
+    line = "planner sweep: see the table" if rep.extra["i"] else "no result"
+    return {"status": _cmd_status([rec]) if rep.extra["i"] else "failed", "line": line, "commands": [rec]}
+
+
+def section_j(rep: Report, limit: float) -> dict:
+    """j. The LM head and its loss (issue 37): benchmarks/bench_head.py (Llama-3 width, vocabularies 32000 / 128256 /
+    256000, bf16 autocast): ckpt_ext's chunked linear cross-entropy against Hugging Face's head, and Liger's where
+    installed."""
+    out = rep.section_dir("j")
+    if rep.dry_run:
+        args = ["bench_head.py", "--device", "cpu", "--vocab", "1000", "--hidden", "32", "--tokens", "64", "--rounds", "1"]
+    else:
+        args = ["bench_head.py", "--tokens", "8192", "--rounds", "5"]
+    rec = rep.py("j", "head", args + ["--out", out], limit, cwd=BENCH)
+    rep.extra["j"] = _markdown_lines(os.path.join(out, "bench_head.md"))
+    line = "head and loss: see the table" if rep.extra["j"] else "no result"
+    return {"status": _cmd_status([rec]) if rep.extra["j"] else "failed", "line": line, "commands": [rec]}
+
+
 # key -> (title, function, (budget s, estimate s) on the GPU, (budget s, estimate s) in the dry run). GPU estimates:
 # see the module's doc (not yet measured as a whole on a GPU); dry-run figures: this 2-core machine, loaded.
 SECTIONS: Dict[str, tuple] = {
@@ -808,6 +847,8 @@ SECTIONS: Dict[str, tuple] = {
     "f": ("compile", section_f, (90, 70), (90, 45)),
     "g": ("16 GiB cap: largest batch", section_g, (90, 70), (90, 45)),
     "h": ("fused LoRA", section_h, (60, 40), (90, 45)),
+    "i": ("planner sweep (bench_pareto)", section_i, (45, 20), (60, 30)),
+    "j": ("LM head and loss (bench_head)", section_j, (30, 10), (40, 15)),
 }
 
 
@@ -857,7 +898,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="every section on CPU with tiny configurations")
     p.add_argument("--out", default=None, help="where summary.md and the tarball go (default $OUT, else "
                                                "bench-out/gpu-report/)")
-    p.add_argument("--sections", default=",".join(SECTIONS), help="comma list of a..h (default all, in order)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma list of a..j (default all, in order)")
     p.add_argument("--limit", type=float, default=LIMIT_S, help=f"seconds for the whole run (default {LIMIT_S})")
     p.add_argument("--python", default=sys.executable, help="the Python the sections run (default this one)")
     p.add_argument("--work", default=None, help="where the raw files are written before they are packed (emptied "
