@@ -6,9 +6,12 @@ of the same weights, a trial and a memory step per variant, then interleaved rou
 none (HF eager), hf-torch-nonreentrant (HF + torch.utils.checkpoint), ckpt_ext (HF layers +
 enable_checkpointing), fused (ckpt_ext.fuse), ckpt_ext-fused (fuse + enable_checkpointing).
 
-Configurations, dropout as in the configs (0.1 in BERT and GPT-2 attention, none in Llama):
-  CUDA: BERT-large s512 b32 bf16 and autocast, GPT-2 medium s1024 b16 bf16, Llama 16x2048 s2048 b4 bf16
-  CPU:  the same families and modes, shrunk (4 layers, hidden 256, seq 128)
+Configurations, dropout as in the configs (0.1 in BERT and GPT-2 attention, none in the Llama family):
+  CUDA: BERT-large s512 b32 bf16 and autocast, GPT-2 medium s1024 b16 bf16, Llama 16x2048 s2048 b4 bf16;
+        Llama's relatives: Qwen3 1.7B-like (28x2048, 16/8 heads, head dim 128, ffn 6144) s2048 b4, Mistral
+        (Llama's shape, window 4096) s8192 b1, Qwen2 (Llama's shape, q/k/v biases) s2048 b4, Gemma 2B-like
+        (18x2048, 8/1 heads, head dim 256, GeGLU 16384) s2048 b4, all bf16
+  CPU:  the same families and modes, shrunk (4 layers, hidden 256, seq 128; head dim 64, window 64)
 Peak on CUDA: allocated above the weights during a step (the yardstick's "peak over weights"); on CPU,
 which has no allocator statistics, the activation bytes held from forward to backward.
 
@@ -35,16 +38,33 @@ CONFIGS = {
     "bert-large-autocast": (ModelSpec("bert-large", "bert", 24, 1024, 16, 512, 4096, 30522), 32, "autocast"),
     "gpt2-medium-bf16": (ModelSpec("gpt2-medium", "gpt2", 24, 1024, 16, 1024, 4096, 50257), 16, "bf16"),
     "llama-bf16": (ModelSpec("llama", "llama", 16, 2048, 32, 2048, 8192, 32000, kv_heads=8), 4, "bf16"),
+    # Llama's relatives (issue 34). Qwen3 at a 1.7B-like shape (head dim 128 set apart from 2048 / 16).
+    "qwen3-1.7b-bf16": (ModelSpec("qwen3-1.7b", "qwen3", 28, 2048, 16, 2048, 6144, 151936, kv_heads=8,
+                                  head_dim=128), 4, "bf16"),
+    # Mistral: Llama's shape, a 4096 window over 8192 tokens (the window's mask through SDPA).
+    "mistral-bf16": (ModelSpec("mistral", "mistral", 16, 2048, 32, 8192, 8192, 32000, kv_heads=8, window=4096), 1,
+                     "bf16"),
+    # Qwen2: Llama's shape with the q/k/v biases.
+    "qwen2-bf16": (ModelSpec("qwen2", "qwen2", 16, 2048, 32, 2048, 8192, 32000, kv_heads=8), 4, "bf16"),
+    # Gemma (1) at a 2B-like shape: one KV head, head dim 256, GeGLU 16384 wide, a 256k vocabulary.
+    "gemma-2b-bf16": (ModelSpec("gemma-2b", "gemma", 18, 2048, 8, 2048, 16384, 256000, kv_heads=1, head_dim=256), 4,
+                      "bf16"),
 }
 CPU_SHRINK = {"layers": 4, "hidden": 256, "heads": 4, "seq": 128, "intermediate": 1024, "vocab": 1000}
-# The GPU targets (GPU shapes): (fused / HF eager, fused + ckpt / HF eager).
+# The GPU targets (GPU shapes): (fused / HF eager, fused + ckpt / HF eager). The relatives: issue 34's (set for
+# Qwen3 and Mistral, the same for Qwen2 and Gemma).
 TARGETS = {"bert-large-bf16": (0.85, 1.10), "bert-large-autocast": (0.90, 1.15), "gpt2-medium-bf16": (0.85, 1.10),
-           "llama-bf16": (0.74, 0.95)}
+           "llama-bf16": (0.74, 0.95), "qwen3-1.7b-bf16": (0.75, 0.96), "mistral-bf16": (0.75, 0.96),
+           "qwen2-bf16": (0.75, 0.96), "gemma-2b-bf16": (0.75, 0.96)}
 
 
 def shrink(spec: ModelSpec) -> ModelSpec:
+    """The CPU shape of a configuration: CPU_SHRINK, 2 KV heads for grouped-query attention, the head dim
+    hidden / heads where the family sets it apart, a window of half the sequence where it has one."""
     kv = 2 if spec.kv_heads else None
-    return ModelSpec(spec.name + "-small", spec.family, kv_heads=kv, **CPU_SHRINK)
+    head_dim = CPU_SHRINK["hidden"] // CPU_SHRINK["heads"] if spec.head_dim else None
+    window = CPU_SHRINK["seq"] // 2 if spec.window else None
+    return ModelSpec(spec.name + "-small", spec.family, kv_heads=kv, head_dim=head_dim, window=window, **CPU_SHRINK)
 
 
 def run_config(name: str, device, rounds: int, warmup: int, progress: Progress, notes: List[str]) -> List[dict]:
