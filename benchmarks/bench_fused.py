@@ -17,12 +17,13 @@ which has no allocator statistics, the activation bytes held from forward to bac
 
     python benchmarks/bench_fused.py                               # every configuration on the best device
     python benchmarks/bench_fused.py --configs bert-large-bf16     # one of them
+    python benchmarks/bench_fused.py --configs qwen3-1.7b-bf16 --mode fp32  # in another mode than its own
     python benchmarks/bench_fused.py --device cuda --save-results  # into benchmarks/results/<device>/
 """
 import argparse
 import sys
 import warnings
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -67,8 +68,10 @@ def shrink(spec: ModelSpec) -> ModelSpec:
     return ModelSpec(spec.name + "-small", spec.family, kv_heads=kv, head_dim=head_dim, window=window, **CPU_SHRINK)
 
 
-def run_config(name: str, device, rounds: int, warmup: int, progress: Progress, notes: List[str]) -> List[dict]:
-    spec, batch, mode = CONFIGS[name]
+def run_config(name: str, device, rounds: int, warmup: int, progress: Progress, notes: List[str],
+               mode: Optional[str] = None) -> List[dict]:
+    spec, batch, own_mode = CONFIGS[name]
+    mode = mode or own_mode
     cuda = torch.device(device).type == "cuda"
     if not cuda:
         spec, batch = shrink(spec), 4
@@ -139,6 +142,8 @@ def main(argv=None) -> dict:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds (default 15, as the yardstick)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant, the first being the trial")
+    p.add_argument("--mode", default=None, choices=["fp32", "bf16", "autocast"],
+                   help="run every configuration in this mode instead of its own (e.g. fp32 on CPU)")
     p.add_argument("--no-progress", action="store_true")
     add_output_args(p)
     args = p.parse_args(argv)
@@ -154,7 +159,7 @@ def main(argv=None) -> dict:
     rows = []
     try:
         for name in names:
-            rows += run_config(name, device, args.rounds, args.warmup, progress, notes)
+            rows += run_config(name, device, args.rounds, args.warmup, progress, notes, args.mode)
     finally:
         progress.close()
     cfg = {"configs": names, "rounds": args.rounds, "warmup": args.warmup, "variants": VARIANTS, "notes": notes,
@@ -162,6 +167,8 @@ def main(argv=None) -> dict:
     md = to_markdown(finish_env(info), rows, cfg)
     print(md)
     stem = "fused" if names == list(CONFIGS) else "fused-" + "+".join(names)
+    if args.mode:
+        stem += "-" + args.mode
     result = {"env": info, "config": cfg, "rows": rows}
     result["files"] = write_results(output_dir(args, info), stem, result, md)
     print("wrote " + ", ".join(result["files"]), file=sys.stderr)

@@ -43,6 +43,40 @@ def test_training_parity_outputs_and_all_grads(family, padding, device):
     assert_training_parity(model, fused, family, kw)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_qwen2_sliding_layers_use_the_mask_their_model_passes(attn):
+    """Qwen2 with use_sliding_window: the layers from max_window_layers on attend within the window, the others
+    causally; the model passes each layer its own mask, which the fused layer applies (fp32 parity, left
+    padding). Checkpointed one layer at a time it equals the unchecked model exactly; a group of layers with
+    different masks is refused (a group runs its layers with the first one's arguments)."""
+    model = make_model("qwen2", layers=3, attn=attn, use_sliding_window=True, sliding_window=7,
+                       max_window_layers=1).train()
+    types = getattr(model.config, "layer_types", None)
+    if types is None:
+        pytest.skip(f"transformers {transformers.__version__}'s Qwen2 has no per-layer attention types")
+    assert list(types) == ["full_attention", "sliding_attention", "sliding_attention"]
+    kw = inputs_for("qwen2", padding=True)
+    skip_if_eager_differs_from_sdpa_on_padding(model, "qwen2", kw)
+    fused = fused_copy(model)
+    assert_training_parity(model, fused, "qwen2", kw)
+    import ckpt_ext
+    ck = ckpt_ext.enable_checkpointing(copy.deepcopy(fused), every=1)
+    for m in (fused, ck):
+        m.zero_grad(set_to_none=True)
+    _, ref = embeds_call(fused, "qwen2", kw)
+    _, out = embeds_call(ck, "qwen2", kw)
+    assert torch.equal(out, ref)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    for (name, p), q in zip(fused.named_parameters(), ck.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+    grouped = ckpt_ext.enable_checkpointing(copy.deepcopy(fused), every=2)
+    with pytest.raises(RuntimeError, match="receives different arguments"):
+        grouped(**kw)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"] + RELATIVES)
