@@ -3,6 +3,7 @@ into which C++ family, where each C++ weight slot lives in them (parameter paths
 positional arguments, how their modules and configs translate into a ``_C.LayerSpec`` (or why they
 cannot), and transformers' output-capturing hooks. transformers is imported lazily, when a model is
 fused."""
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
@@ -122,35 +123,27 @@ _HF_CLASSES = (
 )
 
 
-def _import_classes(table) -> Dict[type, Any]:
-    """{class: value} of the (module, class name, value) entries this transformers release has."""
-    import importlib
+def _loaded_classes(table) -> Dict[type, Any]:
+    """{class: value} of the (module, class name, value) entries whose transformers module is imported: a model
+    holding such a layer has imported its class's module, and nothing else needs importing here (a BERT user
+    does not import Gemma 3's modeling code). Read per call: cheap, and follows modules imported later."""
     classes = {}
     for module, name, value in table:
-        try:
-            cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
-        except (ImportError, AttributeError):
-            continue  # not in this release
-        classes[cls] = value
+        mod = sys.modules.get(f"transformers.models.{module}.modeling_{module}")
+        cls = getattr(mod, name, None) if mod is not None else None  # absent from this release: skipped
+        if cls is not None:
+            classes[cls] = value
     return classes
 
 
 def layer_classes() -> Dict[type, int]:
-    """{transformers layer class: fused family} of the classes fuse() replaces (those this release has)."""
-    if not _CLASSES:
-        _CLASSES.append(_import_classes(_FUSED_CLASSES))
-    return _CLASSES[0]
+    """{transformers layer class: fused family} of the classes fuse() replaces (those imported)."""
+    return _loaded_classes(_FUSED_CLASSES)
 
 
 def left_to_hf_classes() -> Dict[type, str]:
     """{transformers layer class: why it is not fused} of the layers fuse() knows and leaves to Hugging Face."""
-    if not _LEFT:
-        _LEFT.append(_import_classes(_HF_CLASSES))
-    return _LEFT[0]
-
-
-_CLASSES: List[Dict[type, int]] = []
-_LEFT: List[Dict[type, str]] = []
+    return _loaded_classes(_HF_CLASSES)
 
 
 class Unsupported(Exception):
