@@ -6,20 +6,25 @@ of the same weights, a trial and a memory step per variant, then interleaved rou
 none (HF eager), hf-torch-nonreentrant (HF + torch.utils.checkpoint), ckpt_ext (HF layers +
 enable_checkpointing), fused (ckpt_ext.fuse), ckpt_ext-fused (fuse + enable_checkpointing).
 
-Configurations, dropout as in the configs (0.1 in BERT and GPT-2 attention, none in Llama):
-  CUDA: BERT-large s512 b32 bf16 and autocast, GPT-2 medium s1024 b16 bf16, Llama 16x2048 s2048 b4 bf16
-  CPU:  the same families and modes, shrunk (4 layers, hidden 256, seq 128; --tiny: 2 layers, hidden 64, seq 32)
+Configurations, dropout as in the configs (0.1 in BERT and GPT-2 attention, none in the Llama family):
+  CUDA: BERT-large s512 b32 bf16 and autocast, GPT-2 medium s1024 b16 bf16, Llama 16x2048 s2048 b4 bf16;
+        Llama's relatives: Qwen3 1.7B-like (28x2048, 16/8 heads, head dim 128, ffn 6144) s2048 b4, Mistral
+        (Llama's shape, window 4096) s8192 b1, Qwen2 (Llama's shape, q/k/v biases) s2048 b4, Gemma 2B-like
+        (18x2048, 8/1 heads, head dim 256, GeGLU 16384) s2048 b4, all bf16
+  CPU:  the same families and modes, shrunk (4 layers, hidden 256, seq 128; head dim 64, window 64; --tiny:
+        2 layers, hidden 64, seq 32)
 Peak on CUDA: allocated above the weights during a step (the yardstick's "peak over weights"); on CPU,
 which has no allocator statistics, the activation bytes held from forward to backward.
 
     python benchmarks/bench_fused.py                               # every configuration on the best device
     python benchmarks/bench_fused.py --configs bert-large-bf16     # one of them
+    python benchmarks/bench_fused.py --configs qwen3-1.7b-bf16 --mode fp32  # in another mode than its own
     python benchmarks/bench_fused.py --device cuda --save-results  # into benchmarks/results/<device>/
 """
 import argparse
 import sys
 import warnings
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -35,24 +40,43 @@ CONFIGS = {
     "bert-large-autocast": (ModelSpec("bert-large", "bert", 24, 1024, 16, 512, 4096, 30522), 32, "autocast"),
     "gpt2-medium-bf16": (ModelSpec("gpt2-medium", "gpt2", 24, 1024, 16, 1024, 4096, 50257), 16, "bf16"),
     "llama-bf16": (ModelSpec("llama", "llama", 16, 2048, 32, 2048, 8192, 32000, kv_heads=8), 4, "bf16"),
+    # Llama's relatives (issue 34). Qwen3 at a 1.7B-like shape (head dim 128 set apart from 2048 / 16).
+    "qwen3-1.7b-bf16": (ModelSpec("qwen3-1.7b", "qwen3", 28, 2048, 16, 2048, 6144, 151936, kv_heads=8,
+                                  head_dim=128), 4, "bf16"),
+    # Mistral: Llama's shape, a 4096 window over 8192 tokens (the window's mask through SDPA).
+    "mistral-bf16": (ModelSpec("mistral", "mistral", 16, 2048, 32, 8192, 8192, 32000, kv_heads=8, window=4096), 1,
+                     "bf16"),
+    # Qwen2: Llama's shape with the q/k/v biases.
+    "qwen2-bf16": (ModelSpec("qwen2", "qwen2", 16, 2048, 32, 2048, 8192, 32000, kv_heads=8), 4, "bf16"),
+    # Gemma (1) at a 2B-like shape: one KV head, head dim 256, GeGLU 16384 wide, a 256k vocabulary.
+    "gemma-2b-bf16": (ModelSpec("gemma-2b", "gemma", 18, 2048, 8, 2048, 16384, 256000, kv_heads=1, head_dim=256), 4,
+                      "bf16"),
 }
 CPU_SHRINK = {"layers": 4, "hidden": 256, "heads": 4, "seq": 128, "intermediate": 1024, "vocab": 1000}
 # --tiny (CPU): the smallest shapes that still run every code path (the GPU report's dry run).
 CPU_TINY = {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "intermediate": 256, "vocab": 1000}
-# The GPU targets (GPU shapes): (fused / HF eager, fused + ckpt / HF eager).
+# The GPU targets (GPU shapes): (fused / HF eager, fused + ckpt / HF eager). The relatives: issue 34's (set for
+# Qwen3 and Mistral, the same for Qwen2 and Gemma).
 TARGETS = {"bert-large-bf16": (0.85, 1.10), "bert-large-autocast": (0.90, 1.15), "gpt2-medium-bf16": (0.85, 1.10),
-           "llama-bf16": (0.74, 0.95)}
+           "llama-bf16": (0.74, 0.95), "qwen3-1.7b-bf16": (0.75, 0.96), "mistral-bf16": (0.75, 0.96),
+           "qwen2-bf16": (0.75, 0.96), "gemma-2b-bf16": (0.75, 0.96)}
 
 
 def shrink(spec: ModelSpec, tiny: bool = False) -> ModelSpec:
+    """The CPU shape of a configuration: CPU_SHRINK (CPU_TINY with tiny), 2 KV heads for grouped-query attention,
+    the head dim hidden / heads where the family sets it apart, a window of half the sequence where it has one."""
+    shape = CPU_TINY if tiny else CPU_SHRINK
     kv = 2 if spec.kv_heads else None
-    return ModelSpec(spec.name + ("-tiny" if tiny else "-small"), spec.family, kv_heads=kv,
-                     **(CPU_TINY if tiny else CPU_SHRINK))
+    head_dim = shape["hidden"] // shape["heads"] if spec.head_dim else None
+    window = shape["seq"] // 2 if spec.window else None
+    return ModelSpec(spec.name + ("-tiny" if tiny else "-small"), spec.family, kv_heads=kv, head_dim=head_dim,
+                     window=window, **shape)
 
 
 def run_config(name: str, device, rounds: int, warmup: int, progress: Progress, notes: List[str],
-               tiny: bool = False) -> List[dict]:
-    spec, batch, mode = CONFIGS[name]
+               tiny: bool = False, mode: Optional[str] = None) -> List[dict]:
+    spec, batch, own_mode = CONFIGS[name]
+    mode = mode or own_mode
     cuda = torch.device(device).type == "cuda"
     if not cuda:
         spec, batch = shrink(spec, tiny), 2 if tiny else 4
@@ -123,6 +147,8 @@ def main(argv=None) -> dict:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--rounds", type=int, default=15, help="timed interleaved rounds (default 15, as the yardstick)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant, the first being the trial")
+    p.add_argument("--mode", default=None, choices=["fp32", "bf16", "autocast"],
+                   help="run every configuration in this mode instead of its own (e.g. fp32 on CPU)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--tiny", action="store_true",
                    help="CPU: tiny shapes (2 layers, hidden 64, seq 32, batch 2) instead of the CPU shapes")
@@ -142,7 +168,7 @@ def main(argv=None) -> dict:
     rows = []
     try:
         for name in names:
-            rows += run_config(name, device, args.rounds, args.warmup, progress, notes, args.tiny)
+            rows += run_config(name, device, args.rounds, args.warmup, progress, notes, args.tiny, args.mode)
     finally:
         progress.close()
     cfg = {"configs": names, "rounds": args.rounds, "warmup": args.warmup, "variants": VARIANTS, "notes": notes,
@@ -150,6 +176,8 @@ def main(argv=None) -> dict:
     md = to_markdown(finish_env(info), rows, cfg)
     print(md)
     stem = "fused" if names == list(CONFIGS) else "fused-" + "+".join(names)
+    if args.mode:
+        stem += "-" + args.mode
     result = {"env": info, "config": cfg, "rows": rows}
     result["files"] = write_results(output_dir(args, info), stem, result, md)
     print("wrote " + ", ".join(result["files"]), file=sys.stderr)

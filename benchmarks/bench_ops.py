@@ -102,6 +102,9 @@ def cases(rows: int, hidden: int, dtype, device, grad_forward: bool = True) -> L
         ("swiglu", fwd(ops.swiglu, xi, ui), fwd(lambda t, u: F.silu(t) * u, xi, ui), 3 * ni * e),
         ("swiglu_backward", lambda: ops.swiglu_backward(gi, xi, ui), _grad(lambda t, u: F.silu(t) * u, xi, ui),
          5 * ni * e),
+        ("geglu", fwd(ops.geglu, xi, ui), fwd(lambda t, u: F.gelu(t, approximate="tanh") * u, xi, ui), 3 * ni * e),
+        ("geglu_backward", lambda: ops.geglu_backward(gi, xi, ui),
+         _grad(lambda t, u: F.gelu(t, approximate="tanh") * u, xi, ui), 5 * ni * e),
         ("rotary", fwd(lambda t: ops.rotary(t, cos, sin), xq), fwd(lambda t: t * cos + _rotate_half(t) * sin, xq),
          2 * nq * e),
         ("rotary_backward", lambda: ops.rotary_backward(xq, cos, sin),
@@ -179,7 +182,7 @@ def to_markdown(info: dict, rows: List[dict], cfg: dict) -> str:
         lines.append(f"\nCopy bandwidth in this run ({c['dtype']}, y.copy_(x) of {c['elements']} elements, read + "
                      f"write): {c['gbps']:.1f} GB/s; `of copy` is the op's GB/s over it.")
     lines += ["", "- GB/s: bytes the op must move (inputs read once, outputs written once; vectors of length hidden "
-              "and per-row statistics ignored) / median time. GELU and SwiGLU run on the intermediate width "
+              "and per-row statistics ignored) / median time. GELU, SwiGLU and GeGLU run on the intermediate width "
               "(4 x hidden); rotary on [4, hidden/128 heads, rows/4, 128].",
               "- forwards: " + ("both on inputs that require grad, as in training (eager's autograd keeps what its "
                                 "backward needs, ours returns it)" if cfg.get("grad_forward", True) else

@@ -43,11 +43,15 @@ class ModelSpec:
     intermediate: int
     vocab: int
     kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None  # qwen3, gemma: set apart from hidden / heads (None: hidden / heads)
+    window: Optional[int] = None    # mistral: the sliding attention window (None: the config's default, none)
 
     def describe(self) -> str:
         kv = f" ({self.kv_heads} KV heads)" if self.kv_heads else ""
-        return (f"{self.family} {self.layers} layers, hidden {self.hidden}, {self.heads} heads{kv}, "
-                f"intermediate {self.intermediate}, vocab {self.vocab}, seq {self.seq}")
+        hd = f", head dim {self.head_dim}" if self.head_dim else ""
+        win = f", window {self.window}" if self.window else ""
+        return (f"{self.family} {self.layers} layers, hidden {self.hidden}, {self.heads} heads{kv}{hd}, "
+                f"intermediate {self.intermediate}, vocab {self.vocab}, seq {self.seq}{win}")
 
 
 MODELS = {
@@ -63,6 +67,10 @@ MODELS = {
 # output, intermediate and output linears).
 LORA_TARGETS = {"bert": ["query", "key", "value", "dense"], "gpt2": ["c_attn", "c_proj", "c_fc"],
                 "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+# Llama's relatives (fused on its machinery): transformers' class prefix.
+RELATIVES = {"qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma"}
+for _family in RELATIVES:
+    LORA_TARGETS[_family] = LORA_TARGETS["llama"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,18 @@ def build_model(spec: ModelSpec, mode: str) -> nn.Module:
                           vocab_size=spec.vocab, max_position_embeddings=max(2048, spec.seq),
                           attn_implementation="sdpa", use_cache=False)
         model = LlamaModel(cfg)
+    elif spec.family in RELATIVES:
+        import transformers
+        prefix = RELATIVES[spec.family]
+        extra = {"head_dim": spec.head_dim or spec.hidden // spec.heads}
+        if spec.family == "mistral":
+            extra["sliding_window"] = spec.window
+        cfg = getattr(transformers, prefix + "Config")(
+            hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+            num_key_value_heads=spec.kv_heads or spec.heads, intermediate_size=spec.intermediate,
+            vocab_size=spec.vocab, max_position_embeddings=max(2048, spec.seq), attn_implementation="sdpa",
+            use_cache=False, **extra)
+        model = getattr(transformers, prefix + "Model")(cfg)
     else:
         raise ValueError(f"unknown model family {spec.family!r}")
     if mode == "bf16":

@@ -3,7 +3,7 @@
     import ckpt_ext
     y = ckpt_ext.checkpoint(block, x, use_reentrant=False)  # drop-in for torch.utils.checkpoint.checkpoint
     ckpt_ext.enable_checkpointing(model)         # checkpoint every layer of a layer-stack model
-    ckpt_ext.fuse(model)                         # Hugging Face BERT/GPT-2/Llama layers -> C++ fused layers
+    ckpt_ext.fuse(model)                         # Hugging Face BERT/GPT-2/Llama/Qwen/Mistral/Gemma layers -> C++
     ckpt_ext.take_over_hf_checkpointing(model)   # Trainer's gradient_checkpointing=True means ckpt_ext
 """
 from ._extension import load as _load

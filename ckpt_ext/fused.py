@@ -1,6 +1,7 @@
 """Fused transformer layers for Hugging Face models: ``ckpt_ext.fuse(model)``.
 
-``fuse`` replaces every ``BertLayer``, ``RobertaLayer``, ``GPT2Block`` and ``LlamaDecoderLayer`` of a model
+``fuse`` replaces every ``BertLayer``, ``RobertaLayer``, ``GPT2Block``, ``LlamaDecoderLayer``,
+``Qwen2DecoderLayer``, ``MistralDecoderLayer``, ``Qwen3DecoderLayer`` and ``GemmaDecoderLayer`` of a model
 with a :class:`FusedTransformerLayer` whose forward is one call into C++ (csrc/layers/): ATen matmuls,
 the attention kernel ``scaled_dot_product_attention`` chooses and the fused ckpt_ext ops, differentiated by C++
 autograd. The fused
@@ -32,20 +33,23 @@ from torch import nn
 from . import compiled
 from ._compiler import check_not_capturing, in_compile_fallback, traced_under_compile
 from ._extension import load
-from ._layout import BERT, FAMILY_NAMES, LLAMA
+from ._layout import BERT, DECODERS, FAMILY_NAMES
 from ._user_frame import user_stacklevel
 from .keep import warn_not_kept
 from .hf.cache import cache_parameters, find_cache
 from .hf.versions import check_versions
 from .hf.head import fuse_lm_head
 from .hf.layers import (LORA_PROJECTIONS, WEIGHT_PATHS, Unsupported, collecting_attentions,
-                        install_output_capturing, layer_classes, layer_spec,
+                        install_output_capturing, layer_classes, layer_spec, left_to_hf_classes,
                         positional_parameters, returns_tuple)
 from .hf.peft import base_of, check_layer_adapters, is_adapter_layer, lora_terms, peft_relink
 
 _C = load()
 
 __all__ = ["FusedTransformerLayer", "fuse", "run_segment"]
+
+_SUPPORTED = ("BertLayer, RobertaLayer, GPT2Block, LlamaDecoderLayer, Qwen2DecoderLayer, MistralDecoderLayer, "
+              "Qwen3DecoderLayer, GemmaDecoderLayer")
 
 _warned: set = set()
 
@@ -100,7 +104,7 @@ def _traced_forward(self: "FusedTransformerLayer", *args, **kwargs):
 
 
 class FusedTransformerLayer(nn.Module):
-    """A Hugging Face BERT/RoBERTa, GPT-2 or Llama layer whose forward runs in C++.
+    """A Hugging Face BERT/RoBERTa, GPT-2, Llama, Qwen2, Mistral, Qwen3 or Gemma layer whose forward runs in C++.
 
     Holds the original layer's submodules (so its ``Parameter`` objects and ``state_dict`` keys), accepts
     the original forward's arguments and returns what it returns (the hidden states). Build it with
@@ -118,12 +122,15 @@ class FusedTransformerLayer(nn.Module):
     def __init__(self, layer: nn.Module):
         super().__init__()
         if not isinstance(layer, nn.Module):
-            raise TypeError(f"FusedTransformerLayer expects a Hugging Face layer module (BertLayer, RobertaLayer, "
-                            f"GPT2Block, LlamaDecoderLayer), got {type(layer).__name__}")
+            raise TypeError(f"FusedTransformerLayer expects a Hugging Face layer module ({_SUPPORTED}), got "
+                            f"{type(layer).__name__}")
         family = layer_classes().get(type(layer))
         if family is None:
+            why = left_to_hf_classes().get(type(layer))
+            if why is not None:
+                raise ValueError(f"FusedTransformerLayer: {type(layer).__name__} cannot be fused: {why}")
             raise ValueError(f"FusedTransformerLayer: {type(layer).__name__} is not a supported layer "
-                             "(BertLayer, RobertaLayer, GPT2Block, LlamaDecoderLayer)")
+                             f"({_SUPPORTED})")
         try:
             spec = layer_spec(layer, family)
         except Unsupported as e:
@@ -287,10 +294,10 @@ class FusedTransformerLayer(nn.Module):
                        "ckpt_ext.fuse(model).")
             fallback = "a submodule was replaced"
         cos = sin = None
-        if self.family == LLAMA and fallback is None:
+        if self.family in DECODERS and fallback is None:
             emb = values.get("position_embeddings")
             if emb is None:
-                raise ValueError(f"fused {self.layer_class}: position_embeddings=(cos, sin) is required (LlamaModel "
+                raise ValueError(f"fused {self.layer_class}: position_embeddings=(cos, sin) is required (its model "
                                  "passes it to every layer)")
             cos, sin = emb
         return _Call(hidden, values.get("attention_mask"), cos, sin, fallback)
@@ -420,7 +427,9 @@ def _copy_hooks(src: nn.Module, dst: nn.Module):
 
 def fuse(model: nn.Module) -> nn.Module:
     """Replaces every supported Hugging Face layer of ``model`` (``BertLayer``, ``RobertaLayer``,
-    ``GPT2Block``, ``LlamaDecoderLayer``) in place with a :class:`FusedTransformerLayer`; returns the model.
+    ``GPT2Block``, ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``MistralDecoderLayer``, ``Qwen3DecoderLayer``,
+    ``GemmaDecoderLayer``) in place with a :class:`FusedTransformerLayer`; returns the model. Gemma 2 and 3
+    layers are left to Hugging Face with a warning (docs/models.md says why).
 
     A layer whose configuration the fused layer cannot reproduce (another activation, cross-attention
     or ``is_decoder``, ``output_attentions`` set in the config, an attention implementation other than
@@ -441,18 +450,22 @@ def fuse(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse expects an nn.Module, got {type(model).__name__}")
     check_versions()
-    classes = layer_classes()
+    classes, left = layer_classes(), left_to_hf_classes()
     if isinstance(model, FusedTransformerLayer) or type(model) in classes:
         raise ValueError("fuse expects a model containing layers; for a single layer use FusedTransformerLayer(layer)")
     targets = [(name, m) for name, m in model.named_modules() if type(m) in classes]
     for name, m in targets:
         check_layer_adapters(m, LORA_PROJECTIONS[classes[type(m)]], f"ckpt_ext.fuse: layer {name}")
+    unfused = {type(m): left[type(m)] for m in model.modules() if type(m) in left}
+    for cls, why in unfused.items():
+        warnings.warn(f"ckpt_ext.fuse: {cls.__name__} layers left to Hugging Face: {why}", stacklevel=2)
     if not targets:
         already = any(isinstance(m, FusedTransformerLayer) for m in model.modules())
         raise ValueError(
             f"fuse found no supported layer in {type(model).__name__}"
             + (" (its layers are already fused)" if already else "")
-            + ": it replaces transformers' BertLayer, RobertaLayer, GPT2Block and LlamaDecoderLayer")
+            + "".join(f" ({cls.__name__}: {why})" for cls, why in unfused.items())
+            + f": it replaces transformers' {_SUPPORTED}")
     install_output_capturing(model, FusedTransformerLayer)
     fused = 0
     for name, layer in targets:

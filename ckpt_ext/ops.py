@@ -41,6 +41,8 @@ __all__ = [
     "add_rms_norm_backward",
     "swiglu",
     "swiglu_backward",
+    "geglu",
+    "geglu_backward",
     "rotary",
     "rotary_backward",
 ]
@@ -185,6 +187,17 @@ def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> Tuple[Tensor, Ten
     return _lib.swiglu_backward.default(grad, gate, up)
 
 
+def geglu(gate: Tensor, up: Tensor, approximate: str = "tanh") -> Tensor:
+    """``gelu(gate) * up`` (Gemma's MLP: GeGLU). ``approximate`` is ``"tanh"`` (Gemma's ``gelu_pytorch_tanh``)
+    or ``"none"`` (erf), as in :func:`torch.nn.functional.gelu`. Differentiable in ``gate`` and ``up``."""
+    return _lib.geglu.default(gate, up, approximate)
+
+
+def geglu_backward(grad: Tensor, gate: Tensor, up: Tensor, approximate: str = "tanh") -> Tuple[Tensor, Tensor]:
+    """Backward of :func:`geglu`: ``(grad_gate, grad_up)``."""
+    return _lib.geglu_backward.default(grad, gate, up, approximate)
+
+
 def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary position embedding, Hugging Face Llama convention: ``x * cos + rotate_half(x) * sin``.
 
@@ -305,6 +318,17 @@ def _(gate, up):
 
 @torch.library.register_fake("ckpt_ext::swiglu_backward")
 def _(grad, gate, up):
+    return _empty(gate), _empty(gate)
+
+
+@torch.library.register_fake("ckpt_ext::geglu")
+def _(gate, up, approximate="tanh"):
+    _like("geglu", "gate", gate, up=up)
+    return _empty(gate)
+
+
+@torch.library.register_fake("ckpt_ext::geglu_backward")
+def _(grad, gate, up, approximate="tanh"):
     return _empty(gate), _empty(gate)
 
 

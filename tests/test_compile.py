@@ -298,7 +298,7 @@ def test_hugging_face_model_checkpointed_compiles_fullgraph(family):
     second_step_does_not_recompile(lambda: compiled(**kw).last_hidden_state, [], dict(model.named_parameters()), 3)
 
 
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma"])
 def test_fused_hugging_face_model_compiles_to_fused_segment_ops(family):
     """fuse + enable_checkpointing(every=2): one ckpt_ext::fused_segment per group, no graph break. Without
     dropout the compiled model equals the eager fused model; with dropout, the same operators run eagerly

@@ -198,6 +198,8 @@ W = _r(8)
     (lambda: ops.swiglu(torch.ones(3, dtype=torch.int32), torch.ones(3, dtype=torch.int32)), RuntimeError,
      "CPU kernels support"),
     (lambda: ops.swiglu(X, X[:, :7]), RuntimeError, "up must have the shape of gate"),
+    (lambda: ops.geglu(X, X[:, :7]), RuntimeError, "up must have the shape of gate"),
+    (lambda: ops.geglu(X, X, "sigmoid"), RuntimeError, "approximate"),
     (lambda: ops.rotary(_r(1, 2, 3, 5), _r(3, 5), _r(3, 5)), RuntimeError,
      "head_dim must be even, got 5"),
     (lambda: ops.rotary(_r(2, 2, 3, 4), _r(3, 3, 4), _r(3, 3, 4)), RuntimeError,
@@ -212,7 +214,7 @@ def test_ops_bad_arguments(call, exc, match):
 
 
 @pytest.mark.parametrize("name", ["bias_gelu", "bias_dropout_add", "add_layer_norm", "add_rms_norm", "swiglu",
-                                  "rotary"])
+                                  "geglu", "rotary"])
 def test_ops_non_contiguous_inputs_equal_contiguous(name):
     x, r = _r(8, 5, 6).transpose(0, 2), _r(6, 8, 5).transpose(1, 2)  # [6, 5, 8], not contiguous
     calls = {
@@ -221,6 +223,7 @@ def test_ops_non_contiguous_inputs_equal_contiguous(name):
         "add_layer_norm": lambda c: ops.add_layer_norm(c(x), c(r), W, W, 1e-5),
         "add_rms_norm": lambda c: ops.add_rms_norm(c(x), c(r), W, 1e-6),
         "swiglu": lambda c: ops.swiglu(c(x), c(r)),
+        "geglu": lambda c: ops.geglu(c(x), c(r)),
     }
     if name == "rotary":
         cs = _r(8, 5).t()  # [seq, head_dim], non-contiguous

@@ -10,14 +10,14 @@ from ckpt_ext import FusedTransformerLayer, fuse
 
 transformers = pytest.importorskip("transformers")
 from helpers.devices import DEVICES  # noqa: E402
-from helpers.hf_models import B, H, S, inputs_for, make_model  # noqa: E402
+from helpers.hf_models import B, H, RELATIVES, S, inputs_for, make_model  # noqa: E402
 from helpers.fused import _seed  # noqa: E402,F401  (an autouse fixture)
 
 
 # ---- dropout -------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"] + RELATIVES)
 def test_dropout_is_reproducible_and_seeded(family):
     model = fuse(make_model(family, dropout=0.2)).train()
     kw = inputs_for(family, padding=True)

@@ -24,7 +24,7 @@ from ckpt_ext import FusedTransformerLayer, fuse
 
 transformers = pytest.importorskip("transformers")
 from helpers.devices import DEVICES, requires_cuda  # noqa: E402
-from helpers.hf_models import (skip_if_eager_differs_from_sdpa_on_padding, B, FAMILIES, H, S, assert_training_parity, close, embeds_call,  # noqa: E402
+from helpers.hf_models import (skip_if_eager_differs_from_sdpa_on_padding, B, FAMILIES, H, RELATIVES, S, assert_training_parity, close, embeds_call,  # noqa: E402
                                fused_copy, inputs_for, layers_of, make_model)
 from helpers.fused import _checkpointed_pair, _seed  # noqa: E402,F401  (an autouse fixture)
 
@@ -34,7 +34,7 @@ from helpers.fused import _checkpointed_pair, _seed  # noqa: E402,F401  (an auto
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("padding", [False, True], ids=["nomask", "padding"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + RELATIVES)
 def test_training_parity_outputs_and_all_grads(family, padding, device):
     model = make_model(family).train().to(device)
     fused = fused_copy(model)
@@ -43,9 +43,43 @@ def test_training_parity_outputs_and_all_grads(family, padding, device):
     assert_training_parity(model, fused, family, kw)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_qwen2_sliding_layers_use_the_mask_their_model_passes(attn):
+    """Qwen2 with use_sliding_window: the layers from max_window_layers on attend within the window, the others
+    causally; the model passes each layer its own mask, which the fused layer applies (fp32 parity, left
+    padding). Checkpointed one layer at a time it equals the unchecked model exactly; a group of layers with
+    different masks is refused (a group runs its layers with the first one's arguments)."""
+    model = make_model("qwen2", layers=3, attn=attn, use_sliding_window=True, sliding_window=7,
+                       max_window_layers=1).train()
+    types = getattr(model.config, "layer_types", None)
+    if types is None:
+        pytest.skip(f"transformers {transformers.__version__}'s Qwen2 has no per-layer attention types")
+    assert list(types) == ["full_attention", "sliding_attention", "sliding_attention"]
+    kw = inputs_for("qwen2", padding=True)
+    skip_if_eager_differs_from_sdpa_on_padding(model, "qwen2", kw)
+    fused = fused_copy(model)
+    assert_training_parity(model, fused, "qwen2", kw)
+    import ckpt_ext
+    ck = ckpt_ext.enable_checkpointing(copy.deepcopy(fused), every=1)
+    for m in (fused, ck):
+        m.zero_grad(set_to_none=True)
+    _, ref = embeds_call(fused, "qwen2", kw)
+    _, out = embeds_call(ck, "qwen2", kw)
+    assert torch.equal(out, ref)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    for (name, p), q in zip(fused.named_parameters(), ck.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+    grouped = ckpt_ext.enable_checkpointing(copy.deepcopy(fused), every=2)
+    with pytest.raises(RuntimeError, match="receives different arguments"):
+        grouped(**kw)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"] + RELATIVES)
 def test_eval_and_no_grad_parity(family, attn, device):
     model = make_model(family, dropout=0.1, attn=attn).eval().to(device)  # dropout inactive in eval
     fused = fused_copy(model)
@@ -134,7 +168,7 @@ def test_single_layer_call_signatures():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"] + RELATIVES)
 def test_low_precision_error_within_a_multiple_of_hugging_faces(family, dtype, device):
     """Low precision (flash-attention's scheme): the fused model's error against a float32 reference is
     at most 2x (outputs) / 3x (gradients) Hugging Face's own error in that dtype, plus a tiny atol."""
@@ -189,7 +223,7 @@ def test_explicit_attention_path_matches(family, padding, attn):
 # ---- fuse(): structure, warnings, errors ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"] + RELATIVES)
 def test_state_dict_keys_and_parameter_identity(family):
     model = make_model(family)
     keys = list(model.state_dict().keys())
@@ -215,6 +249,8 @@ def test_state_dict_keys_and_parameter_identity(family):
     ("gpt2", dict(activation_function="relu"), "activation ReLU"),
     ("gpt2", dict(reorder_and_upcast_attn=True, attn="eager"), "reorder_and_upcast_attn"),
     ("llama", dict(hidden_act="gelu"), "activation GELUActivation"),
+    ("qwen2", dict(hidden_act="gelu"), "activation GELUActivation"),
+    ("gemma", dict(hidden_act="silu"), "activation SiLU"),
     ("bert", dict(output_attentions=True, attn="eager"), "output_attentions"),
 ])
 def test_unsupported_configurations_warn_and_are_left_alone(family, overrides, reason):
@@ -254,7 +290,7 @@ def _autocast_run(model, family, kw, device, dtype, cotangent=None):
 
 @pytest.mark.parametrize("device,dtype", AUTOCAST)
 @pytest.mark.parametrize("padding", [False, True], ids=["nomask", "padding"])
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"] + RELATIVES)
 def test_autocast_error_within_a_multiple_of_hugging_faces(family, padding, device, dtype):
     """Under autocast (float32 master weights) the fused layers run (no fallback) with Hugging Face's dtype
     policy: the output has the dtype Hugging Face's has, gradients arrive in float32, and the error against a
@@ -288,7 +324,7 @@ def test_autocast_error_within_a_multiple_of_hugging_faces(family, padding, devi
 
 
 @pytest.mark.parametrize("device,dtype", AUTOCAST)
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama-gqa"] + RELATIVES)
 def test_autocast_checkpointed_equals_not_checkpointed_exactly_with_dropout(family, device, dtype):
     """Under autocast with dropout on everywhere (attention dropout included), the checkpointed fused model
     (the SegmentFunction replays under forward's autocast state) equals the fused model bitwise."""

@@ -12,7 +12,7 @@ from ckpt_ext import FusedTransformerLayer
 
 transformers = pytest.importorskip("transformers")
 from helpers.devices import DEVICES  # noqa: E402
-from helpers.hf_models import (B, H, S, close, embeds_call,  # noqa: E402
+from helpers.hf_models import (B, H, RELATIVES, S, close, embeds_call,  # noqa: E402
                                fused_copy, hf_enable, inputs_for, layers_of, make_model)
 from helpers.fused import _checkpointed_pair, _seed  # noqa: E402,F401  (an autouse fixture)
 
@@ -22,7 +22,7 @@ from helpers.fused import _checkpointed_pair, _seed  # noqa: E402,F401  (an auto
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("every", [1, 2, 3], ids=["every1", "every2", "all"])
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "llama-gqa"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "llama-gqa"] + RELATIVES)
 def test_checkpointed_equals_not_checkpointed_exactly_with_dropout(family, every, device):
     model, ck = _checkpointed_pair(family, every)
     model.to(device)

@@ -210,3 +210,79 @@ def test_model_without_a_uniform_stack_rides_hugging_faces_mechanism(dropout):
     assert not any(rides_hf(m) for m in model.modules()) and not ckpt_ext.stack.is_enabled(model)
     with pytest.raises(ValueError, match="no layer stack"):
         ckpt_ext.enable_checkpointing(model, every=2)  # grouping needs a stack ckpt_ext can see
+
+
+# ---- fused decoders (ckpt_ext.fuse) across releases -------------------------------------------------------------
+
+FUSED = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+
+
+def _has(model_type: str) -> bool:
+    return model_type in transformers.models.auto.configuration_auto.CONFIG_MAPPING
+
+
+def _causal_lm(model_type: str, dropout: float):
+    sizes = ZOO["gemma"] if model_type in ("gemma2", "gemma3_text") else ZOO[model_type]
+    cfg = transformers.AutoConfig.for_model(model_type, vocab_size=VOCAB, **sizes)
+    for key in DROPOUT_KEYS:
+        if isinstance(getattr(cfg, key, None), float):
+            setattr(cfg, key, dropout)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # norm weights start at 1 (Gemma: 0): random ones make a wrong scale visible
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model.train()
+
+
+def _lm_step(model, kw):
+    """One fine-tuning step of a *ForCausalLM: the loss Hugging Face computes from labels (padding -100)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    labels = kw["input_ids"].masked_fill(kw["attention_mask"] == 0, -100)
+    out = model(**kw, labels=labels, use_cache=False)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", FUSED)
+def test_fused_causal_lm_with_labels_matches_and_checkpoints_exactly(model_type):
+    """fuse() on the *ForCausalLM users fine-tune: the loss from labels and every parameter's gradient match
+    Hugging Face's (float32), and fuse + enable_checkpointing equals fuse alone bit for bit, attention
+    dropout on (a second model)."""
+    if not _has(model_type):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    from ckpt_ext import FusedTransformerLayer
+    model = _causal_lm(model_type, 0.0)
+    kw = inputs(model_type, model)
+    kw["attention_mask"][0, :2] = 0  # left padding in the first sequence too
+    ref = _lm_step(copy.deepcopy(model), kw)
+    fused = ckpt_ext.fuse(model)
+    assert sum(isinstance(m, FusedTransformerLayer) for m in fused.modules()) == LAYERS
+    got = _lm_step(fused, kw)
+    scale = max(g.abs().max().item() for g in ref[1].values())
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    assert got[1].keys() == ref[1].keys()
+    for name in ref[1]:
+        torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-5, atol=1e-6 * scale,
+                                   msg=lambda m: f"{name}: {m}")
+    dropped = ckpt_ext.fuse(_causal_lm(model_type, 0.2))
+    plain = _lm_step(dropped, kw)
+    ckpt_ext.enable_checkpointing(dropped, every=2)
+    ck = _lm_step(dropped, kw)
+    assert torch.equal(ck[0], plain[0])
+    for name in plain[1]:
+        assert torch.equal(ck[1][name], plain[1][name]), name
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_gemma2_and_3_are_left_to_hugging_face_with_a_warning(model_type):
+    if not _has(model_type):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    model = _causal_lm(model_type, 0.0)
+    with pytest.warns(UserWarning, match="left to Hugging Face"):
+        with pytest.raises(ValueError, match="no supported layer"):
+            ckpt_ext.fuse(model)

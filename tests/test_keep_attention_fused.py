@@ -19,11 +19,11 @@ from ckpt_ext.fused import run_segment
 transformers = pytest.importorskip("transformers")
 from helpers.devices import DEVICES, requires_cuda  # noqa: E402
 from helpers.fused import _seed  # noqa: E402,F401  (an autouse fixture)
-from helpers.hf_models import (B, S, assert_training_parity, embeds_call, inputs_for, layers_of,  # noqa: E402
-                               make_model)
+from helpers.hf_models import (B, DECODERS, RELATIVES, S, assert_training_parity, embeds_call,  # noqa: E402
+                               inputs_for, layers_of, make_model)
 from helpers.pool import slot_bytes, stats  # noqa: E402
 
-FAMILIES = ["bert", "gpt2", "llama", "llama-gqa"]
+FAMILIES = ["bert", "gpt2", "llama", "llama-gqa"] + RELATIVES
 
 
 def _hidden_dropout(family, p):
@@ -84,8 +84,8 @@ def _assert_same_step(model, ck, family, kw, autocast=False):
 @pytest.mark.parametrize("every", [1, 3], ids=["every1", "all"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_keep_attention_equals_not_checkpointed_exactly(family, every, padding, hidden_p, device):
-    if family.startswith("llama") and hidden_p:
-        pytest.skip("Llama has no hidden dropout")
+    if family in DECODERS and hidden_p:
+        pytest.skip("Llama and its relatives have no hidden dropout")
     model, ck = _pair(family, every, hidden_p)
     model.to(device)
     ck.to(device)

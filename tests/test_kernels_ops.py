@@ -22,7 +22,7 @@ from ckpt_ext import ops
 from helpers.devices import DEVICES
 from helpers.kernel_refs import (_acc, assert_matches_reference, randn_on, ref_add_layer_norm, ref_bias_dropout_add,
                                  ref_bias_dropout_add_layer_norm, ref_bias_gelu, ref_rms_norm, ref_rotary,
-                                 ref_row_stats, ref_swiglu)
+                                 ref_geglu, ref_row_stats, ref_swiglu)
 from helpers.kernel_fixtures import DTYPES, _seed  # noqa: F401  (an autouse fixture)
 
 # (rows..., hidden): odd sizes on purpose, hidden from 1 to 1000, one 3-D input, and the model widths the
@@ -81,6 +81,18 @@ def test_swiglu(device, dtype, shape):
     up = randn_on(*shape, dtype=dtype, device=device)
     g = randn_on(*shape, dtype=dtype, device=device, requires_grad=False)
     assert_matches_reference(ops.swiglu, ref_swiglu, [gate, up], [g], (["out"], ["gate", "up"]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROW_SHAPES + [(4, 3, 1000)], ids=ROW_SHAPE_IDS + ["4x3x1000"])
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_geglu(device, dtype, shape, approximate):
+    gate = randn_on(*shape, dtype=dtype, device=device, scale=2.0)
+    up = randn_on(*shape, dtype=dtype, device=device)
+    g = randn_on(*shape, dtype=dtype, device=device, requires_grad=False)
+    assert_matches_reference(lambda a, b: ops.geglu(a, b, approximate), lambda a, b: ref_geglu(a, b, approximate),
+                             [gate, up], [g], (["out"], ["gate", "up"]))
 
 
 ROTARY_CASES = [

@@ -53,6 +53,10 @@ def compute(dtype: torch.dtype, rows: int, hidden: int) -> dict:
     out["swiglu"] = ops.swiglu(x, r)
     for k, t in zip(("gate", "up"), ops.swiglu_backward(gr, x, r)):
         out["swiglu_backward_" + k] = t
+    for approximate in ("tanh", "none"):
+        out["geglu_" + approximate] = ops.geglu(x, r, approximate)
+        for k, t in zip(("gate", "up"), ops.geglu_backward(gr, x, r, approximate)):
+            out[f"geglu_{approximate}_backward_" + k] = t
     if hidden % 2 == 0:
         q = x.view(rows, 1, 1, hidden)
         cos, sin = rand(1, hidden).view(1, 1, hidden), rand(1, hidden).view(1, 1, hidden)

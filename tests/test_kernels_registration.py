@@ -57,6 +57,9 @@ def _opcheck_samples(device="cpu"):
         (L.add_rms_norm_backward.default, (g, None, s, w.detach(), rstd)),
         (L.swiglu.default, (x, r)),
         (L.swiglu_backward.default, (g, x.detach(), r.detach())),
+        (L.geglu.default, (x, r, "tanh")),
+        (L.geglu.default, (x, r.detach(), "none")),
+        (L.geglu_backward.default, (g, x.detach(), r.detach(), "tanh")),
         (L.rotary.default, (q, cos, sin)),
         (L.rotary.default, (t(2, 3, 6, 8, grad=True), cos.squeeze(0), sin.squeeze(0))),
         (L.rotary_backward.default, (g.reshape(1, 1, 5, 12), t(5, 12), t(5, 12))),
@@ -86,7 +89,7 @@ def test_every_op_has_an_opcheck_sample():
 # ---- autograd registration: in C++, so that C++ code (the fused layers) differentiates without Python ------------
 
 _FORWARD_OPS = ["bias_gelu", "bias_dropout_add", "dropout", "bias_dropout_add_layer_norm", "add_layer_norm",
-                "add_rms_norm", "swiglu", "rotary"]
+                "add_rms_norm", "swiglu", "geglu", "rotary"]
 
 
 @pytest.mark.parametrize("name", _FORWARD_OPS)
@@ -99,7 +102,7 @@ def test_autograd_kernel_is_registered_in_cpp(name):
 def test_autograd_nodes_are_cpp_functions():
     x = torch.randn(4, 6, requires_grad=True)
     w = torch.randn(6, requires_grad=True)
-    for out in [ops.bias_gelu(x, w), ops.swiglu(x, x), ops.add_rms_norm(x, None, w)[0],
+    for out in [ops.bias_gelu(x, w), ops.swiglu(x, x), ops.geglu(x, x), ops.add_rms_norm(x, None, w)[0],
                 ops.bias_dropout_add_layer_norm(x, w, x, w, w, 0.2, 1e-5, 1, 2)[0]]:
         assert type(out.grad_fn).__name__ == "CppFunction"
 
@@ -142,6 +145,8 @@ def test_gradcheck_float64():
         (lambda x, r, w, b: ops.add_layer_norm(x, r, w, b, 1e-5)[:2], (x, r, w, b)),
         (lambda x, r, w: ops.add_rms_norm(x, r, w, 1e-6)[:2], (x, r, w)),
         (ops.swiglu, (x, r)),
+        (lambda g, u: ops.geglu(g, u, "tanh"), (x, r)),
+        (lambda g, u: ops.geglu(g, u, "none"), (x, r)),
         (ops.rotary, (t(2, 3, 5, 4), t(1, 5, 4), t(1, 5, 4))),
     ]
     for fn, args in checks:

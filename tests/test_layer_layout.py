@@ -17,16 +17,18 @@ from ckpt_ext import _layout, fused
 from ckpt_ext.hf import layers as hf_layers
 
 pytest.importorskip("transformers")
-from helpers.hf_models import layers_of, make_model  # noqa: E402
+from helpers.hf_models import RELATIVES, layers_of, make_model  # noqa: E402
 
 _C = fused._C
 
 
 def test_family_ids_and_names_come_from_cpp():
     families = dict(_C.layer_families())
-    assert sorted(families) == ["bert", "gpt2", "llama"]
-    assert (_layout.BERT, _layout.GPT2, _layout.LLAMA) == tuple(families[n][0] for n in ("bert", "gpt2", "llama"))
-    assert len({fid for fid, _ in families.values()}) == 3
+    names = ("bert", "gpt2", "llama", "qwen3", "gemma")
+    assert sorted(families) == sorted(names)
+    assert (_layout.BERT, _layout.GPT2, _layout.LLAMA, _layout.QWEN3, _layout.GEMMA) == \
+        tuple(families[n][0] for n in names)
+    assert len({fid for fid, _ in families.values()}) == len(names)
     for name, (fid, slots) in families.items():
         assert _layout.FAMILY_NAMES[fid] == name
         assert list(hf_layers.HF_PARAMETERS[name]) == list(slots)
@@ -39,6 +41,20 @@ def test_slot_map_covers_every_parameter_of_the_hf_layer(family, kw):
     fid = dict(_C.layer_families())[family][0]
     paths = hf_layers.WEIGHT_PATHS[fid]
     assert sorted(paths) == sorted(name for name, _ in layer.named_parameters())
+
+
+@pytest.mark.parametrize("family", RELATIVES)
+def test_slot_map_covers_every_parameter_of_the_relatives(family):
+    """Qwen2, Mistral, Qwen3, Gemma: every parameter of the layer has its slot; the slots without a parameter are
+    biases the layer registers as None (nn.Linear(bias=False))."""
+    layer = layers_of(make_model(family, layers=1))[0]
+    fid = hf_layers.layer_classes()[type(layer)]
+    paths = hf_layers.WEIGHT_PATHS[fid]
+    params = {name for name, _ in layer.named_parameters()}
+    assert params <= set(paths)
+    for path in set(paths) - params:
+        module, _, name = path.rpartition(".")
+        assert name == "bias" and layer.get_submodule(module).bias is None, path
 
 
 def _swapped(mapping, family, a, b):

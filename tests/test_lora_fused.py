@@ -31,6 +31,10 @@ TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
 FAMILIES = list(TARGETS)
+# Llama's relatives (same projections): in the parity and replay tests.
+RELATIVES = ["qwen2", "mistral", "qwen3", "gemma"]
+for _name in RELATIVES:
+    TARGETS[_name] = TARGETS["llama"]
 
 
 def make_model(family, dropout=0.0, layers=2):
@@ -45,10 +49,15 @@ def make_model(family, dropout=0.0, layers=2):
         cfg = t.GPT2Config(n_embd=H, n_head=3, n_layer=layers, vocab_size=VOCAB, resid_pdrop=dropout,
                            attn_pdrop=dropout, embd_pdrop=0.0, attn_implementation="sdpa", use_cache=False)
         return t.GPT2Model(cfg)
-    cfg = t.LlamaConfig(hidden_size=H, num_attention_heads=3, num_key_value_heads=1, intermediate_size=100,
-                        num_hidden_layers=layers, vocab_size=VOCAB, attention_dropout=dropout,
-                        attn_implementation="sdpa", use_cache=False)
-    return t.LlamaModel(cfg)
+    name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma"}[family]
+    if not hasattr(t, name + "Model"):
+        pytest.skip(f"transformers {t.__version__} has no {name}Model")
+    extra = {"head_dim": 8} if family in ("qwen3", "gemma") else {"sliding_window": 5} if family == "mistral" else {}
+    cfg = getattr(t, name + "Config")(hidden_size=H, num_attention_heads=3, num_key_value_heads=1,
+                                      intermediate_size=100, num_hidden_layers=layers, vocab_size=VOCAB,
+                                      attention_dropout=dropout, attn_implementation="sdpa", use_cache=False,
+                                      **extra)
+    return getattr(t, name + "Model")(cfg)
 
 
 def lora_config(family, lora_dropout=0.0, **kw):
@@ -113,7 +122,7 @@ def assert_identical(a, b):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lora_dropout", [0.0, 1e-9])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + RELATIVES)
 def test_parity_with_peft(family, lora_dropout, device):
     ref = peft_model(family, lora_dropout).to(device)
     fused = ckpt_ext.fuse(copy.deepcopy(ref))
@@ -136,7 +145,7 @@ def test_rslora_and_ranks_per_module(family):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lora_dropout", [0.0, 0.2])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + RELATIVES)
 def test_dropout_checkpointing_replays_bit_identical(family, lora_dropout, device):
     base = peft_model(family, lora_dropout=lora_dropout, dropout=0.1).to(device)
     fused = ckpt_ext.fuse(copy.deepcopy(base))

@@ -3,12 +3,13 @@ into which C++ family, where each C++ weight slot lives in them (parameter paths
 positional arguments, how their modules and configs translate into a ``_C.LayerSpec`` (or why they
 cannot), and transformers' output-capturing hooks. transformers is imported lazily, when a model is
 fused."""
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
 from .._extension import load
-from .._layout import BERT, FAMILIES, GPT2, LLAMA
+from .._layout import BERT, DECODERS, FAMILIES, GEMMA, GPT2, LLAMA, QWEN3
 from .peft import base_of
 
 _C = load()
@@ -19,6 +20,11 @@ def _slots(*modules: Tuple[str, ...]) -> Dict[str, str]:
     return {f"{prefix}_{p}": f"{path}.{p}" for prefix, path, *params in modules for p in params or ("weight", "bias")}
 
 
+# The rotary decoders' shared slots (Llama, Qwen2, Mistral, Qwen3, Gemma name them alike).
+_DECODER = (("ln1", "input_layernorm", "weight"), ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"),
+            ("v", "self_attn.v_proj"), ("o", "self_attn.o_proj"), ("ln2", "post_attention_layernorm", "weight"),
+            ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj"))
+
 # Where each C++ weight slot lives in the Hugging Face layer (parameter paths), written in C++'s slot
 # order; slot_paths checks names and order against C++'s list.
 HF_PARAMETERS: Dict[str, Dict[str, str]] = {
@@ -27,9 +33,9 @@ HF_PARAMETERS: Dict[str, Dict[str, str]] = {
                    ("inter", "intermediate.dense"), ("out", "output.dense"), ("ln2", "output.LayerNorm")),
     "gpt2": _slots(("ln1", "ln_1"), ("attn", "attn.c_attn"), ("attn_proj", "attn.c_proj"), ("ln2", "ln_2"),
                    ("fc", "mlp.c_fc"), ("mlp_proj", "mlp.c_proj")),
-    "llama": _slots(("ln1", "input_layernorm", "weight"), ("q", "self_attn.q_proj"), ("k", "self_attn.k_proj"),
-                    ("v", "self_attn.v_proj"), ("o", "self_attn.o_proj"), ("ln2", "post_attention_layernorm", "weight"),
-                    ("gate", "mlp.gate_proj"), ("up", "mlp.up_proj"), ("down", "mlp.down_proj")),
+    "llama": _slots(*_DECODER),
+    "qwen3": _slots(*_DECODER, ("q_norm", "self_attn.q_norm", "weight"), ("k_norm", "self_attn.k_norm", "weight")),
+    "gemma": _slots(*_DECODER),
 }
 
 
@@ -75,10 +81,10 @@ def returns_tuple(layer: nn.Module, family: int) -> bool:
         import torch
         p = next(layer.parameters())
         hidden = {BERT: lambda: base_of(layer.attention.self.query).in_features, GPT2: lambda: layer.attn.embed_dim,
-                  LLAMA: lambda: base_of(layer.self_attn.q_proj).in_features}[family]()
+                  }.get(family, lambda: base_of(layer.self_attn.q_proj).in_features)()
         x = torch.zeros(1, 2, hidden, device=p.device, dtype=p.dtype)
         kwargs = {}
-        if family == LLAMA:
+        if family in DECODERS:
             rot = torch.zeros(1, 2, layer.self_attn.head_dim, device=p.device, dtype=p.dtype)
             kwargs["position_embeddings"] = (rot + 1, rot)
         was_training = layer.training
@@ -98,29 +104,46 @@ _SILU = {"SiLU", "SiLUActivation"}
 _ATTN_IMPLEMENTATIONS = (None, "eager", "sdpa")
 
 
-def layer_classes() -> Dict[type, int]:
+# (transformers module, layer class, family). Qwen2 (biases on q, k, v) and Mistral (a sliding window: the
+# mask its model passes each layer) are Llama layers to the fused code.
+_FUSED_CLASSES = (
+    ("bert", "BertLayer", BERT), ("roberta", "RobertaLayer", BERT), ("gpt2", "GPT2Block", GPT2),
+    ("llama", "LlamaDecoderLayer", LLAMA), ("qwen2", "Qwen2DecoderLayer", LLAMA),
+    ("mistral", "MistralDecoderLayer", LLAMA), ("qwen3", "Qwen3DecoderLayer", QWEN3),
+    ("gemma", "GemmaDecoderLayer", GEMMA),
+)
+# Layers fuse() knows and leaves to Hugging Face, with why (fuse warns; docs/models.md).
+_HF_CLASSES = (
+    ("gemma2", "Gemma2DecoderLayer",
+     "Gemma 2 layers are not fused (attention logit softcapping, the norms before and after the MLP and after "
+     "the attention, query_pre_attn_scalar): they run Hugging Face's forward"),
+    ("gemma3", "Gemma3DecoderLayer",
+     "Gemma 3 layers are not fused (the norms before and after the MLP and after the attention, Gemma-style "
+     "q/k norms, per-layer-type rotary tables): they run Hugging Face's forward"),
+)
+
+
+def _loaded_classes(table) -> Dict[type, Any]:
+    """{class: value} of the (module, class name, value) entries whose transformers module is imported: a model
+    holding such a layer has imported its class's module, and nothing else needs importing here (a BERT user
+    does not import Gemma 3's modeling code). Read per call: cheap, and follows modules imported later."""
     classes = {}
-    try:
-        from transformers.models.bert.modeling_bert import BertLayer
-        classes[BertLayer] = BERT
-    except ImportError:
-        pass
-    try:
-        from transformers.models.roberta.modeling_roberta import RobertaLayer
-        classes[RobertaLayer] = BERT
-    except ImportError:
-        pass
-    try:
-        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-        classes[GPT2Block] = GPT2
-    except ImportError:
-        pass
-    try:
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-        classes[LlamaDecoderLayer] = LLAMA
-    except ImportError:
-        pass
+    for module, name, value in table:
+        mod = sys.modules.get(f"transformers.models.{module}.modeling_{module}")
+        cls = getattr(mod, name, None) if mod is not None else None  # absent from this release: skipped
+        if cls is not None:
+            classes[cls] = value
     return classes
+
+
+def layer_classes() -> Dict[type, int]:
+    """{transformers layer class: fused family} of the classes fuse() replaces (those imported)."""
+    return _loaded_classes(_FUSED_CLASSES)
+
+
+def left_to_hf_classes() -> Dict[type, str]:
+    """{transformers layer class: why it is not fused} of the layers fuse() knows and leaves to Hugging Face."""
+    return _loaded_classes(_HF_CLASSES)
 
 
 class Unsupported(Exception):
@@ -242,12 +265,34 @@ def _gpt2_scaling(attn: nn.Module, head_dim: int) -> float:
                       "differently")
 
 
-def _llama_spec(layer) -> "_C.LayerSpec":
+def _rms_eps(norm: nn.Module, where: str, size: int) -> float:
+    """The epsilon of a Hugging Face RMSNorm of ``size`` features (``variance_epsilon``, Gemma's ``eps``)."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    weight = getattr(norm, "weight", None)
+    if eps is None or not isinstance(weight, nn.Parameter) or tuple(weight.shape) != (size,):
+        raise Unsupported(f"{where} is not an RMSNorm with a weight of {size} features")
+    return float(eps)
+
+
+def _decoder_spec(layer, family: int) -> "_C.LayerSpec":
+    """Llama and its relatives (llama: Llama, Qwen2, Mistral; qwen3; gemma)."""
     attn, mlp = layer.self_attn, layer.mlp
     config = getattr(attn, "config", None)
+    # The sliding window (Mistral; Qwen2/Qwen3 sliding layers) is the mask the model builds for eager and SDPA
+    # attention and passes each layer; the fused layer applies that mask. Other implementations get no such mask.
+    window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
+    if window is not None and _attn_impl(config) not in _ATTN_IMPLEMENTATIONS:
+        raise Unsupported(f"sliding window {window} under attention implementation {_attn_impl(config)!r}: the fused "
+                          "layer applies the window through the mask Hugging Face builds for 'eager' and 'sdpa' "
+                          "attention, which this implementation does not build")
     _check_common(layer, config)
-    if type(mlp.act_fn).__name__ not in _SILU:
-        raise Unsupported(f"activation {type(mlp.act_fn).__name__} (the fused Llama MLP is SwiGLU: silu)")
+    act = type(mlp.act_fn).__name__
+    if family == GEMMA:
+        gelu_tanh = _gelu_tanh(mlp.act_fn, "mlp (the fused Gemma MLP is GeGLU)")
+    elif act not in _SILU:
+        raise Unsupported(f"activation {act} (the fused {type(layer).__name__} MLP is SwiGLU: silu)")
+    else:
+        gelu_tanh = False
     biases = [getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")]
     if len(set(biases)) != 1:
         raise Unsupported("q/k/v projections with and without bias mixed")
@@ -256,14 +301,19 @@ def _llama_spec(layer) -> "_C.LayerSpec":
     kv_heads = attn.k_proj.out_features // head_dim
     if heads * head_dim != attn.q_proj.out_features or kv_heads * head_dim != attn.k_proj.out_features:
         raise Unsupported("projection sizes are not multiples of head_dim")
-    eps = _same([layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon],
-                "RMSNorm epsilons")
-    return _C.LayerSpec(family=LLAMA, hidden=attn.q_proj.in_features, num_heads=heads, num_kv_heads=kv_heads,
+    hidden = attn.q_proj.in_features
+    norms = [_rms_eps(layer.input_layernorm, "input_layernorm", hidden),
+             _rms_eps(layer.post_attention_layernorm, "post_attention_layernorm", hidden)]
+    if family == QWEN3:
+        norms += [_rms_eps(attn.q_norm, "self_attn.q_norm", head_dim), _rms_eps(attn.k_norm, "self_attn.k_norm", head_dim)]
+    eps = _same(norms, "RMSNorm epsilons")
+    return _C.LayerSpec(family=family, hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
                         head_dim=head_dim, scaling=float(attn.scaling), attn_p=float(attn.attention_dropout),
-                        hidden_p=0.0, eps=float(eps), gelu_tanh=False)
+                        hidden_p=0.0, eps=eps, gelu_tanh=gelu_tanh)
 
 
-_SPEC_BUILDERS: Dict[int, Callable[[nn.Module], Any]] = {BERT: _bert_spec, GPT2: _gpt2_spec, LLAMA: _llama_spec}
+_SPEC_BUILDERS: Dict[int, Callable[[nn.Module], Any]] = {
+    BERT: _bert_spec, GPT2: _gpt2_spec, **{f: (lambda layer, f=f: _decoder_spec(layer, f)) for f in DECODERS}}
 
 
 def layer_spec(layer: nn.Module, family: int) -> "_C.LayerSpec":

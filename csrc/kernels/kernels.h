@@ -67,6 +67,10 @@ struct DropoutArgs {
   void swiglu_forward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out);                  \
   void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,                 \
                        const at::Tensor& grad_gate, const at::Tensor& grad_up);                               \
+  /* out = gelu(gate) * up (GeGLU; tanh: the tanh-approximated GELU) */                                     \
+  void geglu_forward(const at::Tensor& gate, const at::Tensor& up, bool tanh, const at::Tensor& out);       \
+  void geglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, bool tanh,      \
+                      const at::Tensor& grad_gate, const at::Tensor& grad_up);                                \
   /* x, out: [B, H, S, D] with any strides but a contiguous last dim; cos, sin: [B or 1, S, D] contiguous. */ \
   /* forward: out = x * cos + rotate_half(x) * sin; backward: its transpose applied to x (= grad).        */ \
   void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,              \

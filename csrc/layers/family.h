@@ -44,6 +44,8 @@ struct LayerFamily {
 extern const LayerFamily kBertFamily;
 extern const LayerFamily kGpt2Family;
 extern const LayerFamily kLlamaFamily;
+extern const LayerFamily kQwen3Family;
+extern const LayerFamily kGemmaFamily;
 
 // ---- shared pieces ----------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 // The layer's spec and dispatch by family, the checks every layer call shares, and the segment's replay
-// interface (layer.h). Each family lives in its own file (bert.cpp, gpt2.cpp, llama.cpp).
+// interface (layer.h). Each family lives in its own file (bert.cpp, gpt2.cpp, llama.cpp: Llama and its
+// relatives).
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
@@ -22,6 +23,10 @@ const LayerFamily& family(Family f) {
       return kGpt2Family;
     case Family::kLlama:
       return kLlamaFamily;
+    case Family::kQwen3:
+      return kQwen3Family;
+    case Family::kGemma:
+      return kGemmaFamily;
   }
   TORCH_CHECK(false, "ckpt_ext: unknown layer family ", static_cast<int64_t>(f));
 }
@@ -66,7 +71,8 @@ void check_inputs(const LayerSpec& spec, const Tensor& hidden, const LayerInputs
 const FamilyInfo& family_info(Family f) { return family(f).info; }
 
 const std::vector<Family>& all_families() {
-  static const std::vector<Family> all{Family::kBert, Family::kGPT2, Family::kLlama};
+  static const std::vector<Family> all{Family::kBert, Family::kGPT2, Family::kLlama, Family::kQwen3,
+                                       Family::kGemma};
   return all;
 }
 
@@ -74,21 +80,24 @@ const char* family_name(Family f) { return family(f).info.name; }
 
 void LayerSpec::validate() const {
   const auto f = static_cast<int64_t>(family);
-  TORCH_CHECK(f >= 0 && f <= 2, "ckpt_ext LayerSpec: unknown family ", f);
+  TORCH_CHECK(f >= 0 && f <= static_cast<int64_t>(Family::kGemma), "ckpt_ext LayerSpec: unknown family ", f);
+  const bool decoder = is_rotary_decoder(family);
   TORCH_CHECK(hidden > 0 && num_heads > 0 && num_kv_heads > 0 && head_dim > 0,
               "ckpt_ext LayerSpec: hidden, num_heads, num_kv_heads and head_dim must be positive, got ", repr());
   TORCH_CHECK(num_heads % num_kv_heads == 0, "ckpt_ext LayerSpec: num_heads (", num_heads,
               ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
-  TORCH_CHECK(family == Family::kLlama || num_kv_heads == num_heads,
-              "ckpt_ext LayerSpec: grouped-query attention (num_kv_heads != num_heads) is a Llama feature");
-  TORCH_CHECK(family == Family::kLlama || num_heads * head_dim == hidden, "ckpt_ext LayerSpec: num_heads * head_dim (",
+  TORCH_CHECK(decoder || num_kv_heads == num_heads,
+              "ckpt_ext LayerSpec: grouped-query attention (num_kv_heads != num_heads) is a feature of the rotary "
+              "decoders (llama, qwen3, gemma)");
+  TORCH_CHECK(decoder || num_heads * head_dim == hidden, "ckpt_ext LayerSpec: num_heads * head_dim (",
               num_heads * head_dim, ") must equal hidden (", hidden, ") for ", family_name(family));
-  TORCH_CHECK(family != Family::kLlama || head_dim % 2 == 0, "ckpt_ext LayerSpec: rotary needs an even head_dim, got ",
+  TORCH_CHECK(!decoder || head_dim % 2 == 0, "ckpt_ext LayerSpec: rotary needs an even head_dim, got ",
               head_dim);
   TORCH_CHECK(attn_p >= 0 && attn_p < 1 && hidden_p >= 0 && hidden_p < 1,
               "ckpt_ext LayerSpec: dropout probabilities must be in [0, 1), got attn_p=", attn_p,
               ", hidden_p=", hidden_p);
-  TORCH_CHECK(family != Family::kLlama || hidden_p == 0, "ckpt_ext LayerSpec: Llama layers have no hidden dropout");
+  TORCH_CHECK(!decoder || hidden_p == 0, "ckpt_ext LayerSpec: ", family_name(family),
+              " layers have no hidden dropout");
   TORCH_CHECK(eps >= 0, "ckpt_ext LayerSpec: eps must be >= 0, got ", eps);
   const size_t n_lora = family_info(family).lora.size();
   TORCH_CHECK(lora_scaling.size() == lora_p.size() && (lora_p.empty() || lora_p.size() == n_lora),

@@ -1,12 +1,14 @@
 // Fused transformer layers: pure forward functions of (hidden states, mask / rotary tables, weights,
-// dropout seed) for three families, built from ATen matmuls, SDPA's attention kernels and the
+// dropout seed) for five families, built from ATen matmuls, SDPA's attention kernels and the
 // ckpt_ext ops (called through the dispatcher, so they record C++ autograd when grad mode is on).
 //
 //   BERT/RoBERTa encoder layer  post-LN, exact or tanh GELU, biases, padding mask, hidden and
 //                               attention-probability dropout
 //   GPT-2 block                 pre-LN, causal, Conv1D weights ([in, out]), resid/attn dropout
 //   Llama decoder layer         RMSNorm, rotary q/k, SwiGLU, grouped-query attention, causal, optional
-//                               biases, attention dropout
+//                               biases, attention dropout (also Qwen2 and Mistral)
+//   Qwen3 decoder layer         Llama's, with an RMSNorm over each head of q and k
+//   Gemma decoder layer         Llama's, with RMSNorm scaled by (1 + weight) and GeGLU
 //
 // Dropout: every dropout site of a layer call uses the call's seed and an offset of its own
 // (DropoutSite), so a replay with the same seed draws the same masks. The seed is drawn once per call
@@ -39,7 +41,11 @@ namespace layers {
 
 using at::Tensor;
 
-enum class Family : int64_t { kBert = 0, kGPT2 = 1, kLlama = 2 };
+enum class Family : int64_t { kBert = 0, kGPT2 = 1, kLlama = 2, kQwen3 = 3, kGemma = 4 };
+
+// The rotary decoder families (llama.cpp: Llama and its relatives, one forward on one spec): grouped-query
+// attention, head_dim independent of hidden / num_heads, no hidden dropout.
+inline bool is_rotary_decoder(Family f) { return f == Family::kLlama || f == Family::kQwen3 || f == Family::kGemma; }
 
 const char* family_name(Family f);
 
@@ -48,13 +54,13 @@ struct LayerSpec {
   Family family = Family::kBert;
   int64_t hidden = 0;        // model width
   int64_t num_heads = 0;     // query heads
-  int64_t num_kv_heads = 0;  // key/value heads (< num_heads: grouped-query attention, Llama only)
+  int64_t num_kv_heads = 0;  // key/value heads (< num_heads: grouped-query attention, rotary decoders only)
   int64_t head_dim = 0;
   double scaling = 1.0;      // attention score scale
   double attn_p = 0.0;       // attention-probability dropout
   double hidden_p = 0.0;     // BERT hidden_dropout_prob, GPT-2 resid_pdrop; 0 for Llama
   double eps = 1e-5;         // LayerNorm / RMSNorm epsilon
-  bool gelu_tanh = false;    // BERT/GPT-2: tanh-approximated GELU instead of the exact one
+  bool gelu_tanh = false;    // BERT/GPT-2/Gemma: tanh-approximated GELU instead of the exact one
   // LoRA adapters (peft), one entry per projection of FamilyInfo::lora, or empty when the call has none:
   // each adapter's scaling (lora_alpha / r, or / sqrt(r) for rsLoRA) and the dropout on its input.
   std::vector<double> lora_scaling;

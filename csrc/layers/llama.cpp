@@ -1,9 +1,17 @@
-// The Llama decoder layer (RMSNorm, rotary q/k, SwiGLU, grouped-query attention, causal, optional
-// biases, attention dropout), mirroring Hugging Face's LlamaDecoderLayer operation by operation:
+// The Llama decoder layer and its relatives, one forward on one spec (RMSNorm, rotary q/k, gated MLP,
+// grouped-query attention, causal, optional biases, attention dropout), mirroring Hugging Face's decoder
+// layers operation by operation:
 //
-//   (n1) = RMS(x); q, k rotated; ctx = causal (GQA) attention
+//   (n1) = RMS(x); q, k [RMS per head]; q, k rotated; ctx = causal (GQA) attention
 //   (n2, h1) = (RMS(h1), h1 = x + ctx Wo^T)                add_rms_norm
-//   out = h1 + swiglu(n2 Wg^T, n2 Wu^T) Wd^T                swiglu, residual_linear (the last linear)
+//   out = h1 + act(n2 Wg^T) * (n2 Wu^T) Wd^T               swiglu / geglu, residual_linear (the last linear)
+//
+// What sets the relatives apart (Decoder below):
+//   llama   LlamaDecoderLayer; also Qwen2 (biases on q, k, v: the optional bias slots) and Mistral (its
+//           sliding window is the attention mask its model passes each layer, which attention() applies)
+//   qwen3   an RMSNorm over each head of q and of k (q_norm, k_norm) before the rotary embedding
+//   gemma   RMSNorm scaled by (1 + weight); GeGLU (GELU, tanh or exact, instead of SiLU). Its embedding
+//           scaling and final norm are the model's, outside the layers.
 #include <ATen/ATen.h>
 
 #include "../common/checks.h"
@@ -14,66 +22,116 @@ namespace ckpt_ext {
 namespace layers {
 namespace {
 
-// Weight slots and their names (exported to Python, which maps Hugging Face's parameters to them).
+// Weight slots and their names (exported to Python, which maps Hugging Face's parameters to them). The
+// families share the first kCount; qwen3 adds its per-head norms after them.
 enum : int64_t { kLn1W, kQW, kQB, kKW, kKB, kVW, kVB, kOW, kOB, kLn2W, kGateW, kGateB, kUpW, kUpB, kDownW, kDownB,
-                 kCount };
+                 kCount, kQNormW = kCount, kKNormW, kQwen3Count };
 constexpr const char* kSlotNames[] = {
     "ln1_weight", "q_weight", "q_bias", "k_weight", "k_bias", "v_weight", "v_bias", "o_weight", "o_bias",
-    "ln2_weight", "gate_weight", "gate_bias", "up_weight", "up_bias", "down_weight", "down_bias"};
-static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kCount, "one name per weight slot");
+    "ln2_weight", "gate_weight", "gate_bias", "up_weight", "up_bias", "down_weight", "down_bias",
+    "q_norm_weight", "k_norm_weight"};
+static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kQwen3Count, "one name per weight slot");
 // The projections that may carry a LoRA adapter (adapter j's A, B follow the slots above).
 enum : int64_t { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraDown };
 const std::vector<std::string> kLora{"q_weight", "k_weight", "v_weight", "o_weight", "gate_weight", "up_weight",
                                      "down_weight"};
 
-void check(const LayerSpec& s, const std::vector<Tensor>& w) {
+struct Decoder {
+  const char* label;  // in messages
+  bool qk_norm;       // qwen3: RMSNorm over each head of q and k (slots kQNormW, kKNormW), before rotary
+  bool unit_offset;   // gemma: RMSNorm scaled by (1 + weight)
+  bool gelu;          // gemma: GeGLU (spec.gelu_tanh: tanh or exact GELU) instead of SwiGLU
+};
+constexpr Decoder kLlama{"Llama", false, false, false};
+constexpr Decoder kQwen3{"Qwen3", true, false, false};
+constexpr Decoder kGemma{"Gemma", false, true, true};
+
+void check(const Decoder& d, const LayerSpec& s, const std::vector<Tensor>& w) {
   const int64_t H = s.hidden;
-  for (int64_t i : {kLn1W, kQW, kKW, kVW, kOW, kLn2W, kGateW, kUpW, kDownW})
-    check_present(s, w, i, "every Llama weight");
+  for (int64_t i : {kLn1W, kQW, kKW, kVW, kOW, kLn2W, kGateW, kUpW, kDownW}) check_present(s, w, i, "every weight");
   check_matrix(s, "self_attn.q_proj.weight", w[kQW], s.num_heads * s.head_dim, H);
   check_matrix(s, "self_attn.k_proj.weight", w[kKW], s.num_kv_heads * s.head_dim, H);
   check_matrix(s, "self_attn.v_proj.weight", w[kVW], s.num_kv_heads * s.head_dim, H);
   check_matrix(s, "self_attn.o_proj.weight", w[kOW], H, s.num_heads * s.head_dim);
-  check_vector(w[kLn1W], H, "input_layernorm.weight", nullptr, "ckpt_ext fused llama layer");
-  check_vector(w[kLn2W], H, "post_attention_layernorm.weight", nullptr, "ckpt_ext fused llama layer");
+  check_vector(w[kLn1W], H, "input_layernorm.weight", nullptr, "ckpt_ext fused ", d.label, " layer");
+  check_vector(w[kLn2W], H, "post_attention_layernorm.weight", nullptr, "ckpt_ext fused ", d.label, " layer");
+  if (d.qk_norm) {
+    check_present(s, w, kQNormW, "self_attn.q_norm.weight");
+    check_present(s, w, kKNormW, "self_attn.k_norm.weight");
+    check_vector(w[kQNormW], s.head_dim, "self_attn.q_norm.weight", nullptr, "ckpt_ext fused ", d.label, " layer");
+    check_vector(w[kKNormW], s.head_dim, "self_attn.k_norm.weight", nullptr, "ckpt_ext fused ", d.label, " layer");
+  }
 }
 
 LastLinear last_linear(const LayerSpec&, const std::vector<Tensor>& w, const LayerRng&) {
   return LastLinear{w[kDownW], w[kDownB], /*conv1d=*/false, 0.0, kMlpOut, kDownW, kDownB};
 }
 
-LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, const std::vector<Tensor>& w,
-                    const LayerRng& rng, const Tensor& out_slot, bool stop, KeptAttention* kept) {
-  TORCH_CHECK(in.cos.defined() && in.sin.defined(),
-              "ckpt_ext fused Llama layer: position_embeddings (cos, sin) are required; Hugging Face's LlamaModel "
-              "passes them to every layer");
-  const Tensor n1 = std::get<0>(ops::add_rms_norm(x, std::nullopt, w[kLn1W], s.eps));
+// The RMSNorm weight as the kernel multiplies it: Gemma's scale is 1 + weight (a differentiable add; in
+// float32 the same product as GemmaRMSNorm's, in a reduced-precision model 1 + weight is rounded once more).
+Tensor norm_weight(const Decoder& d, const Tensor& w) { return d.unit_offset ? w + 1 : w; }
+
+// Qwen3's q_norm/k_norm: RMSNorm over the last dim (head_dim) of each head, computed by the rms norm op
+// on the [B, heads, S, D] tensor. Under autocast the projection is in the autocast dtype and the norm's
+// weight in the parameters' (float32): Hugging Face's Qwen3RMSNorm then returns weight * normalised in
+// float32, which the rotary embedding (float32 tables) and SDPA (autocast) take; the op runs in the
+// weight's dtype for the same dtypes downstream.
+Tensor head_rms_norm(const LayerSpec& s, const Tensor& t, const Tensor& weight) {
+  return std::get<0>(ops::add_rms_norm(like(t, weight), std::nullopt, weight, s.eps));
+}
+
+LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const LayerInputs& in,
+                    const std::vector<Tensor>& w, const LayerRng& rng, const Tensor& out_slot, bool stop,
+                    KeptAttention* kept) {
+  TORCH_CHECK(in.cos.defined() && in.sin.defined(), "ckpt_ext fused ", d.label,
+              " layer: position_embeddings (cos, sin) are required; Hugging Face's decoder models pass them to "
+              "every layer");
+  const Tensor n1 = std::get<0>(ops::add_rms_norm(x, std::nullopt, norm_weight(d, w[kLn1W]), s.eps));
   const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
   const int64_t qw = s.num_heads * s.head_dim, kvw = s.num_kv_heads * s.head_dim;
   const Tensor qkv = plus_lora_qkv(s, w, {kLoraQ, kLoraK, kLoraV}, n1,
                                   gemm_linear(n1, wqkv, bqkv), {qw, kvw, kvw}, rng);
-  const auto [q_raw, k_raw, v] = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim);
+  auto [q_raw, k_raw, v] = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim);
+  if (d.qk_norm) {
+    q_raw = head_rms_norm(s, q_raw, w[kQNormW]);
+    k_raw = head_rms_norm(s, k_raw, w[kKNormW]);
+  }
   const Tensor cos = like(in.cos, q_raw), sin = like(in.sin, q_raw);
   const Tensor q = ops::rotary(q_raw, cos, sin);
   const Tensor k = ops::rotary(k_raw, cos, sin);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
   auto [n2, h1, rstd] = ops::add_rms_norm(
-      like(plus_lora(gemm_linear(ctx, w[kOW], w[kOB]), lora_delta(s, w, kLoraO, ctx, rng)), x), x, w[kLn2W],
-      s.eps);
-  // Two GEMMs rather than one over [gate; up]: swiglu reads contiguous halves without a copy.
-  const Tensor act =
-      ops::swiglu(plus_lora(gemm_linear(n2, w[kGateW], w[kGateB]), lora_delta(s, w, kLoraGate, n2, rng)),
-                  plus_lora(gemm_linear(n2, w[kUpW], w[kUpB]), lora_delta(s, w, kLoraUp, n2, rng)));
+      like(plus_lora(gemm_linear(ctx, w[kOW], w[kOB]), lora_delta(s, w, kLoraO, ctx, rng)), x), x,
+      norm_weight(d, w[kLn2W]), s.eps);
+  // Two GEMMs rather than one over [gate; up]: the gated activation reads contiguous halves without a copy.
+  const Tensor gate = plus_lora(gemm_linear(n2, w[kGateW], w[kGateB]), lora_delta(s, w, kLoraGate, n2, rng));
+  const Tensor up = plus_lora(gemm_linear(n2, w[kUpW], w[kUpB]), lora_delta(s, w, kLoraUp, n2, rng));
+  const Tensor act = d.gelu ? ops::geglu(gate, up, s.gelu_tanh ? "tanh" : "none") : ops::swiglu(gate, up);
   return last_linear_tail(s, w, rng, last_linear(s, w, rng), act, h1, out_slot, stop,
                           lora_delta(s, w, kLoraDown, act, rng));
 }
 
+// One family per Decoder: the LayerFamily entry points bound to it.
+template <const Decoder& D>
+void check_of(const LayerSpec& s, const std::vector<Tensor>& w) {
+  check(D, s, w);
+}
+template <const Decoder& D>
+LayerOutput forward_of(const LayerSpec& s, const Tensor& x, const LayerInputs& in, const std::vector<Tensor>& w,
+                       const LayerRng& rng, const Tensor& out_slot, bool stop, KeptAttention* kept) {
+  return forward(D, s, x, in, w, rng, out_slot, stop, kept);
+}
+
 }  // namespace
 
-const LayerFamily kLlamaFamily{{Family::kLlama, "llama", {kSlotNames, kSlotNames + kCount}, kLora}, &check, &forward,
-                               &last_linear};
+const LayerFamily kLlamaFamily{{Family::kLlama, "llama", {kSlotNames, kSlotNames + kCount}, kLora},
+                               &check_of<kLlama>, &forward_of<kLlama>, &last_linear};
+const LayerFamily kQwen3Family{{Family::kQwen3, "qwen3", {kSlotNames, kSlotNames + kQwen3Count}, kLora},
+                               &check_of<kQwen3>, &forward_of<kQwen3>, &last_linear};
+const LayerFamily kGemmaFamily{{Family::kGemma, "gemma", {kSlotNames, kSlotNames + kCount}, kLora},
+                               &check_of<kGemma>, &forward_of<kGemma>, &last_linear};
 
 }  // namespace layers
 }  // namespace ckpt_ext

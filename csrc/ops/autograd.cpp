@@ -266,6 +266,28 @@ struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
   }
 };
 
+// ---- geglu(gate, up, approximate) ----------------------------------------------------------------------------------
+
+struct GegluFunction : torch::autograd::Function<GegluFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& gate, const Tensor& up, c10::string_view approximate) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({gate, up});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    return ops::geglu(gate, up, approximate);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list out(3);
+    if (!grads[0].defined() || !(ctx->needs_input_grad(0) || ctx->needs_input_grad(1))) return out;
+    const auto saved = ctx->get_saved_variables();
+    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    auto [grad_gate, grad_up] = ops::geglu_backward(grads[0], saved[0], saved[1], approximate);
+    if (ctx->needs_input_grad(0)) out[0] = grad_gate;
+    if (ctx->needs_input_grad(1)) out[1] = grad_up;
+    return out;
+  }
+};
+
 // ---- rotary(x, cos, sin) -------------------------------------------------------------------------------------------
 
 Tensor rotate_half(const Tensor& x) {
@@ -339,6 +361,10 @@ std::tuple<Tensor, Tensor, Tensor> add_rms_norm_autograd(const Tensor& x, const 
 
 Tensor swiglu_autograd(const Tensor& gate, const Tensor& up) { return SwigluFunction::apply(gate, up); }
 
+Tensor geglu_autograd(const Tensor& gate, const Tensor& up, c10::string_view approximate) {
+  return GegluFunction::apply(gate, up, approximate);
+}
+
 Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   return RotaryFunction::apply(x, cos, sin);
 }
@@ -354,5 +380,6 @@ TORCH_LIBRARY_IMPL(ckpt_ext, Autograd, m) {
   m.impl("add_layer_norm", &ckpt_ext::add_layer_norm_autograd);
   m.impl("add_rms_norm", &ckpt_ext::add_rms_norm_autograd);
   m.impl("swiglu", &ckpt_ext::swiglu_autograd);
+  m.impl("geglu", &ckpt_ext::geglu_autograd);
   m.impl("rotary", &ckpt_ext::rotary_autograd);
 }

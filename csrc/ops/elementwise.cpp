@@ -124,6 +124,30 @@ std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& grad, const Tensor& gat
   return {grad_gate, grad_up};
 }
 
+Tensor geglu(const Tensor& gate, const Tensor& up, c10::string_view approximate) {
+  const char* op = "geglu";
+  const bool tanh = parse_approximate(op, approximate);
+  check_floating(op, "gate", gate);
+  check_same_shape(op, "up", up, "gate", gate);
+  const Tensor gc = gate.contiguous(), uc = up.contiguous();
+  Tensor out = at::empty_like(gc);
+  if (gc.numel() > 0) CKPT_EXT_LAUNCH(gate.device(), geglu_forward, gc, uc, tanh, out);
+  return out;
+}
+
+std::tuple<Tensor, Tensor> geglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                          c10::string_view approximate) {
+  const char* op = "geglu_backward";
+  const bool tanh = parse_approximate(op, approximate);
+  check_floating(op, "gate", gate);
+  check_same_shape(op, "up", up, "gate", gate);
+  check_same_shape(op, "grad", grad, "gate", gate);
+  const Tensor dc = grad.contiguous(), gc = gate.contiguous(), uc = up.contiguous();
+  Tensor grad_gate = at::empty_like(gc), grad_up = at::empty_like(gc);
+  if (gc.numel() > 0) CKPT_EXT_LAUNCH(gate.device(), geglu_backward, dc, gc, uc, tanh, grad_gate, grad_up);
+  return {grad_gate, grad_up};
+}
+
 // forward: x * cos + rotate_half(x) * sin; backward: the transpose, applied to grad.
 Tensor rotary_impl(const char* op, const char* name, const Tensor& x, const Tensor& cos, const Tensor& sin,
                    bool backward) {
@@ -184,6 +208,8 @@ void bias_dropout_add_into(const Tensor& x, const OptTensor& bias, const Tensor&
   m.impl("dropout", &ckpt_ext::dropout);                       \
   m.impl("swiglu", &ckpt_ext::swiglu);                         \
   m.impl("swiglu_backward", &ckpt_ext::swiglu_backward);       \
+  m.impl("geglu", &ckpt_ext::geglu);                           \
+  m.impl("geglu_backward", &ckpt_ext::geglu_backward);         \
   m.impl("rotary", &ckpt_ext::rotary);                         \
   m.impl("rotary_backward", &ckpt_ext::rotary_backward)
 

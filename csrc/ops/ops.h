@@ -52,6 +52,10 @@ std::tuple<Tensor, Tensor> add_rms_norm_backward(const Tensor& grad_out, const O
                                                  const Tensor& weight, const Tensor& rstd);
 Tensor swiglu(const Tensor& gate, const Tensor& up);
 std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up);
+// approximate: "tanh" (GELUTanh, Gemma's gelu_pytorch_tanh) or "none" (exact GELU).
+Tensor geglu(const Tensor& gate, const Tensor& up, c10::string_view approximate);
+std::tuple<Tensor, Tensor> geglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up,
+                                          c10::string_view approximate);
 Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin);
 Tensor rotary_backward(const Tensor& grad, const Tensor& cos, const Tensor& sin);
 

@@ -36,6 +36,10 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "-> (Tensor grad_input, Tensor grad_weight)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor grad_gate, Tensor grad_up)");
+  m.def("geglu(Tensor gate, Tensor up, str approximate=\"tanh\") -> Tensor");
+  m.def(
+      "geglu_backward(Tensor grad, Tensor gate, Tensor up, str approximate=\"tanh\") "
+      "-> (Tensor grad_gate, Tensor grad_up)");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("rotary_backward(Tensor grad, Tensor cos, Tensor sin) -> Tensor");
 }
@@ -120,6 +124,13 @@ Tensor swiglu(const Tensor& gate, const Tensor& up) {
 }
 T2 swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up) {
   CKPT_EXT_CALL("swiglu_backward", T2(const Tensor&, const Tensor&, const Tensor&), grad, gate, up);
+}
+Tensor geglu(const Tensor& gate, const Tensor& up, c10::string_view approximate) {
+  CKPT_EXT_CALL("geglu", Tensor(const Tensor&, const Tensor&, c10::string_view), gate, up, approximate);
+}
+T2 geglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up, c10::string_view approximate) {
+  CKPT_EXT_CALL("geglu_backward", T2(const Tensor&, const Tensor&, const Tensor&, c10::string_view), grad, gate, up,
+                approximate);
 }
 Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin) {
   CKPT_EXT_CALL("rotary", Tensor(const Tensor&, const Tensor&, const Tensor&), x, cos, sin);

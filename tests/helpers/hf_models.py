@@ -51,10 +51,39 @@ def make_model(family, dropout=0.0, layers=2, attn="sdpa", **overrides):
                   num_hidden_layers=layers, vocab_size=VOCAB, attention_dropout=dropout, attn_implementation=attn)
         kw.update(overrides)
         return LlamaModel(_quiet(LlamaConfig(**kw)))
+    if family in RELATIVES:
+        return _relative(family, dropout, layers, attn, overrides)
     raise ValueError(family)
 
 
 FAMILIES = ["bert", "roberta", "gpt2", "llama", "llama-gqa"]
+# Llama's relatives (fused on its machinery): Qwen2 (q/k/v biases), Mistral (a sliding window shorter than
+# the test sequence), Qwen3 (per-head q/k RMSNorm, head_dim set apart from hidden / heads), Gemma (GeGLU with
+# tanh GELU, RMSNorm scaled by 1 + weight, head_dim set apart). Their configs: grouped-query attention.
+RELATIVES = ["qwen2", "mistral", "qwen3", "gemma"]
+DECODERS = ("llama", "llama-gqa", *RELATIVES)
+
+
+def _relative(family, dropout, layers, attn, overrides):
+    import transformers
+    cls = {"qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma"}[family]
+    if not hasattr(transformers, cls + "Model"):
+        pytest.skip(f"transformers {transformers.__version__} has no {cls}Model")
+    kw = dict(hidden_size=H, num_attention_heads=3, num_key_value_heads=1 if family == "qwen3" else 3,
+              intermediate_size=100, num_hidden_layers=layers, vocab_size=VOCAB, attention_dropout=dropout,
+              attn_implementation=attn)
+    if family in ("qwen3", "gemma"):
+        kw["head_dim"] = 16  # 3 x 16 != 72: head_dim apart from hidden / heads
+    if family == "mistral":
+        kw["sliding_window"] = 11  # < S: the window masks keys
+    kw.update(overrides)
+    model = getattr(transformers, cls + "Model")(_quiet(getattr(transformers, cls + "Config")(**kw)))
+    # Norm weights start at 1 (Gemma: 0, scaled by 1 + weight); random ones make a wrong scale visible.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
 
 
 def hf_enable(model, **kwargs):
@@ -88,7 +117,7 @@ def inputs_for(family, padding, device="cpu", batch=B, seq=S):
         if batch > 1 and family != "bert":
             mask[0, :3] = 0  # left padding in the first (decoders)
         kw["attention_mask"] = mask
-    if family.startswith(("gpt2", "llama")):
+    if family.startswith(("gpt2", "llama")) or family in RELATIVES:
         kw["use_cache"] = False
     return kw
 

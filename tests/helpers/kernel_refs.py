@@ -51,6 +51,11 @@ def ref_swiglu(gate, up):
     return F.silu(gate) * up
 
 
+def ref_geglu(gate, up, approximate="tanh"):
+    """Gemma's MLP activation: act_fn(gate_proj(x)) * up_proj(x), act_fn GELU (tanh: gelu_pytorch_tanh)."""
+    return F.gelu(gate, approximate=approximate) * up
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

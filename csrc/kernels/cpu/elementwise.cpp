@@ -1,4 +1,4 @@
-// CPU elementwise kernels: bias+GELU, bias+dropout+residual, dropout and its mask, SwiGLU, rotary
+// CPU elementwise kernels: bias+GELU, bias+dropout+residual, dropout and its mask, SwiGLU, GeGLU, rotary
 // (declared in kernels/kernels.h; the norms are in norms.cpp).
 //
 // Every dtype (float32, float64, float16, bfloat16) computes in at::opmath_type (float, or double for
@@ -282,6 +282,75 @@ void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::T
         const A s = sigmoid(g);
         du[i] = static_cast<scalar_t>(d * g * s);
         dg[i] = static_cast<scalar_t>(d * u * s * (A(1) + g * (A(1) - s)));
+      }
+    });
+  });
+}
+
+void geglu_forward(const at::Tensor& gate, const at::Tensor& up, bool tanh, const at::Tensor& out) {
+  if (with_vec(gate.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T* gp = gate.const_data_ptr<T>();
+        const T* up_ = up.const_data_ptr<T>();
+        T* op = out.mutable_data_ptr<T>();
+        at::parallel_for(0, gate.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+          k.geglu(gp + begin, up_ + begin, op + begin, end - begin, tanh);
+        });
+      }))
+    return;
+  if (aten_vectorized(gate)) {
+    at::Tensor o = out;
+    at::gelu_out(o, gate, gelu_kind(tanh));
+    o.mul_(up);
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate.scalar_type(), "ckpt_ext::geglu", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const scalar_t* gp = gate.const_data_ptr<scalar_t>();
+    const scalar_t* up_ = up.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, gate.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        op[i] = static_cast<scalar_t>(gelu(static_cast<A>(gp[i]), tanh) * static_cast<A>(up_[i]));
+    });
+  });
+}
+
+void geglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, bool tanh,
+                    const at::Tensor& grad_gate, const at::Tensor& grad_up) {
+  if (with_vec(gate.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T* dy = grad.const_data_ptr<T>();
+        const T* gp = gate.const_data_ptr<T>();
+        const T* up_ = up.const_data_ptr<T>();
+        T* dg = grad_gate.mutable_data_ptr<T>();
+        T* du = grad_up.mutable_data_ptr<T>();
+        at::parallel_for(0, gate.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+          k.geglu_backward(dy + begin, gp + begin, up_ + begin, dg + begin, du + begin, end - begin, tanh);
+        });
+      }))
+    return;
+  if (aten_vectorized(gate)) {
+    // d/dgate = gelu'(gate) * (grad * up); d/dup = gelu(gate) * grad.
+    at::Tensor gg = grad_gate, gu = grad_up;
+    at::gelu_backward_out(gg, at::mul(grad, up), gate, gelu_kind(tanh));
+    at::gelu_out(gu, gate, gelu_kind(tanh));
+    gu.mul_(grad);
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, gate.scalar_type(), "ckpt_ext::geglu_backward", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const scalar_t* dy = grad.const_data_ptr<scalar_t>();
+    const scalar_t* gp = gate.const_data_ptr<scalar_t>();
+    const scalar_t* up_ = up.const_data_ptr<scalar_t>();
+    scalar_t* dg = grad_gate.mutable_data_ptr<scalar_t>();
+    scalar_t* du = grad_up.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, gate.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const A g = static_cast<A>(gp[i]);
+        const A d = static_cast<A>(dy[i]);
+        du[i] = static_cast<scalar_t>(d * gelu(g, tanh));
+        dg[i] = static_cast<scalar_t>(d * static_cast<A>(up_[i]) * gelu_derivative(g, tanh));
       }
     });
   });

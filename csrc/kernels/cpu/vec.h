@@ -57,6 +57,8 @@ struct VecKernels {
   void (*dropout)(const T* x, T* out, int64_t n, VecDropout d);
   void (*swiglu)(const T* gate, const T* up, T* out, int64_t n);
   void (*swiglu_backward)(const T* grad, const T* gate, const T* up, T* grad_gate, T* grad_up, int64_t n);
+  void (*geglu)(const T* gate, const T* up, T* out, int64_t n, bool tanh);
+  void (*geglu_backward)(const T* grad, const T* gate, const T* up, T* grad_gate, T* grad_up, int64_t n, bool tanh);
   // one row of `2 * half` elements: y = x * cos + rotate_half(x) * sin, or its transpose (backward)
   void (*rotary)(const T* x, const T* cos, const T* sin, T* y, int64_t half, bool backward);
   void (*layer_norm_forward)(NormRow<T>& row);

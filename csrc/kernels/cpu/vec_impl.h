@@ -352,6 +352,50 @@ void swiglu(const T* gate, const T* up, T* out, int64_t n) {
   });
 }
 
+// GeGLU: gelu(gate) * up, the GELU kind a template argument as in bias_gelu_loop.
+template <typename T, bool Tanh>
+void geglu_loop(const T* gate, const T* up, T* out, int64_t n) {
+  constexpr bool tanh = Tanh;
+  for_steps(n, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
+    fVec ga, gb, ua, ub;
+    prefetch_ahead(gate + i);
+    prefetch_ahead(up + i);
+    IO<T>::load(gate + i, c, ga, gb);
+    IO<T>::load(up + i, c, ua, ub);
+    IO<T>::store(out + i, c, gelu<kFast<T>>(ga, tanh) * ua, gelu<kFast<T>>(gb, tanh) * ub);
+  });
+}
+
+template <typename T, bool Tanh>
+void geglu_backward_loop(const T* grad, const T* gate, const T* up, T* grad_gate, T* grad_up, int64_t n) {
+  constexpr bool tanh = Tanh;
+  for_steps(n, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
+    fVec g[2], u[2], dy[2], dg[2], du[2];
+    prefetch_ahead(gate + i);
+    prefetch_ahead(up + i);
+    prefetch_ahead(grad + i);
+    IO<T>::load(gate + i, c, g[0], g[1]);
+    IO<T>::load(up + i, c, u[0], u[1]);
+    IO<T>::load(grad + i, c, dy[0], dy[1]);
+    for (int h = 0; h < 2; ++h) {
+      du[h] = dy[h] * gelu<kFast<T>>(g[h], tanh);
+      dg[h] = dy[h] * u[h] * gelu_derivative<kFast<T>>(g[h], tanh);
+    }
+    IO<T>::store(grad_up + i, c, du[0], du[1]);
+    IO<T>::store(grad_gate + i, c, dg[0], dg[1]);
+  });
+}
+
+template <typename T>
+void geglu(const T* gate, const T* up, T* out, int64_t n, bool tanh) {
+  (tanh ? geglu_loop<T, true> : geglu_loop<T, false>)(gate, up, out, n);
+}
+
+template <typename T>
+void geglu_backward(const T* grad, const T* gate, const T* up, T* grad_gate, T* grad_up, int64_t n, bool tanh) {
+  (tanh ? geglu_backward_loop<T, true> : geglu_backward_loop<T, false>)(grad, gate, up, grad_gate, grad_up, n);
+}
+
 template <typename T>
 void swiglu_backward(const T* grad, const T* gate, const T* up, T* grad_gate, T* grad_up, int64_t n) {
   const fVec one(1.f);
@@ -564,7 +608,8 @@ void rms_norm_backward(NormRow<T>& row) {
 template <typename T>
 const VecKernels<T>* table() {
   static const VecKernels<T> k{&bias_gelu<T>,         &bias_gelu_backward<T>, &bias_dropout_add<T>,
-                               &dropout<T>,           &swiglu<T>,             &swiglu_backward<T>,     &rotary<T>,
+                               &dropout<T>,           &swiglu<T>,             &swiglu_backward<T>,     &geglu<T>,
+                               &geglu_backward<T>,    &rotary<T>,
                                &layer_norm_forward<T>, &layer_norm_backward<T>, &rms_norm_forward<T>,
                                &rms_norm_backward<T>};
   return &k;

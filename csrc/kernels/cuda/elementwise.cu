@@ -1,4 +1,4 @@
-// CUDA elementwise kernels: bias+GELU, bias+dropout+residual, dropout and its mask, SwiGLU, rotary.
+// CUDA elementwise kernels: bias+GELU, bias+dropout+residual, dropout and its mask, SwiGLU, GeGLU, rotary.
 //
 // Each thread owns groups of four consecutive elements (grid-stride loop): one vector load/store per
 // tensor when the pointers allow it, and one Philox call for the four dropout flags (the mask of element
@@ -180,6 +180,26 @@ struct SwigluBackward {  // in: grad, gate, up; out: grad_gate, grad_up
   }
 };
 
+struct GegluForward {  // in: gate, up
+  bool tanh;
+  __device__ void operator()(int64_t, int64_t, int, const float (&in)[2][4], float (&out)[1][4]) const {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out[0][k] = gelu(in[0][k], tanh) * in[1][k];
+  }
+};
+
+struct GegluBackward {  // in: grad, gate, up; out: grad_gate, grad_up
+  bool tanh;
+  __device__ void operator()(int64_t, int64_t, int, const float (&in)[3][4], float (&out)[2][4]) const {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float d = in[0][k], g = in[1][k], u = in[2][k];
+      out[0][k] = d * u * gelu_derivative(g, tanh);
+      out[1][k] = d * gelu(g, tanh);
+    }
+  }
+};
+
 __global__ void dropout_mask_kernel(bool* mask, int64_t n, philox::Dropout dropout) {
   const int64_t groups = (n + 3) / 4;
   for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
@@ -300,6 +320,28 @@ void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::T
             {grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>()}},
         MutPtrs<scalar_t, 2>{{grad_gate.mutable_data_ptr<scalar_t>(), grad_up.mutable_data_ptr<scalar_t>()}},
         gate.numel(), SwigluBackward{});
+  });
+}
+
+void geglu_forward(const at::Tensor& gate, const at::Tensor& up, bool tanh, const at::Tensor& out) {
+  const c10::DeviceGuard guard(gate.device());
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(gate.scalar_type(), "ckpt_ext::geglu", [&] {
+    launch_elementwise4(gate.device(),
+                        ConstPtrs<scalar_t, 2>{{gate.const_data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>()}},
+                        MutPtrs<scalar_t, 1>{{out.mutable_data_ptr<scalar_t>()}}, gate.numel(), GegluForward{tanh});
+  });
+}
+
+void geglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, bool tanh,
+                    const at::Tensor& grad_gate, const at::Tensor& grad_up) {
+  const c10::DeviceGuard guard(gate.device());
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(gate.scalar_type(), "ckpt_ext::geglu_backward", [&] {
+    launch_elementwise4(
+        gate.device(),
+        ConstPtrs<scalar_t, 3>{
+            {grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>()}},
+        MutPtrs<scalar_t, 2>{{grad_gate.mutable_data_ptr<scalar_t>(), grad_up.mutable_data_ptr<scalar_t>()}},
+        gate.numel(), GegluBackward{tanh});
   });
 }
 
