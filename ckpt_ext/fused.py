@@ -37,7 +37,7 @@ from ._user_frame import user_stacklevel
 from .hf.cache import cache_parameters, find_cache
 from .hf.versions import check_versions
 from .hf.layers import (LORA_PROJECTIONS, WEIGHT_PATHS, Unsupported, collecting_attentions,
-                        install_output_capturing, layer_classes, layer_spec,
+                        install_output_capturing, layer_classes, layer_spec, picklable_capturing_hooks,
                         positional_parameters, returns_tuple)
 from .hf.peft import base_of, check_layer_adapters, is_adapter_layer, lora_terms, peft_relink
 
@@ -151,8 +151,10 @@ class FusedTransformerLayer(nn.Module):
         self.has_dropout = _C.uses_dropout(self.spec, True)
 
     def __setstate__(self, state):
+        # Unpickled (torch.load, a spawned process) or copied: the spec ids and the signature table are per process.
         super().__setstate__(state)
         self._register_spec()
+        cache_parameters(type(self._hf_layer))
 
     def _resolve(self):
         """Finds the weight-holding modules (through peft LoRA layers, to their base layers) and the
@@ -439,11 +441,14 @@ def fuse(model: nn.Module) -> nn.Module:
     for name, m in targets:
         check_layer_adapters(m, LORA_PROJECTIONS[classes[type(m)]], f"ckpt_ext.fuse: layer {name}")
     if not targets:
-        already = any(isinstance(m, FusedTransformerLayer) for m in model.modules())
+        if any(isinstance(m, FusedTransformerLayer) for m in model.modules()):
+            # fuse() applied again (a notebook cell run twice, code that fuses defensively): nothing to do.
+            _warn_once(("fused again", id(model)),
+                       f"ckpt_ext.fuse: the layers of this {type(model).__name__} are already fused; left as they are")
+            return model
         raise ValueError(
-            f"fuse found no supported layer in {type(model).__name__}"
-            + (" (its layers are already fused)" if already else "")
-            + ": it replaces transformers' BertLayer, RobertaLayer, GPT2Block and LlamaDecoderLayer")
+            f"fuse found no supported layer in {type(model).__name__}: it replaces transformers' BertLayer, "
+            "RobertaLayer, GPT2Block and LlamaDecoderLayer")
     install_output_capturing(model, FusedTransformerLayer)
     fused = 0
     for name, layer in targets:
@@ -460,4 +465,7 @@ def fuse(model: nn.Module) -> nn.Module:
     if fused == 0:
         raise ValueError(f"fuse: none of the {len(targets)} supported layer(s) of {type(model).__name__} could be "
                          "fused (see the warnings)")
+    # transformers' hooks installed above (closures) as picklable objects: the model still pickles.
+    picklable_capturing_hooks(list(model.modules()) + [m._hf_layer for m in model.modules()
+                                                       if isinstance(m, FusedTransformerLayer)])
     return model
