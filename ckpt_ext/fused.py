@@ -38,7 +38,7 @@ from .hf.cache import cache_parameters, find_cache
 from .hf.versions import check_versions
 from .hf.layers import (LORA_PROJECTIONS, WEIGHT_PATHS, Unsupported, collecting_attentions,
                         install_output_capturing, layer_classes, layer_spec, picklable_capturing_hooks,
-                        positional_parameters, returns_tuple)
+                        positional_parameters, resolve_collector, returns_tuple)
 from .hf.peft import base_of, check_layer_adapters, is_adapter_layer, lora_terms, peft_relink
 
 _C = load()
@@ -142,6 +142,7 @@ class FusedTransformerLayer(nn.Module):
         # submodule: it shares this module's children, and its parameters are already ours.
         object.__setattr__(self, "_hf_layer", layer)
         self._register_spec()
+        resolve_collector()
 
     def _register_spec(self):
         # The spec's id in the ckpt_ext::fused_segment operators (torch.compile's path): a plain int, which
@@ -155,6 +156,7 @@ class FusedTransformerLayer(nn.Module):
         super().__setstate__(state)
         self._register_spec()
         cache_parameters(type(self._hf_layer))
+        resolve_collector()
 
     def _resolve(self):
         """Finds the weight-holding modules (through peft LoRA layers, to their base layers) and the

@@ -272,20 +272,28 @@ def layer_spec(layer: nn.Module, family: int) -> "_C.LayerSpec":
     return _SPEC_BUILDERS[family](layer)
 
 
-_collector = []  # transformers' output-capturing context variable, looked up once
+_collector: Optional[Any] = None  # transformers' output-capturing context variable (resolve_collector)
+_collector_resolved = False
 
 
-def collecting_attentions() -> bool:
-    """True while a Hugging Face model collects attention weights through its output-capturing hooks."""
-    if not _collector:
+def resolve_collector():
+    """Looks transformers' output-capturing context variable up, once per process. Called where a fused layer
+    is made or unpickled -- never first while Dynamo traces: a module global filled during a trace changes
+    what the trace's guards saw, and the next step recompiles (issue 35)."""
+    global _collector, _collector_resolved
+    if not _collector_resolved:
         try:
             from transformers.utils.output_capturing import _active_collector
         except ImportError:
             _active_collector = None
-        _collector.append(_active_collector)
-    if _collector[0] is None:
+        _collector, _collector_resolved = _active_collector, True
+
+
+def collecting_attentions() -> bool:
+    """True while a Hugging Face model collects attention weights through its output-capturing hooks."""
+    if _collector is None:
         return False
-    collected = _collector[0].get()
+    collected = _collector.get()
     return bool(collected) and any("attentions" in k for k in collected)
 
 
