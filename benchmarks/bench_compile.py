@@ -17,6 +17,9 @@ default options unless --mode). Per (variant, compiled or eager):
     python benchmarks/bench_compile.py --tiny --out DIR        # a CPU-sized config: the whole run in about a minute
     python benchmarks/bench_compile.py --layers 24 --profile   # also a profile of one steady step per pair
 
+From a checkout built in place, run it as the other benchmarks, with PYTHONPATH=. (else `import ckpt_ext` finds
+whatever is installed; the table names the folder it imported).
+
 Writes DIR/compile.json and DIR/compile.md (default bench-out/<device>/). The model, loss and step are those of
 the H200 probe (shared/gpu/results/2026-11-27-h200/compile_probe.py), so the two can be compared; unlike the
 probe, the timing starts after the warm-up steps and every pair is timed in the same rounds.
@@ -107,6 +110,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None, help="override the width (then set --heads, --intermediate)")
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--intermediate", type=int, default=None)
     p.add_argument("--dropout", type=float, default=0.1, help="attention and hidden dropout (the probe: 0.1)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {VARIANTS + OPTIONAL}")
     p.add_argument("--only", choices=["both", "compiled", "eager"], default="both")
@@ -118,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = dict(TINY) if args.tiny else dict(LARGE, layers=6, vocab=30522)
-    for k in ("layers", "seq", "batch"):
+    for k in ("layers", "seq", "batch", "hidden", "heads", "intermediate"):
         if getattr(args, k) is not None:
             shape[k] = getattr(args, k)
     default_dtype = "bf16" if device.type == "cuda" and not args.tiny else "fp32"
@@ -132,6 +138,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
 
     info = env_info(device)
+    info["ckpt_ext_imported_from"] = os.path.dirname(os.path.abspath(ckpt_ext.__file__))
     base = make_base(shape["layers"], shape["hidden"], shape["heads"], shape["intermediate"], shape["seq"],
                      shape["vocab"], args.dropout, device, dtype)
     ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)
@@ -239,7 +246,7 @@ def profile_step(step: Callable[[], None], device, path: str) -> str:
 def markdown(result: dict) -> str:
     env, shape = result["env"], result["shape"]
     lines = [f"# torch.compile against eager: BERT on {env['device_name']} ({env['device']})", "",
-             env_line(env), "",
+             env_line(env) + f" ckpt_ext imported from {env.get('ckpt_ext_imported_from')}.", "",
              f"Model: BERT {shape['layers']} layers, hidden {shape['hidden']}, {shape['heads']} heads, intermediate "
              f"{shape['intermediate']}, seq {shape['seq']}, batch {shape['batch']}, {result['dtype']}, dropout "
              f"{result['dropout']}; torch.compile mode {result['mode'] or 'default'} (inductor); {result['warmup']} "
