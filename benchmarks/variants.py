@@ -403,7 +403,9 @@ class EngineBudget(Variant):
     def prepare(self, model, batch, workload, none_bytes):
         if batch != self.batch:
             self.used = self.budget if self.budget is not None else max(1, none_bytes(batch) // 2)
-            ckpt_ext.enable_checkpointing(model, budget=self.used)  # the next step probes and plans
+            # the next step probes and plans (disabled first: enabling again with the same budget keeps the plan)
+            ckpt_ext.disable_checkpointing(model)
+            ckpt_ext.enable_checkpointing(model, budget=self.used)
             self.batch = batch
 
     def teardown(self, model):

@@ -41,7 +41,7 @@ from .hf.versions import check_versions
 from .hf.head import fuse_lm_head
 from .hf.layers import (LORA_PROJECTIONS, WEIGHT_PATHS, Unsupported, collecting_attentions,
                         install_output_capturing, layer_classes, layer_spec, left_to_hf_classes,
-                        positional_parameters, returns_tuple)
+                        picklable_capturing_hooks, positional_parameters, resolve_collector, returns_tuple)
 from .hf.peft import base_of, check_layer_adapters, is_adapter_layer, lora_terms, peft_relink
 
 _C = load()
@@ -151,6 +151,7 @@ class FusedTransformerLayer(nn.Module):
         # submodule: it shares this module's children, and its parameters are already ours.
         object.__setattr__(self, "_hf_layer", layer)
         self._register_spec()
+        resolve_collector()
 
     def _register_spec(self):
         # The spec's id in the ckpt_ext::fused_segment operators (torch.compile's path): a plain int, which
@@ -160,8 +161,11 @@ class FusedTransformerLayer(nn.Module):
         self.has_dropout = _C.uses_dropout(self.spec, True)
 
     def __setstate__(self, state):
+        # Unpickled (torch.load, a spawned process) or copied: the spec ids and the signature table are per process.
         super().__setstate__(state)
         self._register_spec()
+        cache_parameters(type(self._hf_layer))
+        resolve_collector()
 
     def _resolve(self):
         """Finds the weight-holding modules (through peft LoRA layers, to their base layers) and the
@@ -460,10 +464,13 @@ def fuse(model: nn.Module) -> nn.Module:
     for cls, why in unfused.items():
         warnings.warn(f"ckpt_ext.fuse: {cls.__name__} layers left to Hugging Face: {why}", stacklevel=2)
     if not targets:
-        already = any(isinstance(m, FusedTransformerLayer) for m in model.modules())
+        if any(isinstance(m, FusedTransformerLayer) for m in model.modules()):
+            # fuse() applied again (a notebook cell run twice, code that fuses defensively): nothing to do.
+            _warn_once(("fused again", id(model)),
+                       f"ckpt_ext.fuse: the layers of this {type(model).__name__} are already fused; left as they are")
+            return model
         raise ValueError(
             f"fuse found no supported layer in {type(model).__name__}"
-            + (" (its layers are already fused)" if already else "")
             + "".join(f" ({cls.__name__}: {why})" for cls, why in unfused.items())
             + f": it replaces transformers' {_SUPPORTED}")
     install_output_capturing(model, FusedTransformerLayer)
@@ -484,4 +491,7 @@ def fuse(model: nn.Module) -> nn.Module:
                          "fused (see the warnings)")
     # A causal LM's head and loss: one chunked operation in training with labels (ckpt_ext/hf/head.py).
     fuse_lm_head(model, warn=type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")))
+    # transformers' hooks installed above (closures) as picklable objects: the model still pickles.
+    picklable_capturing_hooks(list(model.modules()) + [m._hf_layer for m in model.modules()
+                                                       if isinstance(m, FusedTransformerLayer)])
     return model

@@ -5,7 +5,7 @@ any model whose repeated blocks sit in an ``nn.ModuleList`` or ``nn.Sequential``
 ``forward`` is wrapped on the instance (hooks stay outside the checkpoint, as in Hugging Face), so
 parameters, state_dict keys and optimizers are untouched.
 """
-import types
+import functools
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -129,6 +129,26 @@ class _Group:
         self.pending: Optional[_Pending] = None  # after a checkpointed group run, until its last layer
         self.traced: Optional[tuple] = None  # the same while Dynamo traces (_traced_layer_forward)
         self.siblings: List["_Group"] = []  # the multi-layer groups of the stack (see _check_order)
+
+    # Pickled (torch.save of the model, a spawned process, copy.deepcopy): the configuration only. What belongs
+    # to one step of this process -- the pending output (weak references to a graph), the traced hand-over, the
+    # attention bytes seen, the keep-attention mode bound to this group -- starts afresh.
+    _RUNTIME = ("running", "attention", "context_fn", "pending", "traced")
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.running = 0
+        self.attention = [None] * len(self.layers)
+        self.context_fn = (KeepAttention(self.names, self._running, self._tell)
+                           if self.keep == "attention" else None)
+        self.pending = None
+        self.traced = None
+        for layer in self.layers:
+            if not isinstance(layer, FusedTransformerLayer):  # (a fused layer reads its own when loaded)
+                remember_signature(layer)
 
     def checkpointed(self, layer_args: Tuple, layer_kwargs: Dict):
         """Runs the group checkpointed: fused layers (ckpt_ext.fuse) as one C++ SegmentFunction, other
@@ -308,7 +328,9 @@ def _check_order(group: _Group, args: Tuple):
 def _attach(layer: nn.Module, group: _Group):
     remember_signature(layer)
     object.__setattr__(layer, _ATTR, group)
-    object.__setattr__(layer, "forward", types.MethodType(_layer_forward, layer))
+    # A partial, not a bound method: it pickles by value (a bound method pickles as getattr(layer,
+    # '_layer_forward'), which a loaded layer does not have), and Dynamo traces it the same way.
+    object.__setattr__(layer, "forward", functools.partial(_layer_forward, layer))
 
 
 def _layer_forward(self: nn.Module, *args, **kwargs):
@@ -521,6 +543,10 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
             raise ValueError(f"every={every} is larger than the {len(mods)} layers of {name or 'the model'}")
         if keep == "attention":
             _check_attention(model, mods)
+    if _checkpointed_as(model, stacks, every, budget_bytes, keep):
+        # The same call again (a notebook cell run twice, defensive code): kept as it is, a budget's plan included.
+        install_take_over(model, options)
+        return model
     disable_checkpointing(model)
     for name, stack in stacks:
         mods = list(stack)
@@ -533,6 +559,35 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     # hand-over, never a second checkpoint around the same layers.
     install_take_over(model, options)
     return model
+
+
+def _checkpointed_as(model: nn.Module, stacks: List[Tuple[str, Any]], every: int, budget_bytes: Optional[int],
+                     keep: str) -> bool:
+    """Whether ``model`` is checkpointed exactly as enable_checkpointing with these (validated) arguments would
+    checkpoint it: the same stacks in the same groups keeping the same, or the same budget's planner, and no
+    other module checkpointed."""
+    wanted = set()
+    for _, stack in stacks:
+        mods = list(stack)
+        wanted.update(id(m) for m in mods)
+        groups = [m.__dict__.get(_ATTR) for m in mods]
+        if any(g is None for g in groups):
+            return False
+        if budget_bytes is not None:
+            p = groups[0].planner
+            if p is None or p.budget != budget_bytes or p.keep != keep or len(p.layers) != len(mods) or \
+                    any(a is not b for a, b in zip(p.layers, mods)) or any(g.planner is not p for g in groups):
+                return False
+            continue
+        if any(g.planner is not None or g.keep != keep for g in groups):
+            return False
+        for start in range(0, len(mods), every):
+            expected = mods[start:start + every]
+            g = groups[start]
+            if len(g.layers) != len(expected) or any(a is not b for a, b in zip(g.layers, expected)):
+                return False
+    return {id(m) for m in model.modules() if _ATTR in m.__dict__} == wanted and \
+        not any(rides_hf(m) for m in model.modules())
 
 
 def _check_attention(model: nn.Module, layers: List[nn.Module]):

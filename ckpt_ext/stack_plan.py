@@ -46,6 +46,22 @@ class StackPlanner:
         self.shape = None  # input shape the plan was made for
         self.plans: Dict[Optional[Tuple[int, ...]], Plan] = {}  # plans made so far, by input shape
 
+    def __getstate__(self):
+        # Pickled with the model: the plans and the measurements they came from. What holds this process's
+        # tensors (the outputs seen while measuring, storages by address) is dropped; a measurement under way is
+        # started again at the next training step.
+        state = dict(self.__dict__)
+        del state["index"]  # ids of this process's layer objects
+        state["outputs"] = [None] * len(self.layers)
+        state["shared"] = {}
+        if self.plan is None:
+            state["costs"] = [None] * len(self.layers)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.index = {id(m): i for i, m in enumerate(self.layers)}
+
     def begin_step(self, args: Tuple):
         """At the first layer of a training step: keeps the plan when it was made for an input at least as
         large in every dimension (its tensors are no larger, so it still fits the budget); else installs

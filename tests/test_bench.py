@@ -66,6 +66,20 @@ def test_suite_compiled_variants_count_graph_breaks(tmp_path):
     assert "| graph breaks |" in (tmp_path / "custom.md").read_text()
 
 
+def test_bench_compile_tiny(tmp_path):
+    """bench_compile.py --tiny (the GPU report's CPU dry run), fuse + ckpt only: compiled and eager rows, the
+    compiled one compiling its graphs in the first step and none after it, the JSON and the table written."""
+    import bench_compile
+    result = bench_compile.main(["--tiny", "--variants", "fused+ckpt", "--rounds", "1", "--out", str(tmp_path)])
+    compiled, eager = result["rows"]
+    assert compiled["compiled"] and not eager["compiled"]
+    assert compiled["graphs_first_step"] >= 1 and compiled["graphs_after_first_step"] == 0, compiled
+    assert compiled["graph_breaks"] == 0 and compiled["step"]["n"] == 1 and eager["step"]["n"] == 1
+    assert result["targets"]["compiled fused+ckpt / eager fused+ckpt"] > 0
+    assert json.loads((tmp_path / "compile.json").read_text())["shape"]["layers"] == 2
+    assert "| fused+ckpt | compiled |" in (tmp_path / "compile.md").read_text()
+
+
 PEFT_VARIANTS = "none,hf-torch-nonreentrant,ckpt_ext,fused,ckpt_ext-fused"
 
 

@@ -30,7 +30,7 @@ SETS = {
 DEFAULT = ("oldest", "newest")
 TESTS = ["tests/test_hf_zoo.py", "tests/test_integration.py", "tests/test_trainer.py",
          "tests/test_checkpoint_hf_fallback.py", "tests/test_fused_parity.py", "tests/test_fused_segment.py",
-         "tests/test_lora_fused.py"]
+         "tests/test_lora_fused.py", "tests/test_lifecycle.py", "tests/test_compile_steps.py"]
 
 
 def _run(cmd, **kw):

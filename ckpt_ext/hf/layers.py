@@ -3,6 +3,7 @@ into which C++ family, where each C++ weight slot lives in them (parameter paths
 positional arguments, how their modules and configs translate into a ``_C.LayerSpec`` (or why they
 cannot), and transformers' output-capturing hooks. transformers is imported lazily, when a model is
 fused."""
+import inspect
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -321,21 +322,92 @@ def layer_spec(layer: nn.Module, family: int) -> "_C.LayerSpec":
     return _SPEC_BUILDERS[family](layer)
 
 
-_collector = []  # transformers' output-capturing context variable, looked up once
+_collector: Optional[Any] = None  # transformers' output-capturing context variable (resolve_collector)
+_collector_resolved = False
 
 
-def collecting_attentions() -> bool:
-    """True while a Hugging Face model collects attention weights through its output-capturing hooks."""
-    if not _collector:
+def resolve_collector():
+    """Looks transformers' output-capturing context variable up, once per process. Called where a fused layer
+    is made or unpickled -- never first while Dynamo traces: a module global filled during a trace changes
+    what the trace's guards saw, and the next step recompiles (issue 35)."""
+    global _collector, _collector_resolved
+    if not _collector_resolved:
         try:
             from transformers.utils.output_capturing import _active_collector
         except ImportError:
             _active_collector = None
-        _collector.append(_active_collector)
-    if _collector[0] is None:
+        _collector, _collector_resolved = _active_collector, True
+
+
+def collecting_attentions() -> bool:
+    """True while a Hugging Face model collects attention weights through its output-capturing hooks."""
+    if _collector is None:
         return False
-    collected = _collector[0].get()
+    collected = _collector.get()
     return bool(collected) and any("attentions" in k for k in collected)
+
+
+class CapturingHook:
+    """transformers' output-capturing forward hook (``install_output_capuring_hook``'s closure, which cannot be
+    pickled) as a picklable object: it holds the closure's arguments (key, index, ...), and runs the closure
+    transformers builds from them, built again after unpickling. fuse() installs transformers' hooks on the whole
+    model (its layers must be matched before the swap); this keeps such a model picklable, as Hugging Face's own
+    model is until it captures outputs."""
+
+    def __init__(self, arguments: Dict[str, Any], hook: Optional[Callable] = None):
+        self.arguments = arguments
+        if hook is None:  # built now, not at the first call: no state filled while Dynamo traces
+            scratch = nn.Module()
+            _hook_installer()(scratch, **arguments)
+            hook = next(iter(scratch._forward_hooks.values()))
+        self._hook = hook
+
+    @classmethod
+    def wrap(cls, hook: Callable) -> Optional["CapturingHook"]:
+        """A CapturingHook for transformers' closure ``hook``, or None if ``hook`` is not one (or its arguments
+        cannot be read from it on this release)."""
+        installer = _hook_installer()
+        if installer is None or getattr(hook, "__qualname__", "") != f"{installer.__name__}.<locals>.output_capturing_hook" \
+                or getattr(hook, "__module__", None) != installer.__module__:
+            return None
+        cells = dict(zip(hook.__code__.co_freevars, (c.cell_contents for c in hook.__closure__ or ())))
+        arguments = {}
+        for name, p in list(inspect.signature(installer).parameters.items())[1:]:  # after the module
+            if name in cells:
+                arguments[name] = cells[name]
+            elif p.default is inspect.Parameter.empty:
+                return None
+        return cls(arguments, hook)
+
+    def __call__(self, module, args, output):
+        return self._hook(module, args, output)
+
+    def __reduce__(self):
+        return CapturingHook, (self.arguments,)
+
+    def __repr__(self):
+        return f"CapturingHook({self.arguments})"
+
+
+def _hook_installer() -> Optional[Callable]:
+    try:
+        from transformers.utils.output_capturing import install_output_capuring_hook
+    except ImportError:
+        return None
+    return install_output_capuring_hook
+
+
+def picklable_capturing_hooks(modules):
+    """Replaces transformers' output-capturing closures among the forward hooks of ``modules`` with
+    CapturingHook objects (same hook ids, so handles stay valid)."""
+    for m in modules:
+        hooks = m.__dict__.get("_forward_hooks")
+        if not hooks:
+            continue
+        for hook_id, hook in list(hooks.items()):
+            wrapped = CapturingHook.wrap(hook)
+            if wrapped is not None:
+                hooks[hook_id] = wrapped
 
 
 def install_output_capturing(model: nn.Module, fused_class: type):

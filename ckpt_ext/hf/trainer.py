@@ -8,9 +8,9 @@ A layer that ckpt_ext checkpoints and whose flag is also set would be checkpoint
 times per step), so ckpt_ext takes those four methods over on the model instance: enabling means
 ``ckpt_ext.enable_checkpointing`` and disabling means ``ckpt_ext.disable_checkpointing``.
 """
+import functools
 import inspect
 import logging
-import types
 from typing import Optional, Union
 
 from torch import nn
@@ -167,12 +167,13 @@ def install_take_over(model: nn.Module, options: dict):
     if not is_hf_model(model):
         return
     object.__setattr__(model, _OPTIONS, dict(options))
+    # partials, not bound methods: they pickle with the model (torch.save, a spawned process)
     for name in _ENABLE:
         if callable(getattr(model, name, None)):
-            object.__setattr__(model, name, types.MethodType(_enable, model))
+            object.__setattr__(model, name, functools.partial(_enable, model))
     for name in _DISABLE:
         if callable(getattr(model, name, None)):
-            object.__setattr__(model, name, types.MethodType(_disable, model))
+            object.__setattr__(model, name, functools.partial(_disable, model))
 
 
 def remove_take_over(model: nn.Module):
