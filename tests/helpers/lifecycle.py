@@ -25,7 +25,9 @@ def saved_tensor_count(model, kw, seed=0):
 
     def pack(t):
         count[0] += 1
-        return t
+        # Detached: a node's own output packed as itself would hold its grad_fn, a cycle through C++ that
+        # Python's gc cannot see (torch's identity pack hooks leak so); the forward here is never backpropagated.
+        return t.detach()
 
     model.train()
     torch.manual_seed(seed)
