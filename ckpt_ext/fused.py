@@ -147,6 +147,13 @@ class FusedTransformerLayer(nn.Module):
         self._positional = positional_parameters(type(layer))
         self._cache_names = cache_parameters(type(layer))[1]
         self._returns_tuple = returns_tuple(layer, family)
+        # The layer's plain attributes that its model reads from each layer (transformers 5.0's Qwen2/Qwen3 pick
+        # the layer's mask by `decoder_layer.attention_type`; `layer_idx`, `is_sliding`, ...): carried over, not
+        # looked up by name, so that what a release reads from its layers is there.
+        for attr, value in vars(layer).items():
+            if (not attr.startswith("_") and isinstance(value, (str, int, float, bool, type(None)))
+                    and not hasattr(self, attr)):
+                object.__setattr__(self, attr, value)
         # Hugging Face's own forward for the calls the fused path cannot serve. Not registered as a
         # submodule: it shares this module's children, and its parameters are already ours.
         object.__setattr__(self, "_hf_layer", layer)
