@@ -1,5 +1,7 @@
-# make test  : fresh machine -> .venv (reusing an installed torch), build ckpt_ext, run pytest. Nothing else.
-# make check : the release checks: CUDA sources through nvcc (sm_80, sm_90), C++ against the headers of other
+# make test  : fresh machine -> .venv (reusing an installed torch), build ckpt_ext, run pytest (the tests not
+#              marked slow). Nothing else.
+# make check : the release checks: the slow tests (several processes: DDP/FSDP over gloo, a spawned process, the
+#              GPU report's dry run), CUDA sources through nvcc (sm_80, sm_90), C++ against the headers of other
 #              torch releases, the Hugging Face-facing tests on other transformers releases.
 # make bench : same set-up as make test, then the default benchmark set (benchmarks/bench_all.py): a summary
 #              table and a plot at the end.
@@ -12,7 +14,7 @@ export MAX_JOBS
 # pytest workers (pytest-xdist): one per core on CI's 2-core machine; PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: venv build test check test-compat bench check-cuda check-headers clean
+.PHONY: venv build test test-slow check test-compat bench check-cuda check-headers clean
 
 # The venv sees system site-packages so that a torch already installed on the machine (for example a
 # CUDA build on a GPU box) is reused instead of downloading another one.
@@ -36,12 +38,17 @@ test-compat: build
 build: venv
 	$(PY) tools/build.py
 
+# The tests marked slow start other processes (torch.distributed over gloo, torch.multiprocessing spawn, the GPU
+# report's dry run: minutes of subprocesses); make check runs them (test-slow), so make test fits 10 minutes.
 test: build
-	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) -m "not slow" tests
+
+test-slow: build
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) -m slow tests
 
 # The release checks (CI runs them after make test; .ci/run). Each caches what passed (~/.cache/ckpt_ext),
 # so an unchanged tree costs seconds; from empty caches, on 2 cores, about 7-10 minutes (docs/install.md).
-check: check-cuda check-headers test-compat
+check: test-slow check-cuda check-headers test-compat
 
 # The benchmarks' own dependencies are the pyproject extra [bench] (read from there, so that installing
 # them does not rebuild the extension), pinned by constraints.txt. Results go to bench-out/<device>/
