@@ -8,9 +8,8 @@ policy of bench_ops -- do not leak into the next; results in bench-out/<device>/
   fused   benchmarks/bench_fused.py       BERT-large, GPT-2 medium, Llama: HF eager, HF + torch checkpoint,
                                           enable_checkpointing, fuse, fuse + checkpointing (CPU: shrunk models,
                                           bf16 only, 5 rounds)
-Sized for a 2-core CPU: about 8 minutes for the three parts when the machine is quiet (estimated from the
-committed CPU results' step times: fused ~330 s, ops ~60 s, engine ~40 s, plus process start-ups); `make bench`
-adds the venv and the build, about 4 minutes on a fresh clone. On a GPU the parts run at their full, GPU-sized
+Sized for a 2-core CPU: 52 s for the three parts, measured 2026-11-27 (engine 17 s, ops 16 s, fused 18 s;
+docs/benchmarks.md); `make bench` adds the venv and the build, about 3 minutes on a fresh clone. On a GPU the parts run at their full, GPU-sized
 defaults (every configuration of bench_fused, as in README's H200 table).
 At the end: one table (step time, × HF eager, peak memory per model and variant; per-call overhead against
 torch; the fused ops' speed-ups) and bench-out/<device>/step_vs_memory.png (benchmarks/plot_results.py).
