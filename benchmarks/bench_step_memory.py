@@ -107,8 +107,8 @@ def allocations(fn: Callable[[], None], device: torch.device) -> List[Event]:
     """Every allocation and free of `device`'s allocator while fn() runs, in order."""
     from torch.profiler import ProfilerActivity, profile
     from torch._C._profiler import _EventType
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts, profile_memory=True) as prof:
+    # The allocators report to the profiler's CPU side (CUDA's caching allocator too): no CUPTI needed.
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -124,8 +124,12 @@ def allocations(fn: Callable[[], None], device: torch.device) -> List[Event]:
             if p.name not in ops and not p.name.startswith(("PythonDispatchMode", "aten::empty")):
                 ops.append(p.name)
             p = p.parent
-        events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size, " < ".join(ops[:3])))
+        events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size,
+                       " < ".join(ops[:3]) or "(no op above it: C++, e.g. the boundary pool's chunks)"))
     events.sort(key=lambda ev: ev[0])
+    if not events:
+        raise RuntimeError(f"bench_step_memory: the profiler reported no {device.type} allocation (this torch's "
+                           "profiler does not record the allocator's events)")
     return events
 
 
@@ -192,8 +196,14 @@ def setup(model, variant: str):
     """fuse + enable_checkpointing with the fused head ("fused-head") or Hugging Face's ("hf-head"); "liger":
     Liger-Kernel's Llama kernels (its fused linear cross-entropy included) + Hugging Face's checkpointing."""
     if variant == "liger":
+        import types
         from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama(model=model)
+        cls = type(model)
+        saved = cls.forward
+        apply_liger_kernel_to_llama(model=model)  # its causal-LM forward is patched on the class: this model only
+        patched, cls.forward = cls.forward, saved
+        if patched is not saved:
+            model.forward = types.MethodType(patched, model)
         common.hf_checkpointing_enable(model, use_reentrant=False)
         return model
     if not any(isinstance(m, ckpt_ext.FusedTransformerLayer) for m in model.modules()):
@@ -309,20 +319,30 @@ def _trace_variants(args, device: torch.device, ids, boundary: int, out: dict):
             del model
             common.free_memory(device)
         t = sorted(args.trace_layers)
-        steps = {traced[b]["peak_bytes"] - traced[a]["peak_bytes"] for a, b in zip(t, t[1:])}
-        per_layer = (traced[t[-1]]["peak_bytes"] - traced[t[0]]["peak_bytes"]) / max(1, t[-1] - t[0])
-        extrapolate = lambda n, key="peak_bytes": traced[t[0]][key] + (n - t[0]) * (  # noqa: E731
-            traced[t[-1]][key] - traced[t[0]][key]) / max(1, t[-1] - t[0])
-        v = {"traced": {str(n): r for n, r in traced.items()}, "per_layer_bytes": per_layer,
-             "affine": len(steps) <= 1, "peak_bytes": extrapolate(args.layers),
-             "peak_with_grads_bytes": extrapolate(args.layers, "peak_with_grads_bytes")}
-        if args.check_layers:
-            v["check"] = {"layers": args.check_layers, "extrapolated": extrapolate(args.check_layers),
-                          "traced": traced[args.check_layers]["peak_bytes"]}
-        if args.direct:
-            v["direct_peak_bytes"] = traced[args.layers]["peak_bytes"]
+        v = {"traced": {str(n): r for n, r in traced.items()}}
+        if len(t) >= 2:
+            first, last = traced[t[0]], traced[t[-1]]
+            slope = lambda key: (last[key] - first[key]) / (t[-1] - t[0])  # noqa: E731
+            extrapolate = lambda n, key="peak_bytes": first[key] + (n - t[0]) * slope(key)  # noqa: E731
+            steps = {traced[b]["peak_bytes"] - traced[a]["peak_bytes"] for a, b in zip(t, t[1:])}
+            v.update(per_layer_bytes=slope("peak_bytes"), affine=len(steps) == 1 if len(t) > 2 else None,
+                     extrapolated_peak_bytes=extrapolate(args.layers),
+                     extrapolated_peak_with_grads_bytes=extrapolate(args.layers, "peak_with_grads_bytes"))
+            if args.check_layers:
+                v["check"] = {"layers": args.check_layers, "extrapolated": extrapolate(args.check_layers),
+                              "traced": traced[args.check_layers]["peak_bytes"]}
+            if device.type == "cuda":
+                v["extrapolated_cuda_max_allocated_bytes"] = extrapolate(args.layers, "cuda_max_allocated_bytes")
+        full = traced.get(args.layers)  # traced at the full count (--direct, or a small model): measured
+        if full is None and "extrapolated_peak_bytes" not in v:
+            raise SystemExit("bench_step_memory: trace at least two layer counts, or --direct")
+        v["measured_at_full"] = full is not None
+        v["peak_bytes"] = full["peak_bytes"] if full else v["extrapolated_peak_bytes"]
+        v["peak_with_grads_bytes"] = (full["peak_with_grads_bytes"] if full
+                                      else v["extrapolated_peak_with_grads_bytes"])
         if device.type == "cuda":
-            v["cuda_max_allocated_bytes"] = extrapolate(args.layers, "cuda_max_allocated_bytes")
+            v["cuda_max_allocated_bytes"] = (full["cuda_max_allocated_bytes"] if full
+                                             else v["extrapolated_cuda_max_allocated_bytes"])
         bound = args.layers * boundary + out["layer"]["peak_bytes"]
         v["bound_bytes"] = bound
         v["ratio"] = v["peak_bytes"] / bound
@@ -374,7 +394,7 @@ def time_check(args, device: torch.device) -> dict:
         out["time_ratio"] = f["step_s"]["median"] / h["step_s"]["median"]
     lg = rows.get("liger", {})
     if f.get("peak_bytes") and lg.get("peak_bytes"):
-        out["peak_vs_liger"] = f["peak_with_grads_bytes"] / lg["peak_with_grads_bytes"]
+        out["peak_vs_liger"] = f["peak_bytes"] / lg["peak_bytes"]
     return out
 
 
@@ -389,11 +409,13 @@ def to_markdown(result: dict) -> str:
     if pc:
         s = pc["shape"]
         how = "computed" if pc["compute"] else "accounted without computing (meta execution, CPU allocator)"
+        v0 = next(iter(pc["variants"].values()))
+        got = (f"traced at {pc['layers']} layers" if v0["measured_at_full"] else
+               f"layers traced {', '.join(v0['traced'])} and extrapolated to {pc['layers']} (affine in layers)")
         lines += [f"Peak activation memory of one training step, Llama shape hidden {s['hidden_size']}, "
                   f"{pc['layers']} layers, {s['num_attention_heads']}/{s['num_key_value_heads']} heads, intermediate "
                   f"{s['intermediate_size']}, vocab {s['vocab_size']}, bf16, s{pc['seq']} b{pc['batch']}, fuse + "
-                  f"enable_checkpointing; {how}; layers traced {', '.join(next(iter(pc['variants'].values()))['traced'])} "
-                  f"and extrapolated (affine in layers). GiB (2^30 bytes); gradients excluded (the 'with grads' "
+                  f"enable_checkpointing; {how}; {got}. GiB (2^30 bytes); gradients excluded (the 'with grads' "
                   "column has them).", "",
                   f"- boundaries: {pc['layers']} x {_gib(pc['boundary_bytes'])} = {_gib(pc['layers'] * pc['boundary_bytes'])}; "
                   f"one layer's working set (forward + backward, not checkpointed): {_gib(pc['layer']['peak_bytes'])}",
@@ -401,30 +423,32 @@ def to_markdown(result: dict) -> str:
                   "|---|---|---|---|---|---|---|"]
         for name, v in pc["variants"].items():
             lines.append(f"| {name} | {_gib(v['peak_bytes'])} | {_gib(v['peak_with_grads_bytes'])} | "
-                         f"{_gib(v['per_layer_bytes'])} | {_gib(v['bound_bytes'])} | {v['ratio']:.3f} | "
+                         f"{_gib(v.get('per_layer_bytes'))} | {_gib(v['bound_bytes'])} | {v['ratio']:.3f} | "
                          f"{'met' if v['met'] else 'NOT met'} |")
         for name, v in pc["variants"].items():
             notes = []
-            if not v["affine"]:
+            if v.get("affine") is False:
                 notes.append("the traced counts' increments differ: the extrapolation is not exact")
             if "check" in v:
                 c = v["check"]
                 notes.append(f"check at {c['layers']} layers: traced {_gib(c['traced'])}, extrapolated "
                              f"{_gib(c['extrapolated'])}")
-            if "direct_peak_bytes" in v:
-                notes.append(f"traced directly at {pc['layers']} layers: {_gib(v['direct_peak_bytes'])}")
+            if v["measured_at_full"] and "extrapolated_peak_bytes" in v:
+                notes.append(f"extrapolated to {pc['layers']} layers: {_gib(v['extrapolated_peak_bytes'])}")
             if "cuda_max_allocated_bytes" in v:
                 notes.append(f"CUDA max_memory_allocated above the start (grads included): "
                              f"{_gib(v['cuda_max_allocated_bytes'])}")
-            first = next(iter(v["traced"].values()))
-            alive = "; ".join(f"{a['count']} x {a['each'] / 2**20:.1f} MiB {a['op']}" for a in first["at_peak"][:8])
+            shown = str(pc["layers"]) if v["measured_at_full"] else next(iter(v["traced"]))
+            alive = "; ".join(f"{a['count']} x {a['each'] / 2**20:.1f} MiB {a['op']}"
+                              for a in v["traced"][shown]["at_peak"][:8])
             lines.append("")
             lines.append(f"- {name}: " + ("; ".join(notes) + ". " if notes else "") +
-                         f"Alive at the peak ({next(iter(v['traced']))} layer(s), largest first): {alive}")
+                         f"Alive at the peak ({shown} layer(s), largest first): {alive}")
     tc = result.get("time")
     if tc:
-        lines += ["", f"Step time and peak, fuse + enable_checkpointing, {tc['layers']} layers (Llama-3 widths), "
-                      f"s{tc['seq']} b{tc['batch']} bf16:", "",
+        lines += ["", f"Step time and peak, fuse + enable_checkpointing, {tc['layers']} layers of hidden "
+                      f"{result['shape']['hidden_size']}, s{tc['seq']} b{tc['batch']} bf16 "
+                      "(Liger: its Llama kernels + Hugging Face's checkpointing):", "",
                   "| variant | step ms, median (p20-p80) | peak GiB (activations) | with grads | CUDA max allocated |",
                   "|---|---|---|---|---|"]
         for name, r in tc["rows"].items():
@@ -488,7 +512,7 @@ def main(argv=None) -> dict:
     if args.tiny:
         args.time_seq, args.time_batch = min(args.time_seq, 64), min(args.time_batch, 2)
     info = common.env_info(device)
-    result = {"env": info, "args": {k: v for k, v in vars(args).items() if k != "shape"}}
+    result = {"env": info, "args": {k: v for k, v in vars(args).items() if k != "shape"}, "shape": args.shape}
     if args.validate:
         result["validate"] = validate(args)
         for variant, got in result["validate"].items():

@@ -69,7 +69,8 @@ def test_tiny_step_is_affine_in_layers(tmp_path):
     boundary = pc["batch"] * pc["seq"] * bsm.TINY["hidden_size"] * 2
     assert pc["boundary_bytes"] == boundary and pc["layer"]["peak_bytes"] > 2 * boundary
     for name, v in pc["variants"].items():
-        assert v["affine"], name
+        assert v["affine"] and v["measured_at_full"], name  # the tiny model has 4 layers: traced too
+        assert v["extrapolated_peak_bytes"] == v["peak_bytes"], name
         assert v["check"]["traced"] == v["check"]["extrapolated"], name  # 4 layers, traced and extrapolated
         # one boundary per layer (in a pool chunk of its own, with the pool's alignment): nothing else grows
         assert boundary <= v["per_layer_bytes"] <= boundary + ckpt_ext.pool_min_chunk_bytes(), name
