@@ -107,8 +107,8 @@ def allocations(fn: Callable[[], None], device: torch.device) -> List[Event]:
     """Every allocation and free of `device`'s allocator while fn() runs, in order."""
     from torch.profiler import ProfilerActivity, profile
     from torch._C._profiler import _EventType
-    # The allocators report to the profiler's CPU side (CUDA's caching allocator too): no CUPTI needed.
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts, profile_memory=True) as prof:
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
