@@ -30,6 +30,14 @@ __all__ = ["linear_cross_entropy", "chunk_rows", "CHUNK_ROWS", "CHUNK_BYTES"]
 # than 128 and as fast as 512 (docs/head.md). V = 128256: 1024 rows, 501 MiB of float32 logits; V = 256000: 512.
 CHUNK_ROWS = int(os.environ.get("CKPT_EXT_HEAD_CHUNK_ROWS", 1024))
 CHUNK_BYTES = int(os.environ.get("CKPT_EXT_HEAD_CHUNK_BYTES", 512 << 20))
+# What the weight's gradient is summed in over the chunks, for bfloat16/float16 weights: "weight" (its own dtype,
+# in place, as Liger-Kernel's chunk loop sums it with addmm: no buffer beside the gradient itself) or "float32" (a
+# float32 V x H sum rounded once at the end, so the chunking adds no rounding of its own; 2 x V x H bytes more
+# while the loss runs: 2 GiB at Llama-3's 128256 x 4096, which kept the Llama-3 8B step of issue 37 over its
+# memory target -- docs/head.md).
+ACCUMULATE = os.environ.get("CKPT_EXT_HEAD_ACCUMULATE", "weight")
+if ACCUMULATE not in ("weight", "float32"):
+    raise ValueError(f"CKPT_EXT_HEAD_ACCUMULATE must be 'weight' or 'float32', got {ACCUMULATE!r}")
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -94,35 +102,53 @@ def _grad_logits_(p: Tensor, t: Tensor, th: Optional[Tensor], scale: Optional[Te
     return p
 
 
-def _chunk_grads(g: Tensor, hc: Tensor, weight: Tensor, gh_rows: Optional[Tensor], gw: Optional[Tensor],
-                 gb: Optional[Tensor]):
-    """The chunk's gradient of the logits (float32) into the hidden rows' gradient and the weight's and bias'
-    sums: g @ W, g^T @ h, g.sum(0), the GEMMs in the weight's dtype (as HF's backward)."""
+def _chunk_grads(g: Tensor, hc: Tensor, weight: Tensor, gh: Optional[Tensor], rows: slice, idx: Optional[Tensor],
+                 gw: Optional[Tensor], gb: Optional[Tensor]):
+    """The chunk's gradient of the logits (float32) into the hidden rows' gradient (rows ``rows`` of the trained
+    rows: of ``gh`` itself, or its rows ``idx[rows]``) and the weight's and bias' sums: g @ W, g^T @ h, g.sum(0),
+    the GEMMs in the weight's dtype (as HF's backward)."""
     if gb is not None:
         gb += g.sum(0)
     g = g.to(weight.dtype)
-    if gh_rows is not None:
-        torch.mm(g, weight, out=gh_rows)
+    if gh is not None:
+        if idx is None:
+            torch.mm(g, weight, out=gh[rows])
+        else:
+            gh.index_copy_(0, idx[rows], torch.mm(g, weight))
     if gw is not None:
         if gw.dtype == g.dtype:
             gw.addmm_(g.t(), hc)
-        else:
-            gw += torch.mm(g.t(), hc)
+        else:  # a float32 sum: the product in the GEMM dtype, a block of vocabulary rows at a time (no V x H copy)
+            block = max(1, g.shape[0] * g.shape[1] // max(1, hc.shape[1]))  # as large as the chunk's logits
+            for v in range(0, gw.shape[0], block):
+                gw[v:v + block] += torch.mm(g[:, v:v + block].t(), hc)
 
 
-def _select(hidden: Tensor, target: Tensor, valid: Tensor, count: int):
-    """The trained rows (a copy only when some rows are ignored) and their indices (None: all)."""
+def _select(target: Tensor, valid: Tensor, count: int):
+    """The trained rows' targets and their indices (None: all rows are trained)."""
     if count == target.numel():
-        return hidden, target, None
+        return target, None
     idx = valid.nonzero().squeeze(1)
-    return hidden.index_select(0, idx), target.index_select(0, idx), idx
+    return target.index_select(0, idx), idx
+
+
+def _rows(hidden: Tensor, idx: Optional[Tensor], rows: slice) -> Tensor:
+    """Rows ``rows`` of the trained rows of ``hidden``: a view, or a chunk-sized copy when some rows are ignored
+    (never a copy of all the hidden states)."""
+    return hidden[rows] if idx is None else hidden.index_select(0, idx[rows])
 
 
 def _weight_grad_buffer(weight: Tensor) -> Tensor:
-    # Half-precision weights: the chunks' products are summed in float32 and rounded once at the end (a
-    # float32 V x H buffer while the loss runs), so the chunking adds no rounding of its own.
-    return torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype in _LOW else weight.dtype,
-                       device=weight.device)
+    # Half-precision weights: the chunks' products summed in the weight's dtype (ACCUMULATE = "weight": the
+    # buffer is the gradient), or in float32 and rounded once at the end (a float32 V x H buffer while the loss
+    # runs, so the chunking adds no rounding of its own).
+    fp32 = ACCUMULATE == "float32" and weight.dtype in _LOW
+    return torch.zeros(weight.shape, dtype=torch.float32 if fp32 else weight.dtype, device=weight.device)
+
+
+def _hidden_grad_buffer(hidden: Tensor, idx: Optional[Tensor]) -> Tensor:
+    # Rows of ignored positions get no gradient: zeros where some are ignored.
+    return torch.empty_like(hidden) if idx is None else torch.zeros_like(hidden)
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -145,24 +171,22 @@ def _lce_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
          shifted: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(sum of the losses of the trained rows (float32), their count (float32), d sum/d hidden,
     d sum/d weight, d sum/d bias); a gradient not asked for is an empty tensor."""
-    n, vocab = hidden.shape[0], weight.shape[0]
+    vocab = weight.shape[0]
     valid, count = _check_labels(target, ignore_index, vocab, seq, shifted)
-    h, t, idx = _select(hidden, target, valid, count)
+    t, idx = _select(target, valid, count)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    gh = torch.empty_like(h) if grad_hidden else None
+    gh = _hidden_grad_buffer(hidden, idx) if grad_hidden else None
     gw = _weight_grad_buffer(weight) if grad_weight else None
     gb = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if grad_bias else None
-    for s in range(0, h.shape[0], chunk):
-        hc, tc = h[s:s + chunk], t[s:s + chunk]
+    for s in range(0, t.shape[0], chunk):
+        rows = slice(s, s + chunk)
+        hc, tc = _rows(hidden, idx, rows), t[rows]
         z, th = _chunk_logits(hc, weight, bias, softcap)
-        _, rows = _softmax_(z, tc)
-        loss += rows.sum()
+        _, losses = _softmax_(z, tc)
+        loss += losses.sum()
         if gh is not None or gw is not None or gb is not None:
-            _chunk_grads(_grad_logits_(z, tc, th, None), hc, weight,
-                         gh[s:s + chunk] if gh is not None else None, gw, gb)
-        del z, th  # before the next chunk's GEMM allocates: one chunk of logits alive at a time
-    if gh is not None and idx is not None:
-        gh = torch.zeros_like(hidden).index_copy_(0, idx, gh)
+            _chunk_grads(_grad_logits_(z, tc, th, None), hc, weight, gh, rows, idx, gw, gb)
+        del z, th, hc  # before the next chunk's GEMM allocates: one chunk of logits alive at a time
     return (loss, torch.tensor(float(count), device=hidden.device),
             gh if gh is not None else _empty(hidden),
             gw.to(weight.dtype) if gw is not None else _empty(weight),
@@ -216,13 +240,13 @@ def _lce_rc_impl(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target:
     """(sum of the losses, count of trained rows, log-sum-exp per row (0 for ignored rows))."""
     vocab = weight.shape[0]
     valid, count = _check_labels(target, ignore_index, vocab, seq, shifted)
-    h, t, idx = _select(hidden, target, valid, count)
+    t, idx = _select(target, valid, count)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    lses = torch.empty(h.shape[0], dtype=torch.float32, device=hidden.device)
-    for s in range(0, h.shape[0], chunk):
-        z, _ = _chunk_logits(h[s:s + chunk], weight, bias, softcap)
-        lses[s:s + chunk], rows = _softmax_(z, t[s:s + chunk])
-        loss += rows.sum()
+    lses = torch.empty(t.shape[0], dtype=torch.float32, device=hidden.device)
+    for s in range(0, t.shape[0], chunk):
+        z, _ = _chunk_logits(_rows(hidden, idx, slice(s, s + chunk)), weight, bias, softcap)
+        lses[s:s + chunk], losses = _softmax_(z, t[s:s + chunk])
+        loss += losses.sum()
         del z
     if idx is not None:
         lses = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device).index_copy_(0, idx, lses)
@@ -244,21 +268,19 @@ def _lce_rc_bwd_impl(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optiona
                 grad_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
     valid = target != ignore_index
     count = int(valid.sum())
-    h, t, idx = _select(hidden, target, valid, count)
+    t, idx = _select(target, valid, count)
     lse = lse if idx is None else lse.index_select(0, idx)
-    gh = torch.empty_like(h) if grad_hidden else None
+    gh = _hidden_grad_buffer(hidden, idx) if grad_hidden else None
     gw = _weight_grad_buffer(weight) if grad_weight else None
     gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if grad_bias else None
     scale = grad.float()
-    for s in range(0, h.shape[0], chunk):
-        hc = h[s:s + chunk]
+    for s in range(0, t.shape[0], chunk):
+        rows = slice(s, s + chunk)
+        hc = _rows(hidden, idx, rows)
         z, th = _chunk_logits(hc, weight, bias, softcap)
-        p = z.sub_(lse[s:s + chunk].unsqueeze(1)).exp_()
-        _chunk_grads(_grad_logits_(p, t[s:s + chunk], th, scale), hc, weight,
-                     gh[s:s + chunk] if gh is not None else None, gw, gb)
-        del z, th, p
-    if gh is not None and idx is not None:
-        gh = torch.zeros_like(hidden).index_copy_(0, idx, gh)
+        p = z.sub_(lse[rows].unsqueeze(1)).exp_()
+        _chunk_grads(_grad_logits_(p, t[rows], th, scale), hc, weight, gh, rows, idx, gw, gb)
+        del z, th, p, hc
     return (gh if gh is not None else _empty(hidden), gw.to(weight.dtype) if gw is not None else _empty(weight),
             gb.to(bias.dtype) if gb is not None else _empty(weight))
 

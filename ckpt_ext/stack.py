@@ -159,11 +159,14 @@ class _Group:
         out = self.fused_segment(self.layers, layer_args, layer_kwargs)
         if out is not NotImplemented:
             return out
+        # The layer's arguments as the checkpoint's own (not one tuple): its tensor arguments are saved as
+        # autograd saves a tensor, so outer saved-tensor hooks (save_on_cpu) see the group's input, as they
+        # do under torch's checkpoint of a layer, and the input is checked unchanged after the forward.
         if found is not None:
-            return _checkpoint(self.run, (layer_args, layer_kwargs), {}, found=found, outside=self.layers[0],
+            return _checkpoint(self.call, layer_args, layer_kwargs, found=found, outside=self.layers[0],
                                context_fn=self.context_fn)
         # The replay searches the layers for BatchNorm statistics to put back (C++, at replay).
-        return _checkpoint(self.run, (layer_args, layer_kwargs), {}, modules=self.layers, outside=self.layers[0],
+        return _checkpoint(self.call, layer_args, layer_kwargs, modules=self.layers, outside=self.layers[0],
                            context_fn=self.context_fn)
 
     def fused_segment(self, layers: List[nn.Module], layer_args: Tuple, layer_kwargs: Dict):
@@ -240,6 +243,10 @@ class _Group:
                 "layers.")
         _check_fsdp_units(f"{type(self.layers[0]).__name__} (enable_checkpointing)", units, outside=self.layers[0])
 
+    def call(self, *layer_args, **layer_kwargs):
+        """run() with the layer's own arguments (what the checkpoint calls and replays)."""
+        return self.run(layer_args, layer_kwargs)
+
     def run(self, layer_args: Tuple, layer_kwargs: Dict):
         """Runs every layer of the group (unwrapped), feeding each output's hidden state to the next."""
         first, rest = self.layers[0], self.layers[1:]
@@ -279,7 +286,7 @@ def _alone(self: nn.Module, group: "_Group", args: Tuple, kwargs: Dict):
     context_fn = None
     if group.keep == "attention":
         context_fn = KeepAttention([group.names[group.layers.index(self)]])
-    return _checkpoint(lambda a, k: type(self).forward(self, *a, **k), (args, kwargs), {}, outside=self,
+    return _checkpoint(functools.partial(type(self).forward, self), args, kwargs, outside=self,
                        context_fn=context_fn)
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import ckpt_ext
+from ckpt_ext import head as head_mod
 from ckpt_ext.head import _lce_impl, chunk_rows, linear_cross_entropy
 from tests.helpers import benchmarks  # noqa: F401  (puts benchmarks/ on sys.path)
 from tests.helpers.devices import DEVICES
@@ -84,8 +85,11 @@ def test_num_items_and_shift_labels(device, recompute):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["autocast", "bf16-weights"])
-def test_low_precision_within_hf_error(device, mode):
-    """bfloat16: the error against a float64 reference at most a small multiple of Hugging Face's own."""
+@pytest.mark.parametrize("accumulate", ["weight", "float32"])
+def test_low_precision_within_hf_error(device, mode, accumulate, monkeypatch):
+    """bfloat16: the error against a float64 reference at most a small multiple of Hugging Face's own, with the
+    weight's gradient summed over the chunks in its own dtype (the default) or in float32."""
+    monkeypatch.setattr(head_mod, "ACCUMULATE", accumulate)
     h, w, _, labels = inputs(device, S=200, H=64)
     ref_t = [t.detach().double().requires_grad_() for t in (h, w)]
     ref = hf_loss(*ref_t[:2], None, labels)
@@ -161,6 +165,32 @@ def test_peak_is_one_chunk_of_logits(softcap):
     with LiveBytes() as full:
         F.cross_entropy(F.linear(hh, w.detach()), t)
     assert full.peak >= 4 * n * V  # the measure sees HF's logits
+
+
+@pytest.mark.parametrize("accumulate", ["weight", "float32"])
+def test_weight_gradient_sum_memory(accumulate, monkeypatch):
+    """bfloat16 weights: summed in their own dtype, the operator holds no V x H tensor besides the gradient it
+    returns; in float32, the float32 sum (4 V H bytes) and its rounding (2 V H), never a V x H product per chunk
+    (the products are added a block of vocabulary rows at a time). Ignored rows: no copy of all hidden states."""
+    monkeypatch.setattr(head_mod, "ACCUMULATE", accumulate)
+    n, H, vocab, chunk = 256, 256, 2000, 16  # V x H well above a chunk's logits
+    g = torch.Generator().manual_seed(0)
+    hh = torch.randn(n, H, generator=g).bfloat16()
+    w = (torch.randn(vocab, H, generator=g) * 0.2).bfloat16()
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[::7] = -100  # some rows ignored: the trained rows are picked per chunk
+    with LiveBytes() as lb:
+        out = _lce_impl(hh, w, None, t, -100, 0.0, chunk, True, True, False, 0, False)
+    vh = vocab * H
+    chunk_bytes = chunk * vocab * (4 + 2 + 2) + chunk * H * 2 * 2 + 64 * n  # logits fp32 + bf16, g bf16, rows
+    gh = n * H * 2
+    if accumulate == "weight":
+        assert out[3].dtype == torch.bfloat16 and lb.peak <= 2 * vh + gh + chunk_bytes
+    else:
+        assert 6 * vh <= lb.peak <= 6 * vh + gh + chunk_bytes + chunk * vocab * 2  # + one block's product
+    ref = _lce_impl(hh.float(), w.float(), None, t, -100, 0.0, chunk, True, True, False, 0, False)
+    for name, a, b in zip(("loss", "count", "grad h", "grad w"), out[:4], ref[:4]):
+        close(a.float(), b, 2e-2, what=name)
 
 
 def test_chunk_rows():

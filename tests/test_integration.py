@@ -4,6 +4,7 @@ Hugging Face's own torch.utils.checkpoint, dropout on."""
 import copy
 import logging
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -104,6 +105,81 @@ def test_hf_parity_with_torch_utils_checkpoint(family):
     hf_checkpointing(model, False)
     ckpt_ext.enable_checkpointing(model)
     _assert_same(ref, _step(model, ids, mask))
+
+
+class _CountedSaveOnCpu(torch.autograd.graph.save_on_cpu):
+    """torch's save_on_cpu (copies every saved tensor to the CPU, hands the copy back), counting its packs
+    (the shapes) and unpacks."""
+
+    def __init__(self):
+        super().__init__()
+        self.packed, self.unpacked = [], 0
+        pack, unpack = self.pack_hook, self.unpack_hook
+
+        def counted_pack(t):
+            self.packed.append(tuple(t.shape))
+            return pack(t)
+
+        def counted_unpack(packed):
+            self.unpacked += 1
+            return unpack(packed)
+
+        self.pack_hook, self.unpack_hook = counted_pack, counted_unpack
+
+
+def _offloaded_step(model, ids, mask, seed=1234):
+    """_step under save_on_cpu: (output, gradients), the packed shapes, the unpack count, and whether the
+    first layer's input (the embeddings' output, held by nothing but the checkpoint) outlived the forward."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    seen = []
+    embeddings = model.get_input_embeddings()
+    handle = embeddings.register_forward_hook(lambda m, a, out: seen.append(weakref.ref(out)))
+    hooks = _CountedSaveOnCpu()
+    try:
+        with hooks:
+            out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    finally:
+        handle.remove()
+    held = seen[0]() is not None
+    (out.float() ** 2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (out.detach().clone(), grads), hooks.packed, hooks.unpacked, held
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_plain_groups_save_their_input_through_outer_hooks_as_torch_checkpoint(family):
+    """Issue 33: the input of a plain (not fused) checkpointed group is saved as autograd saves a tensor, so an
+    outer saved_tensors_hooks (save_on_cpu) packs it -- as it packs the layer input torch's checkpoint saves --
+    and the checkpoint holds the offloaded copy, not the input. (It used to be held inside an argument tuple:
+    no pack, the input kept on its device.)"""
+    torch.manual_seed(0)
+    model = MODELS[family]().train()
+    layers = len(list(model.get_submodule("h" if family == "gpt2" else "layers")))
+    ids, mask = _inputs()
+    ref = _step(model, ids, mask)
+    hf_checkpointing(model, True)
+    torch_ref, torch_packed, torch_unpacked, torch_held = _offloaded_step(model, ids, mask)
+    hf_checkpointing(model, False)
+    hidden = tuple(ref[0].shape)
+    # torch's checkpoint packs each layer's input (a hidden state) and nothing else inside the layers
+    assert torch_packed.count(hidden) >= layers
+    # GPT-2: nothing else holds the embeddings' output, so the offload frees it. (Llama's is held by something
+    # of transformers' outside the layers under torch's checkpoint too, so there ckpt_ext is held to torch's.)
+    assert torch_held is (family == "llama")
+    for every in (1, 2):
+        ckpt_ext.enable_checkpointing(model, every=every)
+        got, packed, unpacked, held = _offloaded_step(model, ids, mask)
+        ckpt_ext.disable_checkpointing(model)
+        groups = -(-layers // every)
+        if every == 1:
+            assert packed == torch_packed and unpacked == torch_unpacked
+        else:  # one input per group: the later layers' inputs are inside the group
+            assert packed.count(hidden) == torch_packed.count(hidden) - (layers - groups)
+            assert unpacked == len(packed)
+        assert held == torch_held, "the group's input outlived the forward: save_on_cpu did not offload it"
+        _assert_same(ref, got)  # gradients unchanged, bit for bit
+    _assert_same(ref, torch_ref)
 
 
 def test_hf_layers_are_checkpointed_and_state_dict_kept():

@@ -29,9 +29,11 @@ measured as a whole on a GPU yet. Replace them with the seconds a run writes int
     BERT-large s512 autocast, Llama s4096 bf16)
   h fused LoRA (suite.py --lora: Llama b4, BERT-large b32)   60          40
   i planner sweep (bench_pareto.py llama-gpu, 4 budgets)     45          20
-  j LM head and loss (bench_head.py, 3 vocabularies)         30          10
+  j LM head: bench_step_memory.py (s4096 b2 step times,     40          10
+    2 layers; s8192 b1 peak, 1-2 layers extrapolated);
+    with the time left: 32 layers direct, bench_head.py
                                                             ----        ----
-                                                             905         530
+                                                             915         530
 
 The whole run stops at --limit seconds (default 540 = 9 minutes, leaving a 10-minute device call a minute
 to bring the files back). A section may run up to its budget as far as that leaves every later section its
@@ -82,7 +84,7 @@ NOISE = 0.02  # allowance on "no worse than the H200 table" (rounds-to-rounds sp
 NOT_MEASURED = [
     "33: the planner at twice the full-checkpoint peak <= 0.80x of HF eager (section i sweeps the planner against torch's policies, not against HF eager at that budget)",
     "35: compile seconds at 24 layers <= 1.5x compiled HF + torch ckpt (section f compiles 6 layers to fit the call)",
-    "37: the whole step of a Llama-3-shaped model s4096 b2 with the fused head (section j measures the head and loss alone)",
+    "37: the step time at 32 layers (section j times 2 layers of Llama-3 width; the memory check covers 32)",
     "36, 38: no GPU targets",
 ]
 
@@ -822,18 +824,69 @@ def section_i(rep: Report, limit: float) -> dict:
 
 
 def section_j(rep: Report, limit: float) -> dict:
-    """j. The LM head and its loss (issue 37): benchmarks/bench_head.py (Llama-3 width, vocabularies 32000 / 128256 /
-    256000, bf16 autocast): ckpt_ext's chunked linear cross-entropy against Hugging Face's head, and Liger's where
-    installed."""
+    """j. The LM head (issue 37), benchmarks/bench_step_memory.py first (the issue's targets): (a) Llama-3 widths,
+    2 layers (not 32: the report's time), s4096 b2 bf16, fuse + ckpt step time and peak with the fused head vs
+    Hugging Face's head, and Liger + HF checkpointing where liger_kernel is importable (a line says so where
+    not); (b) the Llama-3 8B shape s8192 b1 peak from the CUDA allocator's events, traced at 1 and 2 layers
+    (checked at 3) and extrapolated to 32, against boundaries + one layer's working set x 1.1. With the time
+    left: (b) traced directly at 32 layers, then benchmarks/bench_head.py (head and loss alone, vocabulary
+    128256)."""
+    clock = Clock(limit)
     out = rep.section_dir("j")
     if rep.dry_run:
-        args = ["bench_head.py", "--device", "cpu", "--vocab", "1000", "--hidden", "32", "--tokens", "64", "--rounds", "1"]
+        step = ["bench_step_memory.py", "--device", "cpu", "--tiny", "--time", "--rounds", "1", "--trace-layers",
+                "1", "2", "--check-layers", "3"]
+        direct = step[:4] + ["--variants", "fused-head", "--trace-layers", "1", "2", "--check-layers", "0",
+                             "--direct"]
+        head = ["bench_head.py", "--device", "cpu", "--vocab", "1000", "--hidden", "32", "--tokens", "64",
+                "--rounds", "1"]
     else:
-        args = ["bench_head.py", "--tokens", "8192", "--rounds", "5"]
-    rec = rep.py("j", "head", args + ["--out", out], limit, cwd=BENCH)
-    rep.extra["j"] = _markdown_lines(os.path.join(out, "bench_head.md"))
-    line = "head and loss: see the table" if rep.extra["j"] else "no result"
-    return {"status": _cmd_status([rec]) if rep.extra["j"] else "failed", "line": line, "commands": [rec]}
+        step = ["bench_step_memory.py", "--device", "cuda", "--time", "--rounds", "5", "--trace-layers", "1", "2",
+                "--check-layers", "3"]
+        direct = ["bench_step_memory.py", "--device", "cuda", "--variants", "fused-head", "--trace-layers", "1",
+                  "--check-layers", "0", "--direct"]
+        head = ["bench_head.py", "--tokens", "8192", "--vocab", "128256", "--rounds", "3"]
+    recs = [rep.py("j", "step", step + ["--out", os.path.join(out, "step")], clock.left() * 0.6, cwd=BENCH)]
+    res = _load_json(os.path.join(out, "step", "bench_step_memory.json")) or {}
+    recs.append(rep.py("j", "direct", direct + ["--out", os.path.join(out, "direct")], clock.left() * 0.5,
+                       cwd=BENCH))
+    res_direct = _load_json(os.path.join(out, "direct", "bench_step_memory.json")) or {}
+    recs.append(rep.py("j", "head", head + ["--out", out], clock.left(), cwd=BENCH))
+    head_targets(rep, res, res_direct)
+    rep.extra["j"] = (_markdown_lines(os.path.join(out, "step", "bench_step_memory.md"), 60) + [""] +
+                      _markdown_lines(os.path.join(out, "direct", "bench_step_memory.md"), 30) + [""] +
+                      _markdown_lines(os.path.join(out, "bench_head.md")))
+    peak = (res.get("peak") or {}).get("variants", {}).get("fused-head", {})
+    t = res.get("time") or {}
+    parts = []
+    if peak:
+        parts.append(f"s8192 b1 peak / (boundaries + one layer) {peak['ratio']:.3f}")
+    if t.get("time_ratio"):
+        parts.append(f"s4096 b2 fused head / HF head step {t['time_ratio']:.3f}")
+    if t.get("liger_skipped"):
+        parts.append(t["liger_skipped"])
+    return {"status": _cmd_status(recs[:1]) if parts else "failed",
+            "line": ("; ".join(parts) or "no result") + " (tables below)", "commands": recs}
+
+
+def head_targets(rep: Report, res: dict, res_direct: dict) -> None:
+    """Issue 37's rows of the targets table from bench_step_memory.py's JSON (the step run and the direct one)."""
+    peak = (res.get("peak") or {}).get("variants", {}).get("fused-head", {})
+    direct = (res_direct.get("peak") or {}).get("variants", {}).get("fused-head", {})
+    note = "allocator events, 1-2 layers extrapolated to 32"
+    if peak.get("check"):
+        c = peak["check"]
+        note += f" (3 layers traced/extrapolated {c['traced'] / max(1, c['extrapolated']):.4f})"
+    rep.target("37", "Llama-3 8B shape s8192 b1 fuse + ckpt + fused head: peak activations / (32 boundaries + one "
+               "layer's working set)", peak.get("ratio"), 1.10, note=note)
+    if direct.get("measured_at_full"):
+        rep.target("37", "the same, 32 layers traced directly", direct.get("ratio"), 1.10,
+                   note="allocator events of the 32-layer step")
+    t = res.get("time") or {}
+    rep.target("37", "Llama-3 widths s4096 b2 bf16 fuse + ckpt: fused head / HF head step time", t.get("time_ratio"),
+               0.95, note=f"{t.get('layers', 2)} layers, not 32 (the report's time)")
+    rep.target("37", "the same: fused head peak / Liger + HF checkpointing peak (activations)",
+               t.get("peak_vs_liger"), 1.0, goal_text="< 1.000", note=t.get("liger_skipped") or "")
 
 
 # key -> (title, function, (budget s, estimate s) on the GPU, (budget s, estimate s) in the dry run). GPU estimates:
@@ -848,7 +901,7 @@ SECTIONS: Dict[str, tuple] = {
     "g": ("16 GiB cap: largest batch", section_g, (90, 70), (90, 45)),
     "h": ("fused LoRA", section_h, (60, 40), (90, 45)),
     "i": ("planner sweep (bench_pareto)", section_i, (45, 20), (60, 30)),
-    "j": ("LM head and loss (bench_head)", section_j, (30, 10), (40, 15)),
+    "j": ("LM head: the step (bench_step_memory) and the loss (bench_head)", section_j, (40, 10), (90, 30)),
 }
 
 
