@@ -20,7 +20,8 @@ Per op it counts
     outputs (their kernels re-read nothing at these widths: the norm kernels keep a row in registers);
   * kernel launches: one per op that moves data (none for views, allocations, detach), three for a flash
     attention backward (its preprocess, main and dq-convert kernels), two for the norm backwards (the
-    rows, then the weight-gradient column sum, csrc/kernels/cuda/norms.cu).
+    rows, then the weight-gradient column sum, csrc/kernels/cuda/norms.cu), three when
+    bias_dropout_add_layer_norm_backward also sums the dense bias's gradient (grad_bias=True).
 
 Prediction per op = max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + launches x launch cost,
 summed over the step. The achieved rates: bf16 GEMM FLOP/s, attention FLOP/s (forward, backward),
@@ -169,6 +170,10 @@ LAUNCHES = {aten._scaled_dot_product_flash_attention_backward: 3,
 CKPT_LAUNCHES = {"bias_dropout_add_layer_norm_backward": 2, "add_layer_norm_backward": 2, "add_rms_norm_backward": 2}
 
 
+def _arg(args, kwargs, i, name, default=None):
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
 @dataclass
 class Op:
     name: str     # e.g. aten.mm, ckpt_ext.bias_gelu
@@ -286,7 +291,10 @@ class WorkMode(TorchDispatchMode):
                   ",".join("x".join(map(str, t.shape)) for t in outs))
         if func.namespace == "ckpt_ext":
             op = packet.__name__
-            self.ops.append(Op(name, "ckpt", 0.0, nbytes, CKPT_LAUNCHES.get(op, 1), shapes))
+            launches = CKPT_LAUNCHES.get(op, 1)
+            if op == "bias_dropout_add_layer_norm_backward" and _arg(args, kwargs, 10, "grad_bias", False):
+                launches += 1  # the dense bias's column sum: one more column-sum kernel
+            self.ops.append(Op(name, "ckpt", 0.0, nbytes, launches, shapes))
         elif packet in GEMMS:
             self.ops.append(Op(name, "gemm", float(flop_registry[packet](*args, **kwargs, out_val=out)), nbytes, 1,
                                shapes))

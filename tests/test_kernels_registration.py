@@ -49,6 +49,8 @@ def _opcheck_samples(device="cpu"):
         (L.bias_dropout_add_layer_norm_backward.default, (g, g, s, w.detach(), mean, rstd, 0.2, 3, 4)),
         (L.bias_dropout_add_layer_norm_backward.default, (g, None, s, w.detach(), mean, rstd, 0.0, 3, 4)),
         (L.bias_dropout_add_layer_norm_backward.default, (g, g, s, w.detach(), mean, rstd, 0.2, 3, 4, bits)),
+        (L.bias_dropout_add_layer_norm_backward.default, (g, g, s, w.detach(), mean, rstd, 0.2, 3, 4, bits, True)),
+        (L.bias_dropout_add_layer_norm_backward.default, (g, None, s, w.detach(), mean, rstd, 0.0, 3, 4, None, True)),
         (L.add_layer_norm.default, (x, r, w, b, 1e-5)),
         (L.add_layer_norm.default, (x, None, w, None, 1e-5)),
         (L.add_layer_norm_backward.default, (g, g, s, w.detach(), mean, rstd)),

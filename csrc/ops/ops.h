@@ -37,10 +37,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
     double p, double eps, c10::SymInt seed, c10::SymInt offset);
 // keep_bits: the forward's (read instead of regenerating the mask), or absent/empty (regenerated).
-std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
+// grad_bias: also return the dense bias's gradient (grad_x summed over rows, in the kernel's pass; else the
+// fifth output is empty).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
     const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
     const Tensor& mean, const Tensor& rstd, double p, c10::SymInt seed, c10::SymInt offset,
-    const OptTensor& keep_bits = std::nullopt);
+    const OptTensor& keep_bits = std::nullopt, bool grad_bias = false);
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
                                                           const Tensor& weight, const OptTensor& bias, double eps);
 std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum,

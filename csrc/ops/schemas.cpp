@@ -22,8 +22,8 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "-> (Tensor out, Tensor pre_norm, Tensor mean, Tensor rstd, Tensor keep_bits)");
   m.def(
       "bias_dropout_add_layer_norm_backward(Tensor grad_out, Tensor? grad_pre_norm, Tensor pre_norm, Tensor weight, "
-      "Tensor mean, Tensor rstd, float p, SymInt seed, SymInt offset, Tensor? keep_bits=None) "
-      "-> (Tensor grad_x, Tensor grad_residual, Tensor grad_weight, Tensor grad_ln_bias)");
+      "Tensor mean, Tensor rstd, float p, SymInt seed, SymInt offset, Tensor? keep_bits=None, bool grad_bias=False) "
+      "-> (Tensor grad_x, Tensor grad_residual, Tensor grad_weight, Tensor grad_ln_bias, Tensor grad_bias)");
   m.def(
       "add_layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps) "
       "-> (Tensor out, Tensor sum, Tensor mean, Tensor rstd)");
@@ -91,13 +91,14 @@ T5 bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias, const Ten
                    c10::SymInt, c10::SymInt),
                 x, bias, residual, weight, ln_bias, p, eps, seed, offset);
 }
-T4 bias_dropout_add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm,
+T5 bias_dropout_add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm,
                                         const Tensor& weight, const Tensor& mean, const Tensor& rstd, double p,
-                                        c10::SymInt seed, c10::SymInt offset, const OptTensor& keep_bits) {
+                                        c10::SymInt seed, c10::SymInt offset, const OptTensor& keep_bits,
+                                        bool grad_bias) {
   CKPT_EXT_CALL("bias_dropout_add_layer_norm_backward",
-                T4(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                   c10::SymInt, c10::SymInt, const OptTensor&),
-                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits);
+                T5(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+                   c10::SymInt, c10::SymInt, const OptTensor&, bool),
+                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias);
 }
 T4 add_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
                   double eps) {
