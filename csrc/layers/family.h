@@ -104,6 +104,8 @@ Tensor plus_lora(const Tensor& y, const Tensor& delta);
 // two GEMMs in all instead of six. y itself when none is adapted.
 Tensor plus_lora_qkv(const LayerSpec& s, const std::vector<Tensor>& w, std::array<int64_t, 3> j, const Tensor& x,
                      const Tensor& y, std::array<int64_t, 3> widths, const LayerRng& rng);
+// Whether any of the projections j has an adapter in this call.
+bool any_adapter(const LayerSpec& s, const std::vector<Tensor>& w, std::array<int64_t, 3> j);
 // Shapes of the adapter slots against their base weights.
 void check_lora(const LayerSpec& s, const std::vector<Tensor>& w);
 
