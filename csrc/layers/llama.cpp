@@ -87,17 +87,12 @@ LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const
               " layer: position_embeddings (cos, sin) are required; Hugging Face's decoder models pass them to "
               "every layer");
   const Tensor n1 = std::get<0>(ops::add_rms_norm(x, std::nullopt, norm_weight(d, w[kLn1W]), s.eps));
+  const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
+  const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
   const int64_t qw = s.num_heads * s.head_dim, kvw = s.num_kv_heads * s.head_dim;
-  // Without adapters, the projection's own node (qkv.cpp: no gradient concatenation in backward).
-  auto [q_raw, k_raw, v] =
-      any_adapter(s, w, {kLoraQ, kLoraK, kLoraV})
-          ? split_qkv(plus_lora_qkv(s, w, {kLoraQ, kLoraK, kLoraV}, n1,
-                                    gemm_linear(n1, at::cat({w[kQW], w[kKW], w[kVW]}, 0),
-                                                cat_or_undefined({w[kQB], w[kKB], w[kVB]})),
-                                    {qw, kvw, kvw}, rng),
-                      s.num_heads, s.num_kv_heads, s.head_dim)
-          : qkv_heads(n1, {w[kQW], w[kKW], w[kVW]}, {w[kQB], w[kKB], w[kVB]}, s.num_heads, s.num_kv_heads,
-                      s.head_dim);
+  const Tensor qkv = plus_lora_qkv(s, w, {kLoraQ, kLoraK, kLoraV}, n1,
+                                  gemm_linear(n1, wqkv, bqkv), {qw, kvw, kvw}, rng);
+  auto [q_raw, k_raw, v] = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim);
   if (d.qk_norm) {
     q_raw = head_rms_norm(s, q_raw, w[kQNormW]);
     k_raw = head_rms_norm(s, k_raw, w[kKNormW]);
