@@ -21,7 +21,8 @@ Per op it counts
   * kernel launches: one per op that moves data (none for views, allocations, detach), three for a flash
     attention backward (its preprocess, main and dq-convert kernels), two for the norm backwards (the
     rows, then the weight-gradient column sum, csrc/kernels/cuda/norms.cu), three when
-    bias_dropout_add_layer_norm_backward also sums the dense bias's gradient (grad_bias=True).
+    bias_dropout_add_layer_norm_backward also sums the dense bias's gradient (grad_bias=True), two for
+    bias_gelu_backward with grad_bias (its pass, then the column sum of its partials).
 
 Prediction per op = max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + launches x launch cost,
 summed over the step. The achieved rates: bf16 GEMM FLOP/s, attention FLOP/s (forward, backward),
@@ -294,8 +295,9 @@ class WorkMode(TorchDispatchMode):
         if func.namespace == "ckpt_ext":
             op = packet.__name__
             launches = CKPT_LAUNCHES.get(op, 1)
-            if op == "bias_dropout_add_layer_norm_backward" and _arg(args, kwargs, 10, "grad_bias", False):
-                launches += 1  # the dense bias's column sum: one more column-sum kernel
+            if (op == "bias_dropout_add_layer_norm_backward" and _arg(args, kwargs, 10, "grad_bias", False)) or \
+                    (op == "bias_gelu_backward" and _arg(args, kwargs, 4, "grad_bias", False)):
+                launches += 1  # the bias's gradient: one more column-sum kernel
             self.ops.append(Op(name, "ckpt", 0.0, nbytes, launches, shapes))
         elif packet in GEMMS:
             flops = flop_registry[FLOPS_AS.get(packet, packet)](*args, **kwargs, out_val=out)

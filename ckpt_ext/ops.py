@@ -60,9 +60,13 @@ def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none
     return _lib.bias_gelu.default(x, bias, approximate)
 
 
-def bias_gelu_backward(grad: Tensor, x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none") -> Tensor:
-    """Gradient of :func:`bias_gelu` with respect to ``x``; the bias gradient is its sum over rows."""
-    return _lib.bias_gelu_backward.default(grad, x, bias, approximate)
+def bias_gelu_backward(grad: Tensor, x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none",
+                       grad_bias: bool = False):
+    """Gradient of :func:`bias_gelu` with respect to ``x``; the bias gradient is its sum over rows. With
+    ``grad_bias=True`` returns ``(grad_x, grad_bias)``, the kernel summing the bias's gradient in the same pass
+    (in float, of ``grad_x``'s stored values, in a fixed order: the same bits run to run on one device)."""
+    grad_x, gb = _lib.bias_gelu_backward.default(grad, x, bias, approximate, grad_bias)
+    return (grad_x, gb) if grad_bias else grad_x
 
 
 def bias_dropout_add(
@@ -253,9 +257,9 @@ def _(x, bias, approximate):
 
 
 @torch.library.register_fake("ckpt_ext::bias_gelu_backward")
-def _(grad, x, bias, approximate):
+def _(grad, x, bias, approximate, grad_bias=False):
     _like("bias_gelu_backward", "x", x, grad=grad, bias=bias)
-    return _empty(x)
+    return _empty(x), x.new_empty(x.shape[-1:] if grad_bias else (0,))
 
 
 @torch.library.register_fake("ckpt_ext::bias_dropout_add")

@@ -68,7 +68,7 @@ def test_fused_bert_backward_cuts():
     """Issue 32's cuts, as the trace sees them: Q/K/V one GEMM forward over the concatenated weights and biases
     (two small cats a layer) and no [B, S, 3H] gradient concatenated in backward (csrc/layers/qkv.cpp); the
     addmm_ that accumulates dx counted as a GEMM; the norms' dense-bias gradients summed by their backward
-    kernels (grad_bias: a third launch, the column sum) instead of an aten.sum."""
+    kernels (grad_bias: a third launch, the column sum) instead of an aten.sum, and so is bias_gelu's."""
     for variant, forwards in (("fused", 1), ("fused+ckpt", 2)):
         ops = _trace(variant)
         cats = [o.shapes.split(" -> ")[1] for o in ops if o.name == "aten.cat"]
@@ -77,9 +77,12 @@ def test_fused_bert_backward_cuts():
         norms = [o for o in ops if o.name == "ckpt_ext.bias_dropout_add_layer_norm_backward"]
         assert [o.launches for o in norms] == [3] * (2 * L)
         assert all(o.shapes.split(" -> ")[1].endswith(f",{H}") for o in norms)  # grad_bias [H] is an output
-        # per layer: the q, k, v bias gradients and the intermediate's (bias_gelu_backward's, still a sum)
+        gelus = [o for o in ops if o.name == "ckpt_ext.bias_gelu_backward"]
+        assert [o.launches for o in gelus] == [2] * L and all(o.shapes.endswith(f",{I}") for o in gelus)
+        # per layer only the q, k and v bias gradients remain sums ([T, H] each); none over [T, I]
         sums = [o.shapes for o in ops if o.name == "aten.sum" and o.shapes.endswith(f" -> {H}")]
         assert len(sums) == 3 * L, sums
+        assert not [o for o in ops if o.name == "aten.sum" and o.shapes.endswith(f" -> {I}")]
 
 
 def test_batch_extrapolation_is_exact():

@@ -40,6 +40,7 @@ def _opcheck_samples(device="cpu"):
         (L.bias_gelu.default, (x, b, "none")),
         (L.bias_gelu.default, (x, None, "tanh")),
         (L.bias_gelu_backward.default, (g, x.detach(), b.detach(), "tanh")),
+        (L.bias_gelu_backward.default, (g, x.detach(), b.detach(), "none", True)),
         (L.bias_dropout_add.default, (x, b, r, 0.3, 5, 7)),
         (L.bias_dropout_add.default, (x, None, r, 0.0, 5, 7)),
         (L.dropout.default, (g, 0.3, 5, 7)),

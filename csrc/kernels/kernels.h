@@ -33,8 +33,9 @@ struct DropoutArgs {
 #define CKPT_EXT_FUSED_KERNEL_DECLS                                                                           \
   /* out = gelu(x + bias) */                                                                                  \
   void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, const at::Tensor& out);      \
+  /* grad_bias (undefined = not computed): grad_x's column sums, of the values stored, in float, fixed order */ \
   void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,     \
-                          const at::Tensor& grad_x);                                                          \
+                          const at::Tensor& grad_x, const at::Tensor& grad_bias);                             \
   /* out = residual + dropout(x + bias) */                                                                    \
   void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,      \
                                 const DropoutArgs& dropout, const at::Tensor& out);                           \

@@ -26,7 +26,10 @@ namespace ops {
 using at::Tensor;
 
 Tensor bias_gelu(const Tensor& x, const OptTensor& bias, c10::string_view approximate);
-Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias, c10::string_view approximate);
+// grad_bias: also the bias's gradient (grad_x summed over rows in the kernel's pass; else the second output is
+// empty).
+std::tuple<Tensor, Tensor> bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias,
+                                              c10::string_view approximate, bool grad_bias = false);
 Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, c10::SymInt seed,
                         c10::SymInt offset);
 // x * mask / (1 - p) with the mask of (seed, offset): forward dropout, and the backward of any dropout.

@@ -12,7 +12,9 @@
 
 TORCH_LIBRARY(ckpt_ext, m) {
   m.def("bias_gelu(Tensor x, Tensor? bias, str approximate) -> Tensor");
-  m.def("bias_gelu_backward(Tensor grad, Tensor x, Tensor? bias, str approximate) -> Tensor");
+  m.def(
+      "bias_gelu_backward(Tensor grad, Tensor x, Tensor? bias, str approximate, bool grad_bias=False) "
+      "-> (Tensor grad_x, Tensor grad_bias)");
   m.def("bias_dropout_add(Tensor x, Tensor? bias, Tensor residual, float p, SymInt seed, SymInt offset) -> Tensor");
   m.def("dropout(Tensor x, float p, SymInt seed, SymInt offset) -> Tensor");
   m.def("dropout_mask(SymInt numel, float p, SymInt seed, SymInt offset, Device device) -> Tensor");
@@ -71,9 +73,10 @@ using T2 = std::tuple<Tensor, Tensor>;
 Tensor bias_gelu(const Tensor& x, const OptTensor& bias, c10::string_view approximate) {
   CKPT_EXT_CALL("bias_gelu", Tensor(const Tensor&, const OptTensor&, c10::string_view), x, bias, approximate);
 }
-Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias, c10::string_view approximate) {
-  CKPT_EXT_CALL("bias_gelu_backward", Tensor(const Tensor&, const Tensor&, const OptTensor&, c10::string_view), grad,
-                x, bias, approximate);
+T2 bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias, c10::string_view approximate,
+                      bool grad_bias) {
+  CKPT_EXT_CALL("bias_gelu_backward", T2(const Tensor&, const Tensor&, const OptTensor&, c10::string_view, bool), grad,
+                x, bias, approximate, grad_bias);
 }
 Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, c10::SymInt seed,
                         c10::SymInt offset) {
