@@ -20,7 +20,9 @@ Per op it counts
     outputs (their kernels re-read nothing at these widths: the norm kernels keep a row in registers);
   * kernel launches: one per op that moves data (none for views, allocations, detach), three for a flash
     attention backward (its preprocess, main and dq-convert kernels), two for the norm backwards (the
-    rows, then the weight-gradient column sum, csrc/kernels/cuda/norms.cu).
+    rows, then the weight-gradient column sum, csrc/kernels/cuda/norms.cu), three when
+    bias_dropout_add_layer_norm_backward also sums the dense bias's gradient (grad_bias=True), two for
+    bias_gelu_backward with grad_bias (its pass, then the column sum of its partials).
 
 Prediction per op = max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) + launches x launch cost,
 summed over the step. The achieved rates: bf16 GEMM FLOP/s, attention FLOP/s (forward, backward),
@@ -145,7 +147,9 @@ CKPT_OP_GBPS = {
 }
 
 # --------------------------------------------------------------------------------------------- the counting
-GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._addmm_activation}
+GEMMS = {aten.mm, aten.addmm, aten.addmm_, aten.bmm, aten.baddbmm, aten._addmm_activation}
+# In-place GEMMs counted with their out-of-place formula (flop_counter registers only the latter).
+FLOPS_AS = {aten.addmm_: aten.addmm}
 ATTN_FWD = {aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
             aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention}
 ATTN_BWD = {aten._scaled_dot_product_flash_attention_for_cpu_backward,
@@ -167,6 +171,10 @@ LAUNCHES = {aten._scaled_dot_product_flash_attention_backward: 3,
             aten._scaled_dot_product_efficient_attention_backward: 2,
             aten._scaled_dot_product_cudnn_attention_backward: 2}
 CKPT_LAUNCHES = {"bias_dropout_add_layer_norm_backward": 2, "add_layer_norm_backward": 2, "add_rms_norm_backward": 2}
+
+
+def _arg(args, kwargs, i, name, default=None):
+    return args[i] if len(args) > i else kwargs.get(name, default)
 
 
 @dataclass
@@ -286,10 +294,14 @@ class WorkMode(TorchDispatchMode):
                   ",".join("x".join(map(str, t.shape)) for t in outs))
         if func.namespace == "ckpt_ext":
             op = packet.__name__
-            self.ops.append(Op(name, "ckpt", 0.0, nbytes, CKPT_LAUNCHES.get(op, 1), shapes))
+            launches = CKPT_LAUNCHES.get(op, 1)
+            if (op == "bias_dropout_add_layer_norm_backward" and _arg(args, kwargs, 10, "grad_bias", False)) or \
+                    (op == "bias_gelu_backward" and _arg(args, kwargs, 4, "grad_bias", False)):
+                launches += 1  # the bias's gradient: one more column-sum kernel
+            self.ops.append(Op(name, "ckpt", 0.0, nbytes, launches, shapes))
         elif packet in GEMMS:
-            self.ops.append(Op(name, "gemm", float(flop_registry[packet](*args, **kwargs, out_val=out)), nbytes, 1,
-                               shapes))
+            flops = flop_registry[FLOPS_AS.get(packet, packet)](*args, **kwargs, out_val=out)
+            self.ops.append(Op(name, "gemm", float(flops), nbytes, 1, shapes))
         elif packet in ATTN_FWD or packet in ATTN_BWD:
             causal = _is_causal(func, args, kwargs)
             self.ops.append(Op(name, "attn_fwd" if packet in ATTN_FWD else "attn_bwd",
@@ -397,6 +409,51 @@ def trace(family: str, mode: str, variant: str, layers: int, batch: int, seq: Op
             loss = out.float().pow(2).mean()
         loss.backward()
     return work.ops
+
+
+def peak_live_bytes(family: str, mode: str, variant: str, layers: int, batch: int, model_fn=None,
+                    steps: int = 2) -> Tuple[int, Dict[int, int]]:
+    """Memory, not time: the peak bytes of live tensors over a training step, as the traced step (CUDA-like
+    ops, nothing computed, real shapes) allocates them -- bench_head.LiveBytes inside the trace, every storage
+    made during the step counted from the op that made it until its last tensor is gone (Python's garbage
+    collection decides that moment for tensors in reference cycles: a few MiB of noise at full size).
+    Kernels' internal workspaces (flash attention's float dq accumulator, cuBLAS's) and the caching
+    allocator (rounding, fragmentation, cached blocks) are not seen. The last of `steps` steps counts (the
+    first warms the boundary pool up). Returns (peak, {storage bytes: count} live at the peak)."""
+    import bench_head  # noqa: E402  (benchmarks/ is on sys.path when this runs)
+
+    class Peak(bench_head.LiveBytes):
+        def __init__(self):
+            super().__init__()
+            self.at_peak: Dict[int, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = self.peak
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if self.peak > before:
+                self.at_peak = dict(collections.Counter(e[0] for e in self.live.values()))
+            return out
+    torch.manual_seed(0)
+    if model_fn is None:
+        m, cfg, s = _build(family, layers, attn_dropout=0.0)
+        vocab = cfg.vocab_size
+    else:
+        m, vocab, s = model_fn(layers)
+    m = m.train()
+    if mode == "bf16":
+        m = m.to(torch.bfloat16)
+    _setup(m, variant)
+    ids = torch.randint(0, vocab, (batch, s))
+    for _ in range(steps):
+        m.zero_grad(set_to_none=True)
+        work, live = WorkMode(), Peak()
+        _ACTIVE.append(work)
+        with _cuda_like(), work, live, contextlib.ExitStack() as stack:
+            stack.callback(_ACTIVE.pop)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+                loss = m(input_ids=ids).last_hidden_state.float().pow(2).mean()
+            loss.backward()
+    return live.peak, live.at_peak
 
 
 # ---------------------------------------------------------------------------------------------- the scaling
@@ -604,7 +661,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--cache", default=None, help="keep the traced counts in this pickle (reused when present; "
                     "delete it after changing the code the traces run)")
+    ap.add_argument("--peak", default=None, metavar="CONFIG:VARIANT[,VARIANT...]",
+                    help="instead of the times: the peak bytes of live tensors over a step (peak_live_bytes)")
     args = ap.parse_args(argv)
+    if args.peak:
+        name, vs = args.peak.split(":")
+        cfg = CONFIGS[name]
+        print(f"--- {name}: peak bytes of live tensors over a step (traced, not measured; see peak_live_bytes) ---")
+        for v in vs.split(","):
+            peak, at = peak_live_bytes(cfg.family, cfg.mode, v, cfg.layers, cfg.batch)
+            big = ", ".join(f"{n} x {b / 2**20:g}" for b, n in sorted(at.items(), key=lambda kv: -kv[0] * kv[1])[:6])
+            print(f"{v:14s} {peak / 2**20:9.1f} MiB   live at the peak (MiB): {big}")
+        return {}
     cached = {}
     if args.cache and os.path.exists(args.cache):
         with open(args.cache, "rb") as f:

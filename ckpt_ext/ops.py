@@ -60,9 +60,13 @@ def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none
     return _lib.bias_gelu.default(x, bias, approximate)
 
 
-def bias_gelu_backward(grad: Tensor, x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none") -> Tensor:
-    """Gradient of :func:`bias_gelu` with respect to ``x``; the bias gradient is its sum over rows."""
-    return _lib.bias_gelu_backward.default(grad, x, bias, approximate)
+def bias_gelu_backward(grad: Tensor, x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none",
+                       grad_bias: bool = False):
+    """Gradient of :func:`bias_gelu` with respect to ``x``; the bias gradient is its sum over rows. With
+    ``grad_bias=True`` returns ``(grad_x, grad_bias)``, the kernel summing the bias's gradient in the same pass
+    (in float, of ``grad_x``'s stored values, in a fixed order: the same bits run to run on one device)."""
+    grad_x, gb = _lib.bias_gelu_backward.default(grad, x, bias, approximate, grad_bias)
+    return (grad_x, gb) if grad_bias else grad_x
 
 
 def bias_dropout_add(
@@ -124,17 +128,22 @@ def bias_dropout_add_layer_norm_backward(
     seed: int,
     offset: int,
     keep_bits: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Backward of :func:`bias_dropout_add_layer_norm`: ``(grad_x, grad_residual, grad_weight, grad_ln_bias)``.
+    grad_bias: bool = False,
+) -> Tuple[Tensor, ...]:
+    """Backward of :func:`bias_dropout_add_layer_norm`: ``(grad_x, grad_residual, grad_weight, grad_ln_bias)``,
+    and ``grad_bias`` fifth when asked for.
 
     ``grad_pre_norm`` (optional) is the gradient flowing into ``pre_norm`` from elsewhere; it is added
-    to the LayerNorm input gradient. The dense bias's gradient is ``grad_x`` summed over rows.
-    ``keep_bits``: the forward's, as returned (the mask is read from it; empty: regenerated), or None
-    (regenerated from ``(seed, offset)``); both give the same gradients bit for bit.
+    to the LayerNorm input gradient. The dense bias's gradient is ``grad_x`` summed over rows: with
+    ``grad_bias=True`` the kernel sums it in the same pass (in float, of ``grad_x``'s stored values, in a
+    fixed order: the same bits run to run on one device). ``keep_bits``: the forward's, as returned (the
+    mask is read from it; empty: regenerated), or None (regenerated from ``(seed, offset)``); both give the
+    same gradients bit for bit.
     """
-    return _lib.bias_dropout_add_layer_norm_backward.default(
-        grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits
+    r = _lib.bias_dropout_add_layer_norm_backward.default(
+        grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias
     )
+    return tuple(r) if grad_bias else tuple(r[:4])
 
 
 def add_layer_norm(
@@ -248,9 +257,9 @@ def _(x, bias, approximate):
 
 
 @torch.library.register_fake("ckpt_ext::bias_gelu_backward")
-def _(grad, x, bias, approximate):
+def _(grad, x, bias, approximate, grad_bias=False):
     _like("bias_gelu_backward", "x", x, grad=grad, bias=bias)
-    return _empty(x)
+    return _empty(x), x.new_empty(x.shape[-1:] if grad_bias else (0,))
 
 
 @torch.library.register_fake("ckpt_ext::bias_dropout_add")
@@ -284,8 +293,9 @@ def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset):
 
 
 @torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm_backward")
-def _(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits=None):
-    return _empty(pre_norm), _empty(pre_norm), _empty(weight), _empty(weight)
+def _(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits=None, grad_bias=False):
+    bias = pre_norm.new_empty(pre_norm.shape[-1:] if grad_bias else (0,))
+    return _empty(pre_norm), _empty(pre_norm), _empty(weight), _empty(weight), bias
 
 
 @torch.library.register_fake("ckpt_ext::add_layer_norm")

@@ -64,6 +64,27 @@ def test_fused_layers_are_seen_inside():
     assert fused.count("aten.native_layer_norm") == 1  # the embeddings' only: the layers' norms are ckpt_ext's
 
 
+def test_fused_bert_backward_cuts():
+    """Issue 32's cuts, as the trace sees them: Q/K/V one GEMM forward over the concatenated weights and biases
+    (two small cats a layer) and no [B, S, 3H] gradient concatenated in backward (csrc/layers/qkv.cpp); the
+    addmm_ that accumulates dx counted as a GEMM; the norms' dense-bias gradients summed by their backward
+    kernels (grad_bias: a third launch, the column sum) instead of an aten.sum, and so is bias_gelu's."""
+    for variant, forwards in (("fused", 1), ("fused+ckpt", 2)):
+        ops = _trace(variant)
+        cats = [o.shapes.split(" -> ")[1] for o in ops if o.name == "aten.cat"]
+        assert sorted(cats) == sorted([f"{3 * H}x{H}", f"{3 * H}"] * (forwards * L)), cats
+        assert sum(o.kind == "gemm" for o in ops if o.name == "aten.addmm_") == 2 * L
+        norms = [o for o in ops if o.name == "ckpt_ext.bias_dropout_add_layer_norm_backward"]
+        assert [o.launches for o in norms] == [3] * (2 * L)
+        assert all(o.shapes.split(" -> ")[1].endswith(f",{H}") for o in norms)  # grad_bias [H] is an output
+        gelus = [o for o in ops if o.name == "ckpt_ext.bias_gelu_backward"]
+        assert [o.launches for o in gelus] == [2] * L and all(o.shapes.endswith(f",{I}") for o in gelus)
+        # per layer only the q, k and v bias gradients remain sums ([T, H] each); none over [T, I]
+        sums = [o.shapes for o in ops if o.name == "aten.sum" and o.shapes.endswith(f" -> {H}")]
+        assert len(sums) == 3 * L, sums
+        assert not [o for o in ops if o.name == "aten.sum" and o.shapes.endswith(f" -> {I}")]
+
+
 def test_batch_extrapolation_is_exact():
     """Counts at batch 5 extrapolated from the traces at 2 and 3 equal a trace at 5, op by op."""
     for variant in ("none", "fused+ckpt"):
@@ -89,3 +110,14 @@ def test_rank_check():
     table = {"a": 100.0, "b": 110.0, "c": 111.0}
     assert bench_work.rank_check(table, {"a": 1.0, "b": 2.0, "c": 1.5}) == []  # b, c: a tie
     assert bench_work.rank_check(table, {"a": 3.0, "b": 2.0, "c": 2.5}) == ["a vs b", "a vs c"]
+
+
+def test_peak_live_bytes_sees_checkpointing():
+    """The memory side (--peak): checkpointing lowers the traced step's peak of live tensor bytes to well
+    under half of the same model's without (4 layers, batch 8: the saved activations dominate), for Hugging
+    Face's layers and the fused ones alike, and [B, S, H] activations are among what is live at the peak."""
+    peaks = {v: bench_work.peak_live_bytes("bert", "bf16", v, 4, 8, model_fn=tiny_bert)
+             for v in ("none", "hf-gc", "fused", "fused+ckpt")}
+    assert peaks["hf-gc"][0] < peaks["none"][0] / 2
+    assert peaks["fused+ckpt"][0] < peaks["fused"][0] / 2
+    assert peaks["none"][1].get(8 * S * H * 2, 0) >= 4  # bf16 [8, S, H]: at least one per layer

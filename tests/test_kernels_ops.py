@@ -55,6 +55,29 @@ def test_bias_gelu(device, dtype, shape, approximate, with_bias):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ROW_SHAPES + [(3001, 72), (9, 4097), (0, 64)],
+                         ids=ROW_SHAPE_IDS + ["3001x72", "9x4097", "0x64"])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_backward_sums_the_bias_gradient(device, dtype, shape, approximate):
+    """grad_bias=True: grad_x bit for bit as without, and the bias's gradient = grad_x's column sums (of the
+    stored values, accumulated in float: within (rows - 1) * 2^-24 * sum |grad_x| plus the final rounding),
+    the same bits on a second call (a fixed order)."""
+    x = randn_on(*shape, dtype=dtype, device=device, scale=2.0, requires_grad=False)
+    b = randn_on(shape[-1], dtype=dtype, device=device, requires_grad=False)
+    g = randn_on(*shape, dtype=dtype, device=device, requires_grad=False)
+    gx = ops.bias_gelu_backward(g, x, b, approximate)
+    gx2, gb = ops.bias_gelu_backward(g, x, b, approximate, grad_bias=True)
+    assert torch.equal(gx2, gx)
+    assert gb.shape == (shape[-1],) and gb.dtype == dtype and gb.device == gx.device
+    flat = gx.reshape(-1, shape[-1]).double()
+    ref = flat.sum(0)
+    bound = max(flat.shape[0] - 1, 1) * 2.0**-24 * flat.abs().sum(0) + torch.finfo(dtype).eps * ref.abs()
+    assert bool(((gb.double() - ref).abs() <= bound + 1e-30).all())
+    assert torch.equal(ops.bias_gelu_backward(g, x, b, approximate, grad_bias=True)[1], gb)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ROW_SHAPES, ids=ROW_SHAPE_IDS)
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
 def test_bias_dropout_add(device, dtype, shape, p):

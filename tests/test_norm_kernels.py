@@ -54,6 +54,17 @@ def _randn(*shape, dtype, device, scale=1.0, offset=0):
     return view
 
 
+def _check_bias_sum(got, gx):
+    """got: the column sums of gx's stored values, accumulated in float and rounded once to gx's dtype. Bound:
+    a float sum of n terms is within (n - 1) * 2**-24 * sum |x| of the exact one, plus the final rounding."""
+    assert got.shape == gx.shape[-1:] and got.dtype == gx.dtype and got.device == gx.device
+    rows = gx.shape[0]
+    ref = gx.double().sum(0)
+    bound = max(rows - 1, 1) * 2.0**-24 * gx.double().abs().sum(0) + torch.finfo(gx.dtype).eps * ref.abs()
+    err = (got.double() - ref).abs()
+    assert bool((err <= bound + 1e-30).all()), f"bias gradient off by {(err - bound).max().item()} beyond the bound"
+
+
 def _max_err(a, b):
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
@@ -147,7 +158,16 @@ def test_bias_dropout_add_layer_norm(device, shape, dtype, p, offset):
     mask = cpu_mask(rows, hidden, p).to(device) if p > 0 else None
     if mask is not None:  # backward dropped exactly the CPU mask's elements (grad_x = grad_residual * mask * scale)
         assert torch.equal(gx != 0, mask & (gr != 0))
-    # grad_bias is grad_x summed over rows by the autograd layer, not by these kernels: not compared.
+    # grad_bias=True: the same four outputs bit for bit, and the dense bias's gradient summed in the kernel's
+    # pass (the 16-slot backward kernels on CUDA; wider rows: ATen's sum after the kernel; multi-pass: its own)
+    *four, gb = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, w, mean, rstd, p, SEED, OFFSET, bits,
+                                                         grad_bias=True)
+    for a, b_ in zip(four, (gx, gr, gw, glb)):
+        assert torch.equal(a, b_)
+    _check_bias_sum(gb, gx)
+    again = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, w, mean, rstd, p, SEED, OFFSET, bits,
+                                                     grad_bias=True)[4]
+    assert torch.equal(again, gb)  # a fixed order: the same bits run to run
     _compare(["out", "pre_norm", "grad_x", "grad_residual", "grad_weight", "grad_ln_bias"],
              [out, pre, gx, gr, gw, glb],
              lambda x, b, r, w, lb: ref_layer_norm(x, b, r, w, lb, mask, p), [x, b, r, w, lb], [g_out, g_pre],

@@ -33,8 +33,9 @@ struct DropoutArgs {
 #define CKPT_EXT_FUSED_KERNEL_DECLS                                                                           \
   /* out = gelu(x + bias) */                                                                                  \
   void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, const at::Tensor& out);      \
+  /* grad_bias (undefined = not computed): grad_x's column sums, of the values stored, in float, fixed order */ \
   void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,     \
-                          const at::Tensor& grad_x);                                                          \
+                          const at::Tensor& grad_x, const at::Tensor& grad_bias);                             \
   /* out = residual + dropout(x + bias) */                                                                    \
   void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,      \
                                 const DropoutArgs& dropout, const at::Tensor& out);                           \
@@ -51,12 +52,14 @@ struct DropoutArgs {
                           const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& keep_bits);       \
   /* grad_pre = d(out)/d(pre_norm)^T grad_out (+ grad_pre_norm); grad_x = grad_pre * mask * scale if       */ \
   /* grad_x is defined, the mask read from keep_bits where defined (CPU only), else regenerated;            */ \
-  /* grad_weight/grad_ln_bias summed over rows in float                                                     */ \
+  /* grad_weight/grad_ln_bias summed over rows in float; grad_bias (only with grad_x; undefined = not      */ \
+  /* computed): grad_x's column sums, of the values stored, in float                                        */ \
   void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_norm,                      \
                            const at::Tensor& pre_norm, const at::Tensor& weight, const at::Tensor& mean,      \
                            const at::Tensor& rstd, const DropoutArgs& dropout, const at::Tensor& keep_bits,   \
                            const at::Tensor& grad_pre, const at::Tensor& grad_x,                              \
-                           const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias);                    \
+                           const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias,                     \
+                           const at::Tensor& grad_bias);                                                      \
   /* sum = x + residual; out = weight * to_dtype(float(sum) * rstd) (Hugging Face LlamaRMSNorm) */           \
   void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,           \
                         double eps, const at::Tensor& out, const at::Tensor& sum, const at::Tensor& rstd);    \

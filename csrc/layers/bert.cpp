@@ -42,12 +42,16 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
                     const LayerRng& rng, const Tensor& out_slot, bool /*stop: no last_linear*/,
                     KeptAttention* kept) {
   const double hidden_p = effective(s.hidden_p, rng);
-  const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
-  const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
   const int64_t H = s.hidden;
-  const Tensor qkv = plus_lora_qkv(s, w, {kLoraQ, kLoraK, kLoraV}, x,
-                                  gemm_linear(x, wqkv, bqkv), {H, H, H}, rng);
-  const auto [q, k, v] = split_qkv(qkv, s.num_heads, s.num_heads, s.head_dim);
+  // Without adapters, the projection's own node (qkv.cpp: no gradient concatenation in backward).
+  const auto [q, k, v] =
+      any_adapter(s, w, {kLoraQ, kLoraK, kLoraV})
+          ? split_qkv(plus_lora_qkv(s, w, {kLoraQ, kLoraK, kLoraV}, x,
+                                    gemm_linear(x, at::cat({w[kQW], w[kKW], w[kVW]}, 0),
+                                                cat_or_undefined({w[kQB], w[kKB], w[kVB]})),
+                                    {H, H, H}, rng),
+                      s.num_heads, s.num_heads, s.head_dim)
+          : qkv_heads(x, {w[kQW], w[kKW], w[kVW]}, {w[kQB], w[kKB], w[kVB]}, s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/false, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
   const Tensor h1 = std::get<0>(ops::bias_dropout_add_layer_norm(

@@ -62,6 +62,8 @@ inline OptTensor opt_like(const Tensor& t, const Tensor& ref) { return opt(like(
 // a @ b as Tensor::mm (2-D or 3-D), recording no autograd (for use inside autograd functions), in the
 // layout gemm_linear's policy picks (layer.h).
 Tensor gemm_mm(const Tensor& a, const Tensor& b);
+// acc += a @ b in place (2-D, one GEMM with beta = 1), recording no autograd, in gemm_mm's layout.
+Tensor& gemm_addmm_(Tensor& acc, const Tensor& a, const Tensor& b);
 
 // y = x @ W + b for a Conv1D weight [in, out], as Hugging Face computes it.
 Tensor conv1d(const Tensor& x, const Tensor& w, const Tensor& b);
@@ -72,6 +74,11 @@ Tensor cat_or_undefined(std::initializer_list<Tensor> parts);
 
 // Splits the fused [B, S, (q_heads + 2 * kv_heads) * D] projection into q, k, v as [B, heads, S, D] views.
 std::array<Tensor, 3> split_qkv(const Tensor& qkv, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
+// q, k, v as split_qkv returns them, of x's projection by w = {Wq, Wk, Wv} (+ b, all three or none), as one
+// autograd node (qkv.cpp): one GEMM over the concatenated weights; its backward takes dq, dk, dv apart
+// (no [T, q + 2 kv] gradient concatenated, no concatenated weight saved). Casts as linear under autocast.
+std::array<Tensor, 3> qkv_heads(const Tensor& x, std::array<Tensor, 3> w, std::array<Tensor, 3> b, int64_t q_heads,
+                                int64_t kv_heads, int64_t head_dim);
 // [B, heads, S, D] -> [B, S, heads * D] (contiguous).
 Tensor merge_heads(const Tensor& ctx);
 
@@ -97,6 +104,8 @@ Tensor plus_lora(const Tensor& y, const Tensor& delta);
 // two GEMMs in all instead of six. y itself when none is adapted.
 Tensor plus_lora_qkv(const LayerSpec& s, const std::vector<Tensor>& w, std::array<int64_t, 3> j, const Tensor& x,
                      const Tensor& y, std::array<int64_t, 3> widths, const LayerRng& rng);
+// Whether any of the projections j has an adapter in this call.
+bool any_adapter(const LayerSpec& s, const std::vector<Tensor>& w, std::array<int64_t, 3> j);
 // Shapes of the adapter slots against their base weights.
 void check_lora(const LayerSpec& s, const std::vector<Tensor>& w);
 

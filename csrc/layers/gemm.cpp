@@ -70,13 +70,19 @@ Tensor as_row_major(const Tensor& t) { return row_major(t) ? t : t.contiguous();
 // bf16: [16, 128, 128] @ [16, 128, 64] 1.7 ms TN, 4.8 NT, 11.6 NN; [16, 1024, 64] @ [16, 64, 1024] 119 ms
 // TN, 303 NT), where for 2-D products NT wins at large sizes ([2048, 1024] @ [1024, 4096]: 0.93 s NT, 3.6 s TN).
 // bias (2-D only): added by the GEMM itself (addmm, one rounding, as at::linear does), not in a second pass.
-Tensor mm_layout(const Tensor& a, const Tensor& b, const Tensor& bias = Tensor()) {
-  if (a.dim() == 3) return as_col_major(a).bmm(as_row_major(b));
+// The 2-D operands a, b in the layout described above.
+std::pair<Tensor, Tensor> layout_2d(const Tensor& a, const Tensor& b) {
   Tensor x = a, y = b;
   if (!row_major(x) && !col_major(x)) x = x.contiguous();
   if (!row_major(y) && !col_major(y)) y = as_col_major(y);
   if (row_major(x) && row_major(y) && !col_major(y)) y = as_col_major(y);                       // NN -> NT
   else if (col_major(x) && !row_major(x) && col_major(y) && !row_major(y)) x = x.contiguous();  // TT -> NT
+  return {x, y};
+}
+
+Tensor mm_layout(const Tensor& a, const Tensor& b, const Tensor& bias = Tensor()) {
+  if (a.dim() == 3) return as_col_major(a).bmm(as_row_major(b));
+  const auto [x, y] = layout_2d(a, b);
   return bias.defined() ? at::addmm(bias, x, y) : x.mm(y);
 }
 
@@ -182,6 +188,12 @@ Tensor gemm_matmul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor gemm_mm(const Tensor& a, const Tensor& b) { return layouts_apply(a, a.scalar_type()) ? mm_layout(a, b) : a.mm(b); }
+
+Tensor& gemm_addmm_(Tensor& acc, const Tensor& a, const Tensor& b) {
+  if (!layouts_apply(a, a.scalar_type())) return acc.addmm_(a, b);
+  const auto [x, y] = layout_2d(a, b);
+  return acc.addmm_(x, y);
+}
 
 std::string cpu_gemm_layout(const std::optional<std::string>& set) {
   static const char* names[] = {"auto", "nt", "off"};

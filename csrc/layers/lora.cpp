@@ -52,6 +52,10 @@ Tensor plus_lora(const Tensor& y, const Tensor& delta) {
   return delta.scalar_type() == y.scalar_type() ? y + delta : (y + delta).to(y.scalar_type());
 }
 
+bool any_adapter(const LayerSpec& s, const std::vector<Tensor>& w, std::array<int64_t, 3> j) {
+  return has_adapter(s, w, j[0]) || has_adapter(s, w, j[1]) || has_adapter(s, w, j[2]);
+}
+
 Tensor plus_lora_qkv(const LayerSpec& s, const std::vector<Tensor>& w, std::array<int64_t, 3> j, const Tensor& x,
                      const Tensor& y, std::array<int64_t, 3> widths, const LayerRng& rng) {
   bool all = true, any = false, dropout = false;

@@ -13,7 +13,8 @@
 //
 // Copies and casts (reviewed for issue 10.4): the backward kernels here cast nothing and copy nothing
 // of their own. What they allocate is what they return: the *_backward ops' outputs, and a bias
-// gradient as one row sum (sum_rows: a view of the contiguous kernel output, then one reduction). Three
+// gradient as one row sum (sum_rows: a view of the contiguous kernel output, then one reduction), except
+// bias_dropout_add_layer_norm's and bias_gelu's, which their backward kernels sum in the same pass (issue 32). Three
 // allocations remain, each needed: (1) the norms' `zeros_like` when only the second output (pre_norm /
 // sum) carries a gradient -- the kernels take a dense grad_out, and the layers use both outputs, so
 // this path is the rare one of a caller that drops `out`; (2) rotary's `grad * x` and `rotate_half`
@@ -87,8 +88,11 @@ struct BiasGeluFunction : torch::autograd::Function<BiasGeluFunction> {
     variable_list out(3);
     if (!grads[0].defined() || !(needs(ctx, e[0]) || needs(ctx, e[1]))) return out;
     const OptTensor bias = saved[1].defined() ? OptTensor(saved[1]) : std::nullopt;
-    Tensor grad_x = ops::bias_gelu_backward(grads[0], saved[0], bias, ctx->saved_data.at("approximate").toStringRef());
-    if (needs(ctx, e[1])) out[1] = sum_rows(grad_x);
+    // The bias's gradient from the kernel's own pass over grad_x (column partials), not a second reduction.
+    auto [grad_x, grad_bias] = ops::bias_gelu_backward(grads[0], saved[0], bias,
+                                                       ctx->saved_data.at("approximate").toStringRef(),
+                                                       needs(ctx, e[1]));
+    if (needs(ctx, e[1])) out[1] = grad_bias;
     if (needs(ctx, e[0])) out[0] = grad_x;
     return out;
   }
@@ -172,10 +176,11 @@ struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAd
     const Tensor& pre_norm = saved[0];
     const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(pre_norm);
     const OptTensor grad_pre = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
-    auto [grad_x, grad_residual, grad_weight, grad_ln_bias] = ops::bias_dropout_add_layer_norm_backward(
+    // The dense bias's gradient comes from the kernel's own pass over grad_x (column partials).
+    auto [grad_x, grad_residual, grad_weight, grad_ln_bias, grad_bias] = ops::bias_dropout_add_layer_norm_backward(
         grad_out, grad_pre, pre_norm, saved[1], saved[2], saved[3], ctx->saved_data.at("p").toDouble(),
-        saved_symint(ctx, "seed"), saved_symint(ctx, "offset"), saved[4]);
-    if (needs(ctx, e[1])) out[1] = sum_rows(grad_x);
+        saved_symint(ctx, "seed"), saved_symint(ctx, "offset"), saved[4], needs(ctx, e[1]));
+    if (needs(ctx, e[1])) out[1] = grad_bias;
     if (needs(ctx, e[0])) out[0] = grad_x;
     if (needs(ctx, e[2])) out[2] = grad_residual;
     if (needs(ctx, e[3])) out[3] = grad_weight;

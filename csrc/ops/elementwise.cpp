@@ -35,7 +35,8 @@ Tensor bias_gelu(const Tensor& x, const OptTensor& bias, c10::string_view approx
   return out;
 }
 
-Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias, c10::string_view approximate) {
+std::tuple<Tensor, Tensor> bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias,
+                                              c10::string_view approximate, bool want_grad_bias) {
   const char* op = "bias_gelu_backward";
   check_floating(op, "x", x);
   check_at_least_1d(op, "x", x);
@@ -44,8 +45,12 @@ Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& 
   if (present(bias)) check_vector(op, "bias", *bias, x.size(-1), "x", x);
   const Tensor gc = grad.contiguous(), xc = x.contiguous(), bc = contiguous_or_undefined(bias);
   Tensor grad_x = at::empty_like(xc);
-  if (xc.numel() > 0) CKPT_EXT_LAUNCH(x.device(), bias_gelu_backward, gc, xc, bc, tanh, grad_x);
-  return grad_x;
+  // The bias's gradient has the last dimension's length (and x's dtype, as the bias); zero without rows.
+  Tensor grad_bias = at::empty({want_grad_bias ? x.size(-1) : 0}, xc.options());
+  if (want_grad_bias && xc.numel() == 0) grad_bias.zero_();
+  if (xc.numel() > 0)
+    CKPT_EXT_LAUNCH(x.device(), bias_gelu_backward, gc, xc, bc, tanh, grad_x, want_grad_bias ? grad_bias : Tensor());
+  return {grad_x, grad_bias};
 }
 
 // `out`: where to write the result; undefined = allocate it.

@@ -60,7 +60,7 @@ void layer_norm_backward_checked(const char* op, const char* pre_name, const Ten
                                  const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
                                  const Tensor& mean, const Tensor& rstd, const DropoutArgs& dropout,
                                  const OptTensor& keep_bits, Tensor& grad_pre, Tensor* grad_x, Tensor& grad_weight,
-                                 Tensor& grad_ln_bias) {
+                                 Tensor& grad_ln_bias, Tensor* grad_bias = nullptr) {
   check_floating(op, pre_name, pre_norm);
   check_hidden(op, pre_name, pre_norm);
   check_same_shape(op, "grad_out", grad_out, pre_name, pre_norm);
@@ -74,26 +74,32 @@ void layer_norm_backward_checked(const char* op, const char* pre_name, const Ten
   if (grad_x) *grad_x = at::empty_like(pc);
   grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
   grad_ln_bias = at::empty_like(weight, at::MemoryFormat::Contiguous);
+  // The dense bias has the weight's length and, in the layers, the input's dtype.
+  if (grad_bias) *grad_bias = at::empty({pc.size(-1)}, pc.options());
   if (pc.numel() == 0) {  // no rows: the sums over rows are zero
     grad_weight.zero_();
     grad_ln_bias.zero_();
+    if (grad_bias) grad_bias->zero_();
     return;
   }
   CKPT_EXT_LAUNCH(pc.device(), layer_norm_backward, grad_out.contiguous(), contiguous_or_undefined(grad_pre_norm), pc,
                   weight.contiguous(), mean.contiguous(), rstd.contiguous(), dropout,
-                  read_bits ? *keep_bits : Tensor(), grad_pre, grad_x ? *grad_x : Tensor(), grad_weight, grad_ln_bias);
+                  read_bits ? *keep_bits : Tensor(), grad_pre, grad_x ? *grad_x : Tensor(), grad_weight, grad_ln_bias,
+                  grad_bias ? *grad_bias : Tensor());
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
     const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
-    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset, const OptTensor& keep_bits) {
+    const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset, const OptTensor& keep_bits,
+    bool want_grad_bias) {
   const char* op = "bias_dropout_add_layer_norm_backward";
   check_p(op, p);
-  Tensor grad_residual, grad_x, grad_weight, grad_ln_bias;
+  Tensor grad_residual, grad_x, grad_weight, grad_ln_bias, grad_bias;
   layer_norm_backward_checked(op, "pre_norm", grad_out, grad_pre_norm, pre_norm, weight, mean, rstd,
                               DropoutArgs{p, seed, offset}, keep_bits, grad_residual, &grad_x, grad_weight,
-                              grad_ln_bias);
-  return {grad_x, grad_residual, grad_weight, grad_ln_bias};
+                              grad_ln_bias, want_grad_bias ? &grad_bias : nullptr);
+  if (!want_grad_bias) grad_bias = at::empty({0}, pre_norm.options());
+  return {grad_x, grad_residual, grad_weight, grad_ln_bias, grad_bias};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,

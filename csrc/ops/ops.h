@@ -26,7 +26,10 @@ namespace ops {
 using at::Tensor;
 
 Tensor bias_gelu(const Tensor& x, const OptTensor& bias, c10::string_view approximate);
-Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias, c10::string_view approximate);
+// grad_bias: also the bias's gradient (grad_x summed over rows in the kernel's pass; else the second output is
+// empty).
+std::tuple<Tensor, Tensor> bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias,
+                                              c10::string_view approximate, bool grad_bias = false);
 Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, c10::SymInt seed,
                         c10::SymInt offset);
 // x * mask / (1 - p) with the mask of (seed, offset): forward dropout, and the backward of any dropout.
@@ -37,10 +40,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
     double p, double eps, c10::SymInt seed, c10::SymInt offset);
 // keep_bits: the forward's (read instead of regenerating the mask), or absent/empty (regenerated).
-std::tuple<Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
+// grad_bias: also return the dense bias's gradient (grad_x summed over rows, in the kernel's pass; else the
+// fifth output is empty).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
     const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
     const Tensor& mean, const Tensor& rstd, double p, c10::SymInt seed, c10::SymInt offset,
-    const OptTensor& keep_bits = std::nullopt);
+    const OptTensor& keep_bits = std::nullopt, bool grad_bias = false);
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
                                                           const Tensor& weight, const OptTensor& bias, double eps);
 std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum,

@@ -12,7 +12,9 @@
 
 TORCH_LIBRARY(ckpt_ext, m) {
   m.def("bias_gelu(Tensor x, Tensor? bias, str approximate) -> Tensor");
-  m.def("bias_gelu_backward(Tensor grad, Tensor x, Tensor? bias, str approximate) -> Tensor");
+  m.def(
+      "bias_gelu_backward(Tensor grad, Tensor x, Tensor? bias, str approximate, bool grad_bias=False) "
+      "-> (Tensor grad_x, Tensor grad_bias)");
   m.def("bias_dropout_add(Tensor x, Tensor? bias, Tensor residual, float p, SymInt seed, SymInt offset) -> Tensor");
   m.def("dropout(Tensor x, float p, SymInt seed, SymInt offset) -> Tensor");
   m.def("dropout_mask(SymInt numel, float p, SymInt seed, SymInt offset, Device device) -> Tensor");
@@ -22,8 +24,8 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "-> (Tensor out, Tensor pre_norm, Tensor mean, Tensor rstd, Tensor keep_bits)");
   m.def(
       "bias_dropout_add_layer_norm_backward(Tensor grad_out, Tensor? grad_pre_norm, Tensor pre_norm, Tensor weight, "
-      "Tensor mean, Tensor rstd, float p, SymInt seed, SymInt offset, Tensor? keep_bits=None) "
-      "-> (Tensor grad_x, Tensor grad_residual, Tensor grad_weight, Tensor grad_ln_bias)");
+      "Tensor mean, Tensor rstd, float p, SymInt seed, SymInt offset, Tensor? keep_bits=None, bool grad_bias=False) "
+      "-> (Tensor grad_x, Tensor grad_residual, Tensor grad_weight, Tensor grad_ln_bias, Tensor grad_bias)");
   m.def(
       "add_layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps) "
       "-> (Tensor out, Tensor sum, Tensor mean, Tensor rstd)");
@@ -71,9 +73,10 @@ using T2 = std::tuple<Tensor, Tensor>;
 Tensor bias_gelu(const Tensor& x, const OptTensor& bias, c10::string_view approximate) {
   CKPT_EXT_CALL("bias_gelu", Tensor(const Tensor&, const OptTensor&, c10::string_view), x, bias, approximate);
 }
-Tensor bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias, c10::string_view approximate) {
-  CKPT_EXT_CALL("bias_gelu_backward", Tensor(const Tensor&, const Tensor&, const OptTensor&, c10::string_view), grad,
-                x, bias, approximate);
+T2 bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias, c10::string_view approximate,
+                      bool grad_bias) {
+  CKPT_EXT_CALL("bias_gelu_backward", T2(const Tensor&, const Tensor&, const OptTensor&, c10::string_view, bool), grad,
+                x, bias, approximate, grad_bias);
 }
 Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, c10::SymInt seed,
                         c10::SymInt offset) {
@@ -91,13 +94,14 @@ T5 bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias, const Ten
                    c10::SymInt, c10::SymInt),
                 x, bias, residual, weight, ln_bias, p, eps, seed, offset);
 }
-T4 bias_dropout_add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm,
+T5 bias_dropout_add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm,
                                         const Tensor& weight, const Tensor& mean, const Tensor& rstd, double p,
-                                        c10::SymInt seed, c10::SymInt offset, const OptTensor& keep_bits) {
+                                        c10::SymInt seed, c10::SymInt offset, const OptTensor& keep_bits,
+                                        bool grad_bias) {
   CKPT_EXT_CALL("bias_dropout_add_layer_norm_backward",
-                T4(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                   c10::SymInt, c10::SymInt, const OptTensor&),
-                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits);
+                T5(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+                   c10::SymInt, c10::SymInt, const OptTensor&, bool),
+                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias);
 }
 T4 add_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
                   double eps) {

@@ -84,8 +84,68 @@ void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, c
   });
 }
 
+namespace {
+
+// grad_x row by row (row(base) computes the row starting at element base), and grad_bias = the column sums of
+// grad_x as stored, accumulated per fixed chunk of rows (kMaxReduceChunks, in order: the same bits whatever the
+// thread count) while the row is in cache.
+template <typename T, typename RowFn>
+void rows_with_column_sums(int64_t rows, int64_t hidden, const T* dp, const at::Tensor& grad_bias, const RowFn& row) {
+  using A = at::opmath_type<T>;
+  const int64_t chunks = std::max<int64_t>(1, std::min(rows, kMaxReduceChunks));
+  const int64_t per = (rows + chunks - 1) / chunks;
+  std::vector<A> partial(static_cast<size_t>(chunks * hidden), A(0));
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      A* p = partial.data() + c * hidden;
+      for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r) {
+        row(r * hidden);
+        const T* d = dp + r * hidden;
+        for (int64_t j = 0; j < hidden; ++j) p[j] += static_cast<A>(d[j]);
+      }
+    }
+  });
+  T* out = grad_bias.mutable_data_ptr<T>();
+  at::parallel_for(0, hidden, kElementGrain / chunks + 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      A acc = 0;
+      for (int64_t c = 0; c < chunks; ++c) acc += partial[c * hidden + j];
+      out[j] = static_cast<T>(acc);
+    }
+  });
+}
+
+void bias_gelu_backward_with_sums(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,
+                                  const at::Tensor& grad_x, const at::Tensor& grad_bias) {
+  const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  if (with_vec(x.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T *gp = grad.const_data_ptr<T>(), *xp = x.const_data_ptr<T>(), *bp = ptr_or_null<T>(bias);
+        T* dp = grad_x.mutable_data_ptr<T>();
+        rows_with_column_sums<T>(rows, hidden, dp, grad_bias, [&](int64_t base) {
+          k.bias_gelu_backward(gp + base, xp + base, bp, dp + base, hidden, tanh);
+        });
+      }))
+    return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::bias_gelu_backward", [&] {
+    using A = at::opmath_type<scalar_t>;
+    const scalar_t *gp = grad.const_data_ptr<scalar_t>(), *xp = x.const_data_ptr<scalar_t>(),
+                   *bp = ptr_or_null<scalar_t>(bias);
+    scalar_t* dp = grad_x.mutable_data_ptr<scalar_t>();
+    rows_with_column_sums<scalar_t>(rows, hidden, dp, grad_bias, [&](int64_t base) {
+      for (int64_t j = 0; j < hidden; ++j) {
+        const A v = static_cast<A>(xp[base + j]) + (bp ? static_cast<A>(bp[j]) : A(0));
+        dp[base + j] = static_cast<scalar_t>(static_cast<A>(gp[base + j]) * gelu_derivative(v, tanh));
+      }
+    });
+  });
+}
+
+}  // namespace
+
 void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,
-                        const at::Tensor& grad_x) {
+                        const at::Tensor& grad_x, const at::Tensor& grad_bias) {
+  if (grad_bias.defined()) return bias_gelu_backward_with_sums(grad, x, bias, tanh, grad_x, grad_bias);
   if (with_vec(x.scalar_type(), [&](const auto& k) {
         using T = typename std::decay_t<decltype(k)>::Scalar;
         const T* gp = grad.const_data_ptr<T>();

@@ -193,8 +193,10 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
 void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_norm, const at::Tensor& pre_norm,
                          const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
                          const DropoutArgs& dropout, const at::Tensor& keep_bits, const at::Tensor& grad_pre,
-                         const at::Tensor& grad_x, const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias) {
+                         const at::Tensor& grad_x, const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias,
+                         const at::Tensor& grad_bias) {
   const KeepBits kb(keep_bits, dropout, weight.numel());
+  const bool bias_sums = grad_bias.defined() && grad_x.defined();
   if (with_vec(pre_norm.scalar_type(), [&](const auto& k) {
         using T = typename std::decay_t<decltype(k)>::Scalar;
         const int64_t hidden = weight.numel();
@@ -209,6 +211,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         const float scale = dropout_scale<float>(dropout);
         const RowChunks chunks(rows);
         std::vector<float> partial_w(chunks.count * hidden, 0.f), partial_b(chunks.count * hidden, 0.f);
+        std::vector<float> partial_x(bias_sums ? chunks.count * hidden : 0, 0.f);
         const FloatParams params(weight, at::Tensor());
         at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
           DropoutWords mask(dropout.philox());
@@ -218,6 +221,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
           for (int64_t c = c0; c < c1; ++c) {
             row.partial_w = partial_w.data() + c * hidden;
             row.partial_b = partial_b.data() + c * hidden;
+            row.partial_x = bias_sums ? partial_x.data() + c * hidden : nullptr;
             const int64_t r_end = std::min(rows, (c + 1) * chunks.rows_per_chunk);
             for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
               const int64_t base = r * hidden;
@@ -236,6 +240,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         });
         reduce_chunks(partial_w, chunks.count, hidden, grad_weight.mutable_data_ptr<T>());
         reduce_chunks(partial_b, chunks.count, hidden, grad_ln_bias.mutable_data_ptr<T>());
+        if (bias_sums) reduce_chunks(partial_x, chunks.count, hidden, grad_bias.mutable_data_ptr<T>());
       }))
     return;
   const auto dtype = pre_norm.scalar_type();
@@ -256,11 +261,13 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
     const philox::Dropout ph = dropout.philox();
     const RowChunks chunks(rows);
     std::vector<A> partial_w(chunks.count * hidden, A(0)), partial_b(chunks.count * hidden, A(0));
+    std::vector<A> partial_x(bias_sums ? chunks.count * hidden : 0, A(0));
     at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
       DropoutWords mask(ph);
       for (int64_t c = c0; c < c1; ++c) {
         A* pw = partial_w.data() + c * hidden;
         A* pb = partial_b.data() + c * hidden;
+        A* px = bias_sums ? partial_x.data() + c * hidden : nullptr;
         const int64_t r_end = std::min(rows, (c + 1) * chunks.rows_per_chunk);
         for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
           const int64_t base = r * hidden;
@@ -282,13 +289,17 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
             A d = rs * (static_cast<A>(gp[base + j]) * static_cast<A>(wp[j]) - c_mean - xhat * c_xhat);
             if (gsp) d += static_cast<A>(gsp[base + j]);
             dpre[base + j] = static_cast<scalar_t>(d);
-            if (dx) dx[base + j] = static_cast<scalar_t>(!drop ? d : mask.keep(words[j]) ? d * scale : A(0));
+            if (dx) {
+              dx[base + j] = static_cast<scalar_t>(!drop ? d : mask.keep(words[j]) ? d * scale : A(0));
+              if (px) px[j] += static_cast<A>(dx[base + j]);  // the bias gradient, of the values stored
+            }
           }
         }
       }
     });
     reduce_chunks(partial_w, chunks.count, hidden, grad_weight.mutable_data_ptr<scalar_t>());
     reduce_chunks(partial_b, chunks.count, hidden, grad_ln_bias.mutable_data_ptr<scalar_t>());
+    if (bias_sums) reduce_chunks(partial_x, chunks.count, hidden, grad_bias.mutable_data_ptr<scalar_t>());
   });
 }
 

@@ -40,6 +40,7 @@ struct NormRow {
   T* pre;              // forward: stored pre-norm tensor / backward: grad_x (dropout applied), may be null
   float* partial_w;    // backward: per-chunk grad_weight accumulators (float)
   float* partial_b;    // backward: per-chunk grad_ln_bias accumulators (float), LayerNorm only
+  float* partial_x;    // backward: per-chunk column sums of grad_x as stored (float), LayerNorm only, may be null
   float* scratch;      // forward: hidden floats (the rounded pre-norm row in float)
   int64_t hidden;
   double eps;

@@ -537,7 +537,14 @@ void layer_norm_backward(NormRow<T>& row) {
     IO<T>::store(r.out + i, c, d[0], d[1]);
     if (r.pre) {
       if (r.drop.words) apply_dropout(r.drop, r.drop.words + i, c, d[0], d[1]);
-      IO<T>::store(r.pre + i, c, d[0], d[1]);
+      if (r.partial_x) {  // the bias gradient: grad_x's column sums, of the values stored
+        IO<T>::store_round(r.pre + i, c, d[0], d[1]);
+        fVec px[2];
+        IO<float>::load(r.partial_x + i, c, px[0], px[1]);
+        IO<float>::store(r.partial_x + i, c, px[0] + d[0], px[1] + d[1]);
+      } else {
+        IO<T>::store(r.pre + i, c, d[0], d[1]);
+      }
     }
   });
 }

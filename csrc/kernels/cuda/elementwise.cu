@@ -3,6 +3,9 @@
 // Each thread owns groups of four consecutive elements (grid-stride loop): one vector load/store per
 // tensor when the pointers allow it, and one Philox call for the four dropout flags (the mask of element
 // i is keep4(i / 4)[i % 4], the same stream the CPU kernels walk). All arithmetic is float.
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
 #include <cmath>
 
 #include "../math.h"
@@ -242,6 +245,60 @@ __global__ void rotary_kernel(const T* x, const T* cos, const T* sin, T* out, Ro
   }
 }
 
+// bias_gelu_backward with the bias's gradient (grad_bias): grad_x as BiasGeluBackward computes it, and the
+// column sums of grad_x as stored, in the same pass. A thread owns four consecutive columns (one 8- or 16-byte
+// access) and walks the rows blockIdx.y, + gridDim.y, ... two at a time (two rows' loads in flight), adding
+// into four float registers; block row blockIdx.y of `partial` [gridDim.y, hidden] gets them, and
+// column_sums_kernel adds the rows of `partial` in order (deterministic on a given device).
+constexpr int kColumnThreads = 128;
+
+template <typename T>
+__global__ void __launch_bounds__(kColumnThreads)
+    bias_gelu_backward_columns_kernel(const T* grad, const T* x, const T* bias, T* grad_x, float* partial,
+                                      int64_t rows, int hidden, bool tanh, bool vec) {
+  const int col = (blockIdx.x * kColumnThreads + threadIdx.x) * 4;
+  if (col >= hidden) return;
+  const int count = min(4, hidden - col);
+  float b[4] = {0.f, 0.f, 0.f, 0.f}, acc[4] = {0.f, 0.f, 0.f, 0.f};
+  if (bias != nullptr) load4(bias, col, count, vec, b);
+  const int64_t step = gridDim.y;
+  for (int64_t r = blockIdx.y; r < rows; r += 2 * step) {
+    const bool second = r + step < rows;
+    float g[2][4], v[2][4];
+    load4(grad, r * hidden + col, count, vec, g[0]);
+    load4(x, r * hidden + col, count, vec, v[0]);
+    if (second) {
+      load4(grad, (r + step) * hidden + col, count, vec, g[1]);
+      load4(x, (r + step) * hidden + col, count, vec, v[1]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h == 1 && !second) break;
+      float d[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        d[k] = g[h][k] * gelu_derivative(v[h][k] + b[k], tanh);
+        acc[k] += static_cast<float>(static_cast<T>(d[k]));  // as stored
+      }
+      store4(grad_x, (r + h * step) * hidden + col, count, vec, d);
+    }
+  }
+  float* out = partial + int64_t(blockIdx.y) * hidden;
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    if (k < count) out[col + k] = acc[k];
+}
+
+// grad_bias[c] = sum over p of partial[p, c], p in order.
+template <typename T>
+__global__ void column_sums_kernel(const float* partial, int parts, int hidden, T* grad_bias) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= hidden) return;
+  float s = 0.f;
+  for (int p = 0; p < parts; ++p) s += partial[int64_t(p) * hidden + col];
+  grad_bias[col] = static_cast<T>(s);
+}
+
 }  // namespace
 
 void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, const at::Tensor& out) {
@@ -254,8 +311,31 @@ void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, c
 }
 
 void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,
-                        const at::Tensor& grad_x) {
+                        const at::Tensor& grad_x, const at::Tensor& grad_bias) {
   const c10::DeviceGuard guard(x.device());
+  if (grad_bias.defined()) {
+    const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+    const cudaStream_t stream = current_stream(x.device());
+    CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_gelu_backward", [&] {
+      using T = scalar_t;
+      const T *gp = grad.const_data_ptr<T>(), *xp = x.const_data_ptr<T>(), *bp = ptr_or_null<T>(bias);
+      T* dp = grad_x.mutable_data_ptr<T>();
+      const bool vec = hidden % 4 == 0 && pack4_aligned<T>(gp) && pack4_aligned<T>(xp) && pack4_aligned<T>(bp) &&
+                       pack4_aligned<T>(dp);
+      const int col_blocks = static_cast<int>((hidden + 4 * kColumnThreads - 1) / (4 * kColumnThreads));
+      // Enough row groups for about eight resident blocks per SM, each walking at least two rows.
+      const int64_t want = std::max<int64_t>(1, int64_t(multiprocessor_count()) * 8 / col_blocks);
+      const int row_groups = static_cast<int>(std::min<int64_t>({want, (rows + 1) / 2, 65535}));
+      const at::Tensor partial = at::empty({row_groups, hidden}, x.options().dtype(at::kFloat));
+      bias_gelu_backward_columns_kernel<T><<<dim3(col_blocks, row_groups), kColumnThreads, 0, stream>>>(
+          gp, xp, bp, dp, partial.mutable_data_ptr<float>(), rows, static_cast<int>(hidden), tanh, vec);
+      CKPT_EXT_CUDA_LAUNCH_CHECK();
+      column_sums_kernel<T><<<static_cast<int>((hidden + 255) / 256), 256, 0, stream>>>(
+          partial.const_data_ptr<float>(), row_groups, static_cast<int>(hidden), grad_bias.mutable_data_ptr<T>());
+      CKPT_EXT_CUDA_LAUNCH_CHECK();
+    });
+    return;
+  }
   CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_gelu_backward", [&] {
     launch_elementwise4(x.device(),
                         ConstPtrs<scalar_t, 2>{{grad.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>()}},

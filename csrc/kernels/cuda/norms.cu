@@ -9,6 +9,8 @@
 // deterministic on a given device) and column_sum_kernel adds them into grad_weight / grad_bias in the
 // weight's dtype; the multipass backward kernels leave the same kind of partials, summed the same way.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/copy.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -137,8 +139,11 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
 void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_norm, const at::Tensor& pre_norm,
                          const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
                          const DropoutArgs& dropout, const at::Tensor& keep_bits, const at::Tensor& grad_pre,
-                         const at::Tensor& grad_x, const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias) {
+                         const at::Tensor& grad_x, const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias,
+                         const at::Tensor& grad_bias) {
   TORCH_INTERNAL_ASSERT(!keep_bits.defined(), "ckpt_ext: keep bits are read by the CPU kernels only");
+  const bool bias_sums = grad_bias.defined() && grad_x.defined();
+  bool bias_summed = false;  // false: by at::sum_out after the kernel (a row too wide for the BIAS kernels)
   const c10::DeviceGuard guard(pre_norm.device());
   const int64_t hidden = weight.numel(), rows = pre_norm.numel() / hidden;
   const cudaStream_t stream = current_stream(pre_norm.device());
@@ -148,31 +153,50 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
                                         pre_norm.const_data_ptr<T>(), weight.const_data_ptr<T>(),
                                         mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
                                         grad_pre.mutable_data_ptr<T>(), mutable_or_null<T>(grad_x), nullptr, nullptr,
-                                        rows, static_cast<int>(hidden), dropout.philox(), dropout.enabled(), false};
+                                        nullptr, rows, static_cast<int>(hidden), dropout.philox(), dropout.enabled(),
+                                        false};
     a.vec = vector_ok<T>(hidden, {a.grad_out, a.grad_pre_norm, a.pre_norm, a.weight, a.grad_pre, a.grad_x});
-    at::Tensor partial_w, partial_b;
-    const auto partials = [&](int grid, bool zeroed) {
+    at::Tensor partial_w, partial_b, partial_x;
+    const auto partials = [&](int grid, bool zeroed, bool with_x) {
       partial_w = column_partials(grid, hidden, pre_norm, zeroed);
       partial_b = column_partials(grid, hidden, pre_norm, zeroed);
       a.partial_w = partial_w.mutable_data_ptr<float>();
       a.partial_b = partial_b.mutable_data_ptr<float>();
+      if (with_x) {
+        partial_x = column_partials(grid, hidden, pre_norm, zeroed);
+        a.partial_x = partial_x.mutable_data_ptr<float>();
+        bias_summed = true;
+      }
+    };
+    const auto launch = [&](auto kernel, int threads, int rows_per_cta, bool with_x) {
+      const int grid = resident_grid(kernel, threads, rows, rows_per_cta);
+      partials(grid, false, with_x);
+      kernel<<<grid, threads, 0, stream>>>(a);
+      CKPT_EXT_CUDA_LAUNCH_CHECK();
     };
     const bool fits = with_row_shape<T, rowwise::BackwardLimits>(hidden, a.vec, [&](auto shape) {
       using S = decltype(shape);
-      const auto kernel = rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec>;
-      const int threads = rowwise::cta_threads(S::warps);
-      const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
-      partials(grid, false);
-      kernel<<<grid, threads, 0, stream>>>(a);
-      CKPT_EXT_CUDA_LAUNCH_CHECK();
+      const int threads = rowwise::cta_threads(S::warps), rpc = rowwise::rows_per_cta(S::warps);
+      // The bias's column sums hold one more float per element: only within the default budget's slots
+      // (BackwardLimits' comment: at 32 elements a thread spills already).
+      if constexpr (S::iters * rowwise::kVec<T> <= rowwise::BackwardLimits::kElemsPerThread) {
+        if (bias_sums) {
+          launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec, true>, threads, rpc, true);
+          return;
+        }
+      }
+      launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec>, threads, rpc, false);
     });
     if (!fits) {
       const int grid = multipass::backward_grid(rows);
-      partials(grid, true);
+      partials(grid, true, bias_sums);
       multipass::layer_norm_backward<T>(a, grid, stream);
     }
     launch_column_sum<T>(partial_w, partial_b, grad_weight, grad_ln_bias, stream);
+    if (bias_summed) launch_column_sum<T>(partial_x, at::Tensor(), grad_bias, at::Tensor(), stream);
   });
+  // The dense bias's gradient of a row the BIAS kernels do not take: grad_x summed over rows by ATen.
+  if (bias_sums && !bias_summed) grad_bias.copy_(grad_x.view({rows, hidden}).sum(0));
 }
 
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,

@@ -86,12 +86,13 @@ __global__ void layer_norm_forward_kernel(const T* x, const T* bias, const T* re
 template <typename T>
 __global__ void layer_norm_backward_kernel(const T* grad_out, const T* grad_pre_norm, const T* pre_norm,
                                            const T* weight, const float* mean, const float* rstd, T* grad_pre,
-                                           T* grad_x, float* partial_w, float* partial_b, int64_t rows,
-                                           int64_t hidden, philox::Dropout dropout, bool drop) {
+                                           T* grad_x, float* partial_w, float* partial_b, float* partial_x,
+                                           int64_t rows, int64_t hidden, philox::Dropout dropout, bool drop) {
   __shared__ float shared[2 * kWarpSize];
   const int64_t step = 4 * static_cast<int64_t>(blockDim.x);
   float* pw = partial_w + blockIdx.x * hidden;  // this block's column sums; column j is only ever
   float* pb = partial_b + blockIdx.x * hidden;  // touched by the thread that owns j
+  float* px = partial_x != nullptr ? partial_x + blockIdx.x * hidden : nullptr;  // grad_x's (the dense bias's)
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t base = r * hidden;
     const float mu = mean[r], rs = rstd[r];
@@ -118,7 +119,9 @@ __global__ void layer_norm_backward_kernel(const T* grad_out, const T* grad_pre_
         grad_pre[base + j] = static_cast<T>(d);
         if (grad_x != nullptr) {
           const bool keep = !drop || cursor.keep(static_cast<uint64_t>(base + j));
-          grad_x[base + j] = static_cast<T>(keep ? (drop ? d * dropout.scale : d) : 0.f);
+          const T stored = static_cast<T>(keep ? (drop ? d * dropout.scale : d) : 0.f);
+          grad_x[base + j] = stored;
+          if (px != nullptr) px[j] += static_cast<float>(stored);
         }
       }
     }
@@ -194,12 +197,12 @@ void layer_norm_forward(const rowwise::LayerNormForwardArgs<T>& a, cudaStream_t 
   CKPT_EXT_CUDA_LAUNCH_CHECK();
 }
 
-// a.partial_w / a.partial_b: zero-filled [grid, hidden] (grid = backward_grid(rows)).
+// a.partial_w / a.partial_b (/ a.partial_x when not null): zero-filled [grid, hidden] (grid = backward_grid(rows)).
 template <typename T>
 void layer_norm_backward(const rowwise::LayerNormBackwardArgs<T>& a, int grid, cudaStream_t stream) {
   layer_norm_backward_kernel<T><<<grid, row_threads(a.hidden), 0, stream>>>(
       a.grad_out, a.grad_pre_norm, a.pre_norm, a.weight, a.mean, a.rstd, a.grad_pre, a.grad_x, a.partial_w,
-      a.partial_b, a.rows, a.hidden, a.dropout, a.drop);
+      a.partial_b, a.partial_x, a.rows, a.hidden, a.dropout, a.drop);
   CKPT_EXT_CUDA_LAUNCH_CHECK();
 }
 

@@ -269,6 +269,7 @@ struct LayerNormBackwardArgs {
   const float *mean, *rstd;
   T *grad_pre, *grad_x;
   float *partial_w, *partial_b;  // [gridDim.x, hidden]
+  float* partial_x;              // [gridDim.x, hidden]: grad_x's column sums (the dense bias's gradient), or null
   int64_t rows;
   int hidden;
   philox::Dropout dropout;
@@ -276,19 +277,26 @@ struct LayerNormBackwardArgs {
   bool vec;  // the host's choice of the kernel's VEC
 };
 
-template <typename T, int ITERS, int WPR, bool VEC>
+// BIAS: also the column sums of grad_x as stored (a.partial_x; a.grad_x defined), one more float per element
+// held across rows -- instantiated only where the row's slots leave the registers for it (norms.cu).
+template <typename T, int ITERS, int WPR, bool VEC, bool BIAS = false>
 __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(const LayerNormBackwardArgs<T> a) {
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[2 * kWarpSize];
   const int t = threadIdx.x % TPR, hidden = a.hidden;
   Vec<T, V> w[ITERS];
   float dw[ITERS][V], db[ITERS][V];  // column partial sums over this thread's rows
+  float dx[BIAS ? ITERS : 1][V];     // BIAS: grad_x's
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     w[it] = load_slot<T, V>(a.weight, 0, (it * TPR + t) * V, hidden, VEC);
 #pragma unroll
     for (int k = 0; k < V; ++k) dw[it][k] = db[it][k] = 0.f;
   }
+#pragma unroll
+  for (int it = 0; it < (BIAS ? ITERS : 1); ++it)
+#pragma unroll
+    for (int k = 0; k < V; ++k) dx[it][k] = 0.f;
   for (int64_t row = int64_t(blockIdx.x) * RPC + threadIdx.x / TPR; row < a.rows; row += int64_t(gridDim.x) * RPC) {
     const int64_t base = row * hidden;
     const float mu = a.mean[row], rs = a.rstd[row];
@@ -331,12 +339,18 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(c
           for (int k = 0; k < V; ++k) d[k] = (keep >> (it * V + k)) & 1u ? d[k] * a.dropout.scale : 0.f;
         }
         store_slot<T, V>(a.grad_x, base, col, hidden, VEC, d);
+        if constexpr (BIAS) {
+          // Of the values stored; past the row's end the store writes nothing and the sum is not written.
+#pragma unroll
+          for (int k = 0; k < V; ++k) dx[it][k] += static_cast<float>(static_cast<T>(d[k]));
+        }
       }
     }
   }
-  __shared__ float red[2][RPC > 1 ? RPC * TPR * ITERS * V : 1];
+  __shared__ float red[BIAS ? 3 : 2][RPC > 1 ? RPC * TPR * ITERS * V : 1];
   write_column_partials<ITERS, WPR, V>(a.partial_w, dw, hidden, VEC, red[0], 0);
   write_column_partials<ITERS, WPR, V>(a.partial_b, db, hidden, VEC, red[1], 1);
+  if constexpr (BIAS) write_column_partials<ITERS, WPR, V>(a.partial_x, dx, hidden, VEC, red[2], 2 % RPC);
 }
 
 template <typename T>

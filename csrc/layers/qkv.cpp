@@ -1,0 +1,90 @@
+// The fused q/k/v projection as one autograd node (qkv_heads, family.h): one GEMM over the three weights
+// forward, and a backward that works on the three gradients as the attention backward returns them, with
+// no [T, q + 2 kv] gradient concatenated (autograd's backward of split_qkv's split) and no concatenated
+// weight saved or split again:
+//
+//   dx  = dq Wq + dk Wk + dv Wv   (one GEMM, then two accumulating into its output: addmm_, beta = 1;
+//                                  Hugging Face's three nn.Linear add their input gradients the same way)
+//   dWq = dq^T x, db_q = sum of dq over tokens (and k, v alike)
+//
+// dq as [T, H] is a view when the attention backward leaves it laid out [B, S, heads, D] (the CUDA fused
+// kernels); otherwise one copy per part (what the concatenation copied). Autocast: the arguments are cast
+// as autocast casts linear's (gemm_linear), outside the node, which then runs with autocast off.
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "family.h"
+
+namespace ckpt_ext {
+namespace layers {
+
+namespace {
+
+// [B, heads, S, D] -> [B * S, heads * D] (a view when laid out [B, S, heads, D]).
+Tensor tokens_2d(const Tensor& t) { return t.transpose(1, 2).reshape({t.size(0) * t.size(2), t.size(1) * t.size(3)}); }
+
+struct QkvFunction : torch::autograd::Function<QkvFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
+                                                const Tensor& wq, const Tensor& wk, const Tensor& wv,
+                                                const std::optional<Tensor>& bq, const std::optional<Tensor>& bk,
+                                                const std::optional<Tensor>& bv, int64_t q_heads, int64_t kv_heads,
+                                                int64_t head_dim) {
+    const bool bias = bq.has_value() && bq->defined();
+    const Tensor qkv = gemm_linear(x, at::cat({wq, wk, wv}, 0), bias ? at::cat({*bq, *bk, *bv}, 0) : Tensor());
+    ctx->save_for_backward({x, wq, wk, wv});
+    ctx->saved_data["bias"] = bias;
+    const auto parts = split_qkv(qkv, q_heads, kv_heads, head_dim);
+    return {parts[0], parts[1], parts[2]};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& x = saved[0];
+    const bool bias = ctx->saved_data.at("bias").toBool();
+    torch::autograd::variable_list out(10);
+    const Tensor x2d = x.reshape({-1, x.size(-1)});
+    Tensor dx;
+    for (int i = 0; i < 3; ++i) {
+      if (!grads[i].defined()) continue;
+      const Tensor g = tokens_2d(grads[i]);
+      const Tensor& w = saved[1 + i];
+      if (ctx->needs_input_grad(0)) dx = dx.defined() ? gemm_addmm_(dx, g, w) : gemm_mm(g, w);
+      if (ctx->needs_input_grad(1 + i)) out[1 + i] = gemm_mm(g.t(), x2d);
+      if (bias && ctx->needs_input_grad(4 + i)) out[4 + i] = g.sum(0);
+    }
+    if (dx.defined()) out[0] = dx.view(x.sizes());
+    return out;
+  }
+};
+
+Tensor autocast_cast(const Tensor& t, c10::DeviceType dt) {
+  return t.defined() ? at::autocast::cached_cast(at::autocast::get_autocast_dtype(dt), t, dt) : t;
+}
+
+}  // namespace
+
+std::array<Tensor, 3> qkv_heads(const Tensor& x, std::array<Tensor, 3> w, std::array<Tensor, 3> b, int64_t q_heads,
+                                int64_t kv_heads, int64_t head_dim) {
+  const bool bias = b[0].defined() && b[1].defined() && b[2].defined();
+  Tensor xx = x;
+  const c10::DeviceType dt = x.device().type();
+  if ((dt == c10::DeviceType::CPU || dt == c10::DeviceType::CUDA) && at::autocast::is_autocast_enabled(dt) &&
+      at::isFloatingType(x.scalar_type())) {
+    xx = autocast_cast(x, dt);
+    for (int i = 0; i < 3; ++i) {
+      w[i] = autocast_cast(w[i], dt);
+      b[i] = bias ? autocast_cast(b[i], dt) : Tensor();
+    }
+  }
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const auto r = QkvFunction::apply(xx, w[0], w[1], w[2], bias ? opt(b[0]) : std::nullopt,
+                                    bias ? opt(b[1]) : std::nullopt, bias ? opt(b[2]) : std::nullopt, q_heads,
+                                    kv_heads, head_dim);
+  return {r[0], r[1], r[2]};
+}
+
+}  // namespace layers
+}  // namespace ckpt_ext
