@@ -20,6 +20,9 @@ from .fused import FusedTransformerLayer, fuse  # noqa: E402
 from .hf import take_over_hf_checkpointing  # noqa: E402
 from .hf.head import fuse_lm_head, unfuse_lm_head  # noqa: E402
 from .head import linear_cross_entropy  # noqa: E402
+from ._compiler import tag_compile_caches as _tag_compile_caches  # noqa: E402
+
+_tag_compile_caches()  # every operator is registered by now (C++ and torch.library ones)
 
 __version__ = "0.1.0"
 __all__ = [

@@ -108,3 +108,26 @@ def check_not_capturing(what: str, instead: str):
         raise RuntimeError(
             f"ckpt_ext: {what} cannot be captured in a CUDA graph (torch.cuda.graph / make_graphed_callables): "
             f"{instead}")
+
+
+def tag_compile_caches() -> str:
+    """Adds a hash of ckpt_ext's operator schemas to torch.compile's cache-key tag and returns the tag part.
+
+    torch.compile's on-disk caches (FX graph, AOTAutograd) key a compiled graph on its code, not on the
+    schemas of the custom operators it calls: compiled code cached by one ckpt_ext release would call an
+    operator whose arguments another release changed (an upgrade, a rebuild). With the schemas' hash in
+    ``torch.compiler.config.cache_key_tag`` such entries are simply not found; caches of an unchanged
+    ckpt_ext are reused. A tag the user set (``TORCH_COMPILE_CACHE_KEY_TAG``) is kept, ours appended.
+    torch releases without the option (before 2.6) are left as they are.
+    """
+    import hashlib
+
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):
+        return ""
+    schemas = sorted(str(s) for s in torch._C._jit_get_all_schemas() if str(s.name).startswith("ckpt_ext::"))
+    part = "ckpt_ext-" + hashlib.sha1("\n".join(schemas).encode()).hexdigest()[:12]
+    tag = config.cache_key_tag or ""
+    kept = [t for t in tag.split("+") if t and not t.startswith("ckpt_ext-")]
+    config.cache_key_tag = "+".join(kept + [part])
+    return part

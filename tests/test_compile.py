@@ -757,3 +757,21 @@ def test_engine_runs_eagerly_from_frames_a_compiled_region_runs_eagerly():
         f(torch.ones(3))
     assert seen == [True]
     assert not ckpt_ext._compiler._frame_hook_active()
+
+
+@pytest.mark.skipif(not hasattr(getattr(torch.compiler, "config", None), "cache_key_tag"),
+                    reason="torch.compiler.config.cache_key_tag is torch >= 2.6")
+def test_compile_cache_key_carries_the_operator_schemas(monkeypatch):
+    # torch.compile's on-disk caches key a graph on its code, not on the schemas of the custom operators it
+    # calls: the tag makes an entry cached by a ckpt_ext with other operator signatures not found.
+    config = torch.compiler.config
+    part = ckpt_ext._compiler.tag_compile_caches()
+    assert part.startswith("ckpt_ext-") and config.cache_key_tag.split("+").count(part) == 1
+    monkeypatch.setattr(config, "cache_key_tag", "users-tag+ckpt_ext-000000000000")
+    assert ckpt_ext._compiler.tag_compile_caches() == part
+    assert config.cache_key_tag == "users-tag+" + part  # the user's tag kept, a stale part of ours replaced
+    real = torch._C._jit_get_all_schemas
+    assert any(str(s.name) == "ckpt_ext::bias_gelu_backward" for s in real()), "registered at import"
+    monkeypatch.setattr(torch._C, "_jit_get_all_schemas",
+                        lambda: [s for s in real() if str(s.name) != "ckpt_ext::bias_gelu_backward"])
+    assert ckpt_ext._compiler.tag_compile_caches() != part  # another operator set, another key
