@@ -20,18 +20,20 @@ one step (plan_chain). Memory: the bytes held from forward to backward (saved te
 attention outputs and pool slots), measured in an untimed step (common.held_bytes). Time: medians over
 interleaved rounds (every variant once per round, order rotated), p20-p80 and the number of rounds. At each
 planned point the comparison is with the fastest torch policy holding no more bytes, as the median of the
-per-round ratios (both in the same round). What the planner can choose today: per group of layers, kept whole,
-checkpointed keeping attention (output + LSE), or boundary-only recompute; the finer levels of issue 33 item 3
-(attention inputs, GEMM outputs) are not implemented, so the torch policies saving GEMMs have no ckpt_ext
-counterpart yet.
+per-round ratios (both in the same round). What the planner can choose: per group of layers, kept whole, or
+checkpointed at a keep level -- boundary only, keeping attention (output + LSE), attention and the q/k/v projections
+("attention_inputs"), every GEMM output ("gemms"), or both ("gemms_attention"); fused layers keep attention only
+(docs/keep-attention.md "Recompute levels").
 
     python benchmarks/bench_pareto.py                                   # CPU: Llama and BERT 4 x 256, s512
     python benchmarks/bench_pareto.py --models llama --points 6 --rounds 9 --plot pareto.png
     python benchmarks/bench_pareto.py --models llama-gpu --mode bf16      # the GPU report's sweep
 """
 import argparse
+import contextlib
 import sys
 import warnings
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -60,6 +62,50 @@ class TorchSelectiveBoth(TorchSelective):
     summary = "Hugging Face's checkpointing, context_fn saving the GEMM and the fused SDPA kernels' outputs"
 
 
+class PlannedBudget(EngineBudget):
+    """enable_checkpointing(model, budget=...) on the Hugging Face layers. Its checkpointed groups' inputs are kept
+    by ckpt_ext's engine outside autograd's saved tensors, where common.held_bytes' saved-tensor hooks do not see
+    them (torch's checkpoint saves its inputs through save_for_backward, which they see): they are recorded (weak
+    references, by a forward pre-hook on each checkpointed group's first layer) and counted like the kept attention
+    and GEMM outputs."""
+    name = "planned"
+
+    def __init__(self, budget: Optional[int] = None):
+        super().__init__(budget)
+        self.inputs: list = []
+        self.handles: list = []
+
+    def prepare(self, model, batch, workload, none_bytes):
+        super().prepare(model, batch, workload, none_bytes)
+        for h in self.handles:
+            h.remove()
+        planner = _planner_of(model)
+        self.handles = [layer.register_forward_pre_hook(self._record, with_kwargs=True)
+                        for layer in (planner.layers if planner is not None else ())]
+
+    def _record(self, layer, args, kwargs):
+        group = layer.__dict__.get(_ATTR)
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if group is not None and not group.kept and group.layers[0] is layer and isinstance(hidden, torch.Tensor) \
+                and torch.is_grad_enabled():
+            self.inputs.append(weakref.ref(hidden))
+
+    @contextlib.contextmanager
+    def context(self):
+        self.inputs = []  # only the current forward's
+        with super().context():
+            yield
+
+    def extra_saved(self):
+        return super().extra_saved() + [t for t in (r() for r in self.inputs) if t is not None]
+
+    def teardown(self, model):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        super().teardown(model)
+
+
 class FusedBudget(EngineBudget):
     name = "fused-planned"
     summary = "ckpt_ext.fuse(model), then enable_checkpointing(model, budget=...)"
@@ -68,12 +114,12 @@ class FusedBudget(EngineBudget):
         return ckpt_ext.fuse(fresh())
 
 
-# Seen while writing this benchmark (torch 2.13, CPU), not yet explained: the inputs that enable_checkpointing's
-# plain (not fused) groups keep do not reach common.held_bytes' outer saved-tensor hooks, so those variants' held
-# bytes read low by about one hidden state per checkpointed group. Fused groups' boundaries are pool slots, counted.
-HELD_CAVEAT = ("held bytes of the plain planned variants (planned@...) leave out the checkpointed groups' inputs "
-               "(common.held_bytes' saved-tensor hooks do not see them): about one hidden state per checkpointed "
-               "group too low; the fused variants' boundaries are pool slots and are counted")
+# The inputs that enable_checkpointing's plain (not fused) groups keep do not reach common.held_bytes' outer
+# saved-tensor hooks (torch 2.13, CPU): PlannedBudget records them (before 2026-11-27 afternoon the plain planned rows
+# read low by about one hidden state per checkpointed group). Fused groups' boundaries are pool slots, counted.
+HELD_NOTE = ("held bytes of the plain planned variants (planned@...) include the checkpointed groups' inputs, which "
+             "ckpt_ext's engine keeps outside autograd's saved tensors (recorded by a pre-hook, as the kept attention "
+             "and GEMM outputs are); the fused variants' boundaries are pool slots and are counted")
 
 TORCH_POLICIES = {
     "none": Variant,
@@ -148,7 +194,7 @@ def run_model(name: str, device, mode: str, points: int, rounds: int, warmup: in
         for key, make in TORCH_POLICIES.items():
             add(key, make())
         budgets = {}
-        for label, cls in (("planned", EngineBudget), ("fused-planned", FusedBudget)):
+        for label, cls in (("planned", PlannedBudget), ("fused-planned", FusedBudget)):
             low, high = _budget_range(workload, cls, batch)
             budgets[label] = sorted({int(low + (high - low) * k / (points - 1)) for k in range(points)})
             for b in budgets[label]:
@@ -203,7 +249,7 @@ def to_markdown(info: dict, results: List[dict], cfg: dict) -> str:
             vs = f"{q['median']:.3f}x ({q['p20']:.3f}-{q['p80']:.3f}) vs {r['torch_best']}" if q else "-"
             lines.append(f"| {r['variant']} | {mib(r['held_bytes'])} | {ms(r['step_s'])} | {vs} |")
         lines += [""] + verdict(res) + [""]
-    lines += [f"- {n}" for n in cfg["notes"] + [HELD_CAVEAT]]
+    lines += [f"- {n}" for n in cfg["notes"] + [HELD_NOTE]]
     return "\n".join(lines) + "\n"
 
 

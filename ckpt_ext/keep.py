@@ -27,6 +27,12 @@ implementation is refused when checkpointing is enabled (stack.py). Fused layers
 Under torch.compile the region is traced as torch's checkpoint with a selective-checkpoint policy that
 must save the same kernels' outputs (:func:`compiled_context_fn`); AOTAutograd's partitioner then keeps
 them and recomputes the rest.
+
+The further levels (:data:`KEEP_VALUES`: "attention_inputs", "gemms", "gemms_attention"; :class:`KeepLevel`) keep
+GEMM outputs the same way: the function mode also catches ``F.linear`` and ``torch.addmm``, and around each such call
+a dispatch mode keeps (forward) or hands back (replay) the GEMM kernel's output (:data:`GEMM_OPS`), so the replay's
+autograd node for it is the GEMM's own, on the replay's inputs: gradients stay bit-identical. docs/keep-attention.md
+"Recompute levels".
 """
 import contextlib
 import functools

@@ -504,9 +504,9 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     checkpoint and how to group them so that the activation bytes held from forward to backward (saved
     tensors and pooled boundaries, not parameters, gradients or optimizer state) plus the largest replay
     fit the budget with the least recompute, choosing per group among keeping its layers whole,
-    checkpointing them keeping their attention (as keep="attention" below, where the layers' attention can be
-    kept) and boundary-only recompute; ``keep="boundaries"`` never keeps attention, ``keep="attention"``
-    always does in checkpointed groups. It measures each layer during the first training step (bytes saved,
+    checkpointing them at a keep level (keeping their attention, attention and its inputs, GEMM outputs, both: the
+    values of keep= below, where the layers can) and boundary-only recompute; ``keep="boundaries"`` never keeps
+    more than the boundary, ``keep=<level>`` checkpoints every checkpointed group at that level. It measures each layer during the first training step (bytes saved,
     forward time, attention time and kept bytes) and plans for that step's input size (and again, during its
     step, for an input larger in a dimension); a budget below the least achievable raises ValueError stating
     the minimum. ``ckpt_ext.explain(model)`` describes the plan: each layer's choice, the predicted peak
@@ -522,7 +522,11 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     flash, efficient or cuDNN): a Hugging Face model configured for another attention implementation is
     refused (ValueError), and a call that runs SDPA's math path (attention dropout on CPU, an unsupported
     mask or dtype) keeps nothing, is recomputed in full and warns once, naming the layer and the reason.
-    Other values raise ValueError naming the allowed ones. ``ckpt_ext.explain(model)`` says what each
+    ``"attention_inputs"`` also keeps the outputs of the GEMMs the layer runs before its attention (the q/k/v
+    projections; the replay skips them too), ``"gemms"`` keeps every GEMM output (``nn.Linear``/``F.linear``,
+    ``torch.addmm``; the replay runs only elementwise ops, norms and the attention) and ``"gemms_attention"`` both
+    (docs/keep-attention.md "Recompute levels"; fused layers keep attention only and fall back, saying so in
+    explain()). Other values raise ValueError naming the allowed ones. ``ckpt_ext.explain(model)`` says what each
     layer keeps.
 
     A Hugging Face model in which no such stack is found (layers of several classes)
