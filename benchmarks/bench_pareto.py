@@ -1,7 +1,9 @@
 """Step time against activation memory: ckpt_ext's budget planner swept over budgets, against the best of torch's
 selective-checkpointing policies that fits in no more memory (issue 33, item 4).
 
-For each model (Llama, BERT; Hugging Face eager with SDPA attention, attention dropout 0), one process, each
+For each model (Llama, BERT; Hugging Face eager with SDPA attention; Llama without dropout, BERT with Hugging Face's
+default dropout 0.1, hidden and attention probabilities -- on CPU its SDPA then runs the math path, so neither torch's
+policy nor ckpt_ext can keep an attention kernel output there), one process, each
 variant on its own copy of the same weights:
 
   torch policies (Hugging Face's checkpointing: torch.utils.checkpoint, non-reentrant, with a context_fn)
@@ -239,7 +241,9 @@ def verdict(result: dict) -> List[str]:
 def to_markdown(info: dict, results: List[dict], cfg: dict) -> str:
     lines = [f"# Step time against activation memory: {info['device_name']} ({info['device']})", "",
              env_line(info), "", f"{cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up round(s); "
-             f"{cfg['points']} budgets per model, {cfg['mode']}, attention dropout 0.", ""]
+             f"{cfg['points']} budgets per model, {cfg['mode']}; Llama without dropout, BERT with Hugging Face's "
+             "default dropout 0.1 (hidden and attention probabilities: on CPU its SDPA runs the math path, which "
+             "keeps no attention output for torch's policy or ckpt_ext to keep).", ""]
     for res in results:
         lines += [f"## {res['model']}: {res['spec']}, batch {res['batch']}", "",
                   "| variant | held fwd→bwd MiB | step ms, median (p20-p80) | vs the fastest torch policy holding no "
