@@ -28,7 +28,7 @@ how is False (kept), True (checkpointed, boundary only) or a level name ("attent
 attention; "attention_inputs", "gemms", "gemms_attention"). `plan_chain` finds the plan
 of least recompute whose need fits the budget (within 1%, certified; exact on small integer computes:
 a dynamic program over (layers, recompute units) inside a branch and bound over the largest replay,
-explained below), in well under a second for 128 layers; `sqrt_plan` is Chen et al.'s sqrt(n)
+explained below), in well under a second for 128 layers (seconds with every keep level: one option per level per segment); `sqrt_plan` is Chen et al.'s sqrt(n)
 schedule. Both are pure functions of the costs, tested against brute force.
 """
 import math

@@ -23,7 +23,7 @@ from .hf.cache import drop_cache, remember_signature
 from .hf.layers import attention_implementation
 from .hf.trainer import (hf_checkpointing_host, ride_hf_checkpointing, rides_hf, rides_hf_keep, double_checkpointing_error,
                          install_take_over, layer_hf_checkpointed, refuse_hf_checkpointing_on, remove_take_over)
-from .planner import ATTENTION, fmt_bytes, parse_bytes
+from .planner import fmt_bytes, parse_bytes
 from .pool import is_pooled, pool_stats
 from .stack_plan import _POOL_ALIGNMENT, StackPlanner
 
