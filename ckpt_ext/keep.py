@@ -284,13 +284,14 @@ class _Region:
     caught call (SDPA and/or GEMM, in the order they ran; None where nothing was kept), handed back (once) by its
     replay, which makes the same calls in the same order. Created per call by :class:`KeepLevel`."""
 
-    __slots__ = ("spec", "kept", "calls", "seen")
+    __slots__ = ("spec", "kept", "calls", "seen", "told")
 
     def __init__(self, spec: "KeepLevel"):
         self.spec = spec
         self.kept: List[Optional[List[_Kept]]] = []  # per caught call: the kernels' outputs, or None
         self.calls = 0  # replay: caught calls seen so far
         self.seen: set = set()  # forward: the layers (indices in spec.names) that called SDPA
+        self.told: set = set()  # forward: the layers whose kept GEMM bytes were reported
 
     def _layer(self) -> int:
         return self.spec.current() if self.spec.current is not None else 0
@@ -324,7 +325,8 @@ class _Region:
             out = func(*args, **kwargs)
         if capture.kept:
             self._record(capture.kept)
-            self.spec.tell_gemm(layer, sum(k.nbytes() for k in capture.kept))
+            self.spec.tell_gemm(layer, sum(k.nbytes() for k in capture.kept), layer not in self.told)
+            self.told.add(layer)
         else:
             self.kept.append(None)
         return out
@@ -499,7 +501,8 @@ class KeepLevel:
     ``names``: the layers the region runs, for messages (default: one, "the checkpointed function");
     ``current()``: the index of the layer running now (a group of several layers); ``report(index,
     kept_bytes, reason)``: told, at every forward, what each SDPA call kept (``kept_bytes`` None and a
-    ``reason`` when nothing); ``report_gemm(index, kept_bytes)``: what each GEMM call kept. Attention kept
+    ``reason`` when nothing); ``report_gemm(index, kept_bytes, first)``: what each GEMM call kept (first: the
+    layer's first in this forward). Attention kept
     nothing warns once per reason (:func:`warn_not_kept`)."""
 
     __slots__ = ("where", "names", "current", "report", "report_gemm", "keep", "attention", "gemms")
@@ -523,9 +526,9 @@ class KeepLevel:
         if reason is not None:
             warn_not_kept(self.names[layer], reason, self.keep)
 
-    def tell_gemm(self, layer: int, kept_bytes: int):
+    def tell_gemm(self, layer: int, kept_bytes: int, first: bool = False):
         if self.report_gemm is not None:
-            self.report_gemm(layer, kept_bytes)
+            self.report_gemm(layer, kept_bytes, first)
 
     def __call__(self):
         region = _Region(self)

@@ -156,8 +156,8 @@ class _Group:
             return None
         return KeepLevel(self.names, self._running, self._tell, self.keep, self._tell_gemm)
 
-    def _tell_gemm(self, layer: int, kept_bytes: int):
-        self.gemm_bytes[layer] += kept_bytes
+    def _tell_gemm(self, layer: int, kept_bytes: int, first: bool):
+        self.gemm_bytes[layer] = kept_bytes + (0 if first else self.gemm_bytes[layer])
 
     def checkpointed(self, layer_args: Tuple, layer_kwargs: Dict):
         """Runs the group checkpointed: fused layers (ckpt_ext.fuse) as one C++ SegmentFunction, other

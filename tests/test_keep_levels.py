@@ -111,6 +111,12 @@ def test_plain_levels_bit_identical_and_replay_skips_what_is_kept(family, dropou
         assert f"keep={keep!r}" in text, text
     if gemms:
         assert "in the last step" in text and ("GEMMs before its attention" in text) == (gemms == "before"), text
+        # the bytes of the last step, not a sum over steps
+        group = layers_of(m)[0].__dict__[_ATTR]
+        step_bytes = group.gemm_bytes[0]
+        assert step_bytes > 0
+        _grads(m, kw2, seed=3, autocast=autocast)
+        assert group.gemm_bytes[0] == step_bytes
 
 
 def test_checkpoint_with_keep_level_context_fn_and_checkpoint_sequential():
