@@ -142,9 +142,13 @@ class Plan:
                          f"{self.base_time * 1e3:.1f} ms, so {self.base_time * 1e3:.1f} -> "
                          f"{(self.base_time + self.recompute) * 1e3:.1f} ms (+{self.recompute / self.base_time:.1%})")
         lines.append(overhead)
-        levels = "".join(f", {k} {_LEVEL_WORDS[lv][0]}" for lv, k in per_level.items() if k and lv != ATTENTION)
-        lines.append(f"{replayed} of {n} layers replayed ({per_level[ATTENTION]} of them keeping attention{levels}), "
-                     f"{n - replayed} kept whole")
+        levels = ", ".join(f"{k} {_LEVEL_WORDS[lv][0]}" for lv, k in per_level.items() if k)
+        if replayed:
+            rest = "" if not levels or sum(per_level.values()) == replayed else ", the others only their input"
+            lines.append(f"{replayed} of {n} layers replayed ({levels or 'each keeping only its input'}{rest}), "
+                         f"{n - replayed} kept whole")
+        else:
+            lines.append(f"0 of {n} layers replayed, {n} kept whole")
         for s, e, how in self.segments:
             name = f"layers {s}-{e - 1}" if e - s > 1 else f"layer {s}"
             if how:
