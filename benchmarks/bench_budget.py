@@ -8,15 +8,18 @@ Variants, each on its own copy of the same weights (attention dropout 0), one pr
 
   none        no checkpointing: the reference step time and bytes
   planned     enable_checkpointing(model, budget=B): the planner chooses per group among keeping the layers whole,
-              checkpointing them keeping attention, and boundary-only recompute
-  boundaries  enable_checkpointing(model, budget=B, keep="boundaries"): the same budget without keep-attention
+              checkpointing them at a keep level (attention, attention_inputs, gemms, gemms_attention), and
+              boundary-only recompute
+  boundaries  enable_checkpointing(model, budget=B, keep="boundaries"): the same budget, boundaries only
 
 B (unless --budget): from the layers' measured costs, the smallest budget on a grid between the least achievable
-and keeping everything whose plan mixes choices (some layers kept whole, some keeping attention).
+and keeping everything whose plan mixes choices (some layers kept whole, some at a level beyond attention; else
+some keeping attention).
 
 Predictions, read from the plan after its measuring step: bytes held from forward to backward by the layer stack
 (plan.held_bytes) and the peak (held + the largest replay, plan.need_bytes); the recompute a step adds
-(plan.recompute: the layers' measured forward times, less the attention forwards a group keeping attention skips).
+(plan.recompute: the layers' measured forward times, less the calls -- attention forwards, GEMMs -- a group's level
+skips).
 The planner does not time the rest of a step, so the predicted step time is the measured step without
 checkpointing plus the predicted recompute; the ratio predicted / measured is taken per round (both in the same
 round) and its median reported, wall and CPU time (time.process_time; the CPU prediction uses the process CPU
@@ -37,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import ckpt_ext
-from ckpt_ext.planner import ATTENTION, fmt_bytes, parse_bytes, plan_chain
+from ckpt_ext.planner import ATTENTION, LEVELS, fmt_bytes, parse_bytes, plan_chain
 from ckpt_ext.stack_plan import recompute_cpu_seconds
 from common import add_output_args, env_info, env_line, finish_env, interleaved, output_dir, quantiles, write_results
 from variants import ModelSpec, Variant, Workload
@@ -117,12 +120,15 @@ def planner_of(model):
 
 def mixed_budget(costs, shared: int) -> int:
     """The smallest budget on a grid of 200 between the least achievable and keeping everything whose plan keeps
-    some layers whole and checkpoints others keeping attention (else: mixes any two choices; else the middle)."""
+    some layers whole and checkpoints others at a level beyond attention (else: keeping attention; else: mixes any two
+    choices; else the middle)."""
     least = plan_chain(costs, None, shared_bytes=shared).need_bytes
     total = sum(c.act_bytes for c in costs) + shared
     grid = [least + (total - least) * k // 200 for k in range(1, 200)]
     kinds = {b: {how for *_, how in plan_chain(costs, b, shared_bytes=shared).segments} for b in grid}
-    for want in (lambda k: False in k and ATTENTION in k, lambda k: len(k) >= 2):
+    beyond = set(LEVELS) - {ATTENTION}
+    for want in (lambda k: False in k and bool(k & beyond), lambda k: False in k and ATTENTION in k,
+                 lambda k: len(k) >= 2):
         found = [b for b in grid if want(kinds[b])]
         if found:
             return found[0]
@@ -180,7 +186,7 @@ def run(config: str, budget, rounds: int, warmup: int, device) -> dict:
 
 
 def _segments(segments) -> str:
-    word = {False: "kept", True: "boundaries", ATTENTION: "attention"}
+    word = {False: "kept", True: "boundaries", **{lv: lv for lv in LEVELS}}
     return ", ".join(f"{s}-{e - 1}:{word[how]}" if e - s > 1 else f"{s}:{word[how]}" for s, e, how in segments)
 
 

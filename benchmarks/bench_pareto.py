@@ -1,7 +1,9 @@
 """Step time against activation memory: ckpt_ext's budget planner swept over budgets, against the best of torch's
 selective-checkpointing policies that fits in no more memory (issue 33, item 4).
 
-For each model (Llama, BERT; Hugging Face eager with SDPA attention, attention dropout 0), one process, each
+For each model (Llama, BERT; Hugging Face eager with SDPA attention; Llama without dropout, BERT with Hugging Face's
+default dropout 0.1, hidden and attention probabilities -- on CPU its SDPA then runs the math path, so neither torch's
+policy nor ckpt_ext can keep an attention kernel output there), one process, each
 variant on its own copy of the same weights:
 
   torch policies (Hugging Face's checkpointing: torch.utils.checkpoint, non-reentrant, with a context_fn)
@@ -20,18 +22,20 @@ one step (plan_chain). Memory: the bytes held from forward to backward (saved te
 attention outputs and pool slots), measured in an untimed step (common.held_bytes). Time: medians over
 interleaved rounds (every variant once per round, order rotated), p20-p80 and the number of rounds. At each
 planned point the comparison is with the fastest torch policy holding no more bytes, as the median of the
-per-round ratios (both in the same round). What the planner can choose today: per group of layers, kept whole,
-checkpointed keeping attention (output + LSE), or boundary-only recompute; the finer levels of issue 33 item 3
-(attention inputs, GEMM outputs) are not implemented, so the torch policies saving GEMMs have no ckpt_ext
-counterpart yet.
+per-round ratios (both in the same round). What the planner can choose: per group of layers, kept whole, or
+checkpointed at a keep level -- boundary only, keeping attention (output + LSE), attention and the q/k/v projections
+("attention_inputs"), every GEMM output ("gemms"), or both ("gemms_attention"); fused layers keep attention only
+(docs/keep-attention.md "Recompute levels").
 
     python benchmarks/bench_pareto.py                                   # CPU: Llama and BERT 4 x 256, s512
     python benchmarks/bench_pareto.py --models llama --points 6 --rounds 9 --plot pareto.png
     python benchmarks/bench_pareto.py --models llama-gpu --mode bf16      # the GPU report's sweep
 """
 import argparse
+import contextlib
 import sys
 import warnings
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -58,6 +62,50 @@ class TorchSelectiveBoth(TorchSelective):
     name = "torch-selective-both"
     saves = SELECTIVE_SAVE + TorchSelectiveAttention.saves
     summary = "Hugging Face's checkpointing, context_fn saving the GEMM and the fused SDPA kernels' outputs"
+
+
+class PlannedBudget(EngineBudget):
+    """enable_checkpointing(model, budget=...) on the Hugging Face layers. Its checkpointed groups' inputs are
+    recorded (weak references, by a forward pre-hook on each checkpointed group's first layer) and counted like the
+    kept attention and GEMM outputs. Since the plain groups pass their input as the checkpoint's own argument
+    (2026-11-27), common.held_bytes' saved-tensor hooks see them too; storages are counted once, so the record only
+    guards against the two drifting apart."""
+    name = "planned"
+
+    def __init__(self, budget: Optional[int] = None):
+        super().__init__(budget)
+        self.inputs: list = []
+        self.handles: list = []
+
+    def prepare(self, model, batch, workload, none_bytes):
+        super().prepare(model, batch, workload, none_bytes)
+        for h in self.handles:
+            h.remove()
+        planner = _planner_of(model)
+        self.handles = [layer.register_forward_pre_hook(self._record, with_kwargs=True)
+                        for layer in (planner.layers if planner is not None else ())]
+
+    def _record(self, layer, args, kwargs):
+        group = layer.__dict__.get(_ATTR)
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if group is not None and not group.kept and group.layers[0] is layer and isinstance(hidden, torch.Tensor) \
+                and torch.is_grad_enabled():
+            self.inputs.append(weakref.ref(hidden))
+
+    @contextlib.contextmanager
+    def context(self):
+        self.inputs = []  # only the current forward's
+        with super().context():
+            yield
+
+    def extra_saved(self):
+        return super().extra_saved() + [t for t in (r() for r in self.inputs) if t is not None]
+
+    def teardown(self, model):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        super().teardown(model)
 
 
 class FusedBudget(EngineBudget):
@@ -141,7 +189,7 @@ def run_model(name: str, device, mode: str, points: int, rounds: int, warmup: in
         for key, make in TORCH_POLICIES.items():
             add(key, make())
         budgets = {}
-        for label, cls in (("planned", EngineBudget), ("fused-planned", FusedBudget)):
+        for label, cls in (("planned", PlannedBudget), ("fused-planned", FusedBudget)):
             low, high = _budget_range(workload, cls, batch)
             budgets[label] = sorted({int(low + (high - low) * k / (points - 1)) for k in range(points)})
             for b in budgets[label]:
@@ -186,7 +234,9 @@ def verdict(result: dict) -> List[str]:
 def to_markdown(info: dict, results: List[dict], cfg: dict) -> str:
     lines = [f"# Step time against activation memory: {info['device_name']} ({info['device']})", "",
              env_line(info), "", f"{cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up round(s); "
-             f"{cfg['points']} budgets per model, {cfg['mode']}, attention dropout 0.", ""]
+             f"{cfg['points']} budgets per model, {cfg['mode']}; Llama without dropout, BERT with Hugging Face's "
+             "default dropout 0.1 (hidden and attention probabilities: on CPU its SDPA runs the math path, which "
+             "keeps no attention output for torch's policy or ckpt_ext to keep).", ""]
     for res in results:
         lines += [f"## {res['model']}: {res['spec']}, batch {res['batch']}", "",
                   "| variant | held fwd→bwd MiB | step ms, median (p20-p80) | vs the fastest torch policy holding no "

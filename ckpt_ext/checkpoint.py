@@ -26,7 +26,7 @@ from . import _compiler
 from ._compiler import check_not_capturing, traced_under_compile
 from ._discovery import _check_fsdp_units, _collect, _discover, _Found, _fsdp_unit_class
 from ._extension import load
-from .keep import KeepAttention, check_keep, compiled_context_fn, keep_attention
+from .keep import KeepLevel, check_keep, compiled_context_fn, keep_level
 
 _C = load()
 _run = _C.checkpoint_run
@@ -237,8 +237,8 @@ def _traced_checkpoint(function, args: tuple, kwargs: dict, fsdp_checked: bool,
     their RNG), context_fn's selective-checkpointing policy honoured by the partitioner, BatchNorm
     statistics updated once (the recompute is functional). early_stop has no meaning in compiled code;
     FSDP units inside the function are torch's to handle, as with torch's checkpoint."""
-    if isinstance(context_fn, KeepAttention):  # keep="attention": torch's selective checkpointing, same ops kept
-        context_fn = compiled_context_fn()
+    if isinstance(context_fn, KeepLevel):  # keep=...: torch's selective checkpointing, the same ops kept
+        context_fn = compiled_context_fn(context_fn.keep)
     options = {} if context_fn is None else {"context_fn": context_fn}  # (Dynamo rejects noop_context_fn)
     if kwargs:  # the function's own keywords, kept apart from torch's checkpoint options
         function = functools.partial(function, **kwargs)
@@ -450,15 +450,16 @@ def checkpoint_sequential(functions, segments: int, input, use_reentrant: Option
     """Drop-in for ``torch.utils.checkpoint.checkpoint_sequential``: splits ``functions`` (an
     ``nn.Sequential`` or a list of callables) into ``segments`` consecutive groups, checkpoints all
     but the last group and runs the last one normally. ``keep="attention"`` (ckpt_ext's own option, as in
-    enable_checkpointing) keeps the checkpointed groups' attention kernel outputs and log-sum-exps."""
+    enable_checkpointing; any value of ckpt_ext.keep.KEEP_VALUES) keeps the checkpointed groups' attention kernel
+    outputs and log-sum-exps."""
     keep = check_keep(kwargs.pop("keep", None))
     options = dict(preserve_rng_state=kwargs.pop("preserve_rng_state", True),
                    determinism_check=kwargs.pop("determinism_check", "default"), debug=kwargs.pop("debug", False))
     if kwargs:
         raise ValueError(f"checkpoint_sequential: unexpected keyword arguments: {', '.join(kwargs)}")
     _check_options(use_reentrant, options["determinism_check"], options["debug"], options["preserve_rng_state"])
-    if keep == "attention":
-        options["context_fn"] = keep_attention
+    if keep != "boundaries":
+        options["context_fn"] = keep_level(keep)
     if use_reentrant is None:
         _warn_use_reentrant_omitted("checkpoint_sequential", 2)
     if isinstance(functions, nn.Sequential):

@@ -7,24 +7,28 @@ Each layer i of a chain has
   compute[i]         the cost of its forward (what replaying it costs),
 and, where it can keep its attention (keep="attention": an SDPA kernel with a log-sum-exp),
   attn_bytes[i]      bytes of its attention kernel's output and log-sum-exp (None: it cannot keep them),
-  attn_compute[i]    the cost of its attention forward (what a keep-attention replay skips).
+  attn_compute[i]    the cost of its attention forward (what a keep-attention replay skips),
+and per further keep level it can be checkpointed at (levels[i]: "attention_inputs", "gemms", "gemms_attention",
+ckpt_ext/keep.py) the bytes it keeps, the bytes of its saved tensors among them and the compute its replay skips.
 A plan splits the chain into consecutive segments, each either *kept* (ordinary autograd),
 *checkpointed* (only its input boundary is kept; replayed in backward) or *checkpointed keeping
 attention* (its input boundary and its layers' attention outputs and LSEs are kept; replayed in backward
-without the attention forwards). Its memory is
+without the attention forwards), or checkpointed at another keep level (keeping what that level keeps, the replay
+skipping what computed it). Its memory is
 
   need = held + largest replay
   held    = sum of act_bytes over kept layers + boundary_bytes of each checkpointed segment's first layer
-            (+ the attn_bytes of its layers when it keeps attention)
-  replay  = act_bytes of a checkpointed segment, rebuilt while that segment's backward runs (less its
-            attn_bytes when it keeps attention: the replay is handed the kept tensors, already counted),
+            (+ the bytes its layers keep at its level: attn_bytes when it keeps attention)
+  replay  = act_bytes of a checkpointed segment, rebuilt while that segment's backward runs (less the kept
+            bytes among them: the replay is handed the kept tensors, already counted),
 
 and its cost is the recompute: the compute of every checkpointed layer (less its attn_compute in a
-segment keeping attention). A plan's segments are (start, end, how): how is False (kept), True
-(checkpointed, boundary only) or "attention" (checkpointed keeping attention). `plan_chain` finds the plan
+segment keeping attention, less what its level skips at another level). A plan's segments are (start, end, how):
+how is False (kept), True (checkpointed, boundary only) or a level name ("attention": checkpointed keeping
+attention; "attention_inputs", "gemms", "gemms_attention"). `plan_chain` finds the plan
 of least recompute whose need fits the budget (within 1%, certified; exact on small integer computes:
 a dynamic program over (layers, recompute units) inside a branch and bound over the largest replay,
-explained below), in well under a second for 128 layers; `sqrt_plan` is Chen et al.'s sqrt(n)
+explained below), in well under a second for 128 layers (seconds with every keep level: one option per level per segment); `sqrt_plan` is Chen et al.'s sqrt(n)
 schedule. Both are pure functions of the costs, tested against brute force.
 """
 import math
@@ -36,6 +40,26 @@ from typing import List, Optional, Sequence, Tuple, Union
 __all__ = ["LayerCost", "Plan", "plan_chain", "sqrt_plan", "parse_bytes"]
 
 
+ATTENTION = "attention"  # a plan segment's `how`: checkpointed keeping attention
+# The other ways a checkpointed segment can keep (ckpt_ext/keep.py's levels), by what they keep besides the input:
+# the attention output + LSE and the GEMM outputs before it (the q/k/v projections); all GEMM outputs; both.
+LEVELS = (ATTENTION, "attention_inputs", "gemms", "gemms_attention")
+_WITH_ATTENTION = (ATTENTION, "attention_inputs", "gemms_attention")
+
+
+@dataclass(frozen=True)
+class Level:
+    """A layer checkpointed at a keep level above "attention": the bytes it keeps, the bytes of its saved tensors
+    among them (its replay does not rebuild them), the compute its replay skips; whole: False when part of it
+    cannot be kept (the layer's attention, which then is recomputed): measured so, the planner chooses it only
+    when keep= names it."""
+    name: str
+    kept_bytes: int
+    saved_kept_bytes: int
+    skipped: float
+    whole: bool = True
+
+
 @dataclass(frozen=True)
 class LayerCost:
     act_bytes: int
@@ -43,30 +67,43 @@ class LayerCost:
     compute: float
     attn_bytes: Optional[int] = None  # None: the layer cannot keep its attention
     attn_compute: float = 0.0
+    levels: Tuple[Level, ...] = ()  # the levels beyond "attention" it can be checkpointed at (measured)
 
     @property
     def keeps_attention(self) -> bool:
         return self.attn_bytes is not None
 
+    def level(self, how, strict: bool = True) -> Optional[Tuple[int, int, float]]:
+        """(bytes kept besides the boundary, replay bytes, recompute) of the layer in a segment checkpointed `how`
+        (True: boundary only; a level name). None when strict and the layer cannot keep that way; not strict, a
+        level the layer lacks falls back as fused layers do: to "attention" where it keeps attention, else to
+        the boundary only."""
+        if how is True:
+            return 0, self.act_bytes, self.compute
+        found = next((lv for lv in self.levels if lv.name == how), None)
+        if found is not None and (found.whole or not strict):
+            return (found.kept_bytes, max(0, self.act_bytes - found.saved_kept_bytes),
+                    max(0.0, self.compute - found.skipped))
+        if how == ATTENTION or (not strict and found is None and how in _WITH_ATTENTION):
+            if self.attn_bytes is not None:
+                return self.attn_bytes, max(0, self.act_bytes - self.attn_bytes), max(0.0, self.compute -
+                                                                                      self.attn_compute)
+        return None if strict else (0, self.act_bytes, self.compute)
+
     def recompute(self, how) -> float:
-        """What replaying the layer costs in a segment checkpointed `how` (True or "attention")."""
-        return max(0.0, self.compute - self.attn_compute) if how == ATTENTION else self.compute
-
-
-ATTENTION = "attention"  # a plan segment's `how`: checkpointed keeping attention
+        """What replaying the layer costs in a segment checkpointed `how` (True or a level)."""
+        return self.level(how, strict=False)[2]
 
 
 def segment_bytes(costs: Sequence[LayerCost], s: int, e: int, how) -> Tuple[int, int]:
-    """(held, replay) bytes of segment [s, e) checkpointed `how` (True or "attention")."""
-    if how == ATTENTION:
-        kept = sum(c.attn_bytes or 0 for c in costs[s:e])
-        return costs[s].boundary_bytes + kept, sum(max(0, c.act_bytes - (c.attn_bytes or 0)) for c in costs[s:e])
-    return costs[s].boundary_bytes, sum(c.act_bytes for c in costs[s:e])
+    """(held, replay) bytes of segment [s, e) checkpointed `how` (True or a level)."""
+    parts = [c.level(how, strict=False) for c in costs[s:e]]
+    return costs[s].boundary_bytes + sum(p[0] for p in parts), sum(p[1] for p in parts)
 
 
 @dataclass
 class Plan:
-    segments: List[Tuple[int, int, Union[bool, str]]]  # (start, end exclusive, False | True | "attention")
+    segments: List[Tuple[int, int, Union[bool, str]]]  # (start, end exclusive, False | True | a level name)
     held_bytes: int
     replay_bytes: int
     recompute: float
@@ -97,7 +134,7 @@ class Plan:
         share = self.recompute / self.total_compute if self.total_compute else 0.0
         n = sum(e - s for s, e, _ in self.segments)
         replayed = len(self.checkpointed_layers())
-        attention = sum(e - s for s, e, how in self.segments if how == ATTENTION)
+        per_level = {lv: sum(e - s for s, e, how in self.segments if how == lv) for lv in LEVELS}
         overhead = (f"predicted overhead: +{self.recompute * 1e3:.1f} ms of recompute per training step = {share:.0%} "
                     f"of one forward of the layers")
         if self.base_time:
@@ -105,15 +142,19 @@ class Plan:
                          f"{self.base_time * 1e3:.1f} ms, so {self.base_time * 1e3:.1f} -> "
                          f"{(self.base_time + self.recompute) * 1e3:.1f} ms (+{self.recompute / self.base_time:.1%})")
         lines.append(overhead)
-        lines.append(f"{replayed} of {n} layers replayed ({attention} of them keeping attention), {n - replayed} kept "
-                     "whole")
+        levels = ", ".join(f"{k} {_LEVEL_WORDS[lv][0]}" for lv, k in per_level.items() if k)
+        if replayed:
+            rest = "" if not levels or sum(per_level.values()) == replayed else ", the others only their input"
+            lines.append(f"{replayed} of {n} layers replayed ({levels or 'each keeping only its input'}{rest}), "
+                         f"{n - replayed} kept whole")
+        else:
+            lines.append(f"0 of {n} layers replayed, {n} kept whole")
         for s, e, how in self.segments:
             name = f"layers {s}-{e - 1}" if e - s > 1 else f"layer {s}"
             if how:
                 held, replay = segment_bytes(self.costs, s, e, how) if self.costs else (0, 0)
                 rc = sum(c.recompute(how) for c in self.costs[s:e]) if self.costs else 0.0
-                what = ("keeping its input and attention outputs + LSEs" if how == ATTENTION
-                        else "keeping only its input")
+                what = _LEVEL_WORDS[how][1] if how in _LEVEL_WORDS else "keeping only its input"
                 lines.append(f"  {name}: checkpointed as one segment, {what} (holds {fmt_bytes(held)}; replay "
                              f"{fmt_bytes(replay)}, {rc * 1e3:.1f} ms)")
             else:
@@ -121,6 +162,18 @@ class Plan:
                 lines.append(f"  {name}: not checkpointed, keeps everything (holds {fmt_bytes(held)})")
         return "\n".join(lines)
 
+
+# per level: (how describe() counts the layers, what a segment keeps)
+_LEVEL_WORDS = {
+    ATTENTION: ("keeping attention", "keeping its input and attention outputs + LSEs"),
+    "attention_inputs": ("keeping attention and its inputs",
+                         "keeping its input, attention outputs + LSEs and the q/k/v projections' outputs "
+                         "(keep='attention_inputs')"),
+    "gemms": ("keeping GEMM outputs", "keeping its input and every GEMM output (keep='gemms'; the attention is "
+                                      "replayed)"),
+    "gemms_attention": ("keeping GEMM and attention outputs",
+                        "keeping its input, every GEMM output and attention outputs + LSEs (keep='gemms_attention')"),
+}
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -163,7 +216,9 @@ def _check_costs(costs: Sequence[LayerCost]):
         raise ValueError("a plan needs at least one layer")
     for c in costs:
         if c.act_bytes < 0 or c.boundary_bytes < 0 or c.compute < 0 or c.attn_compute < 0 or \
-                (c.attn_bytes is not None and c.attn_bytes < 0):
+                (c.attn_bytes is not None and c.attn_bytes < 0) or \
+                any(lv.kept_bytes < 0 or lv.saved_kept_bytes < 0 or lv.skipped < 0 or lv.name not in LEVELS[1:]
+                    for lv in c.levels):
             raise ValueError(f"layer costs must be non-negative, got {c}")
 
 
@@ -226,23 +281,23 @@ class _Chain:
         # over the layers of: replay bytes, extra bytes held besides the boundary, recompute, layers with any
         # recompute (whether a segment is free must not depend on float sums: a tiny compute after a large one
         # vanishes in the prefix sum) and layers that cannot checkpoint that way (a segment must have none).
-        # keep="attention" alone (hows == ("attention",)): a layer that cannot keep its attention is checkpointed
-        # in such a segment anyway, keeping only what it can (nothing), as enable_checkpointing(keep="attention")
-        # does; when the planner chooses, a segment keeping attention holds only layers that can.
+        # One level forced (keep="attention" alone: hows == ("attention",)): a layer that cannot keep that way is
+        # checkpointed in such a segment anyway, keeping what it can (LayerCost.level's fallback), as
+        # enable_checkpointing(keep=...) does; when the planner chooses, a segment at a level holds only layers
+        # that can keep that way (as measured).
         strict = True in hows
-        self.hows = [h for h in hows if h is True or not strict or any(c.keeps_attention for c in costs)]
+        self.hows = [h for h in hows if h is True or not strict or any(c.level(h) is not None for c in costs)]
         self.pw, self.pk, self.pc, self.paid, self.bad = {}, {}, {}, {}, {}
         for how in self.hows:
             pw, pk, pc, paid, bad = [0], [0], [0.0], [0], [0]
             for c in costs:
-                att = how == ATTENTION and c.keeps_attention
-                kept = c.attn_bytes if att else 0
-                pw.append(pw[-1] + max(0, c.act_bytes - kept))
+                got = c.level(how, strict)
+                kept, work, rc = got if got is not None else (0, c.act_bytes, c.compute)
+                pw.append(pw[-1] + work)
                 pk.append(pk[-1] + kept)
-                rc = c.recompute(how) if (att or how is True) else c.compute
                 pc.append(pc[-1] + rc)
                 paid.append(paid[-1] + (rc != 0))
-                bad.append(bad[-1] + (strict and how == ATTENTION and not c.keeps_attention))
+                bad.append(bad[-1] + (got is None))
             self.pw[how], self.pk[how], self.pc[how], self.paid[how], self.bad[how] = pw, pk, pc, paid, bad
 
     def options(self, j: int, how):
@@ -423,7 +478,7 @@ def _plan_within(chain: _Chain, budget: int) -> Plan:
         delta = max(min(delta / 2, 0.009 * scale / segments), floor)
 
 
-KEEPS = {"auto": (True, ATTENTION), "boundaries": (True,), "attention": (ATTENTION,)}
+KEEPS = {"auto": (True,) + LEVELS, "boundaries": (True,), **{lv: (lv,) for lv in LEVELS}}
 
 
 def plan_chain(costs: Sequence[LayerCost], budget: Optional[int], chained: Optional[Sequence[bool]] = None,
@@ -433,9 +488,9 @@ def plan_chain(costs: Sequence[LayerCost], budget: Optional[int], chained: Optio
     or no recompute is needed. budget=None gives a plan of least need (exact) with the least recompute
     among those. Raises ValueError when no plan fits, stating the minimum. chained[k] (k >= 1) says
     whether layer k is called on layer k-1's output; a segment groups only such layers (None: all are).
-    keep: how checkpointed segments may keep ("auto": boundary only, or keeping attention where every layer
-    of the segment can; "boundaries": boundary only; "attention": keeping attention, a layer that cannot
-    keeping nothing more). shared_bytes: held whatever the plan (tensors every layer receives, e.g. a mask or
+    keep: how checkpointed segments may keep ("auto": boundary only, or at any level every layer of the segment
+    can keep; "boundaries": boundary only; a level ("attention", "attention_inputs", "gemms", "gemms_attention"):
+    every checkpointed segment at that level, a layer that cannot keeping what LayerCost.level falls back to). shared_bytes: held whatever the plan (tensors every layer receives, e.g. a mask or
     rotary tables, counted once and in no layer's costs)."""
     _check_costs(costs)
     if chained is not None and len(chained) != len(costs):

@@ -17,13 +17,13 @@ from ._compiler import traced_under_compile
 from ._discovery import _ATOMS, _add_module, _check_fsdp_units, _Found, _fsdp_unit_class
 from .checkpoint import _checkpoint
 from .fused import FusedTransformerLayer, run_segment
-from .keep import KeepAttention, check_keep
+from .keep import KEEP_VALUES, KeepLevel, check_keep, fused_level, keeps_attention
 from .hf.versions import check_versions
 from .hf.cache import drop_cache, remember_signature
 from .hf.layers import attention_implementation
 from .hf.trainer import (hf_checkpointing_host, ride_hf_checkpointing, rides_hf, rides_hf_keep, double_checkpointing_error,
                          install_take_over, layer_hf_checkpointed, refuse_hf_checkpointing_on, remove_take_over)
-from .planner import ATTENTION, fmt_bytes, parse_bytes
+from .planner import fmt_bytes, parse_bytes
 from .pool import is_pooled, pool_stats
 from .stack_plan import _POOL_ALIGNMENT, StackPlanner
 
@@ -122,10 +122,11 @@ class _Group:
         self.keep = "boundaries" if kept else keep
         self.names = [_layer_name(stack, index + k, layer) for k, layer in enumerate(layers)]
         self.running = 0  # the layer of the group running now (keep="attention" names it in messages)
-        # keep="attention": per layer, what its attention kept in the last forward ((bytes, None) or (None, why))
+        # keep="attention" (and the levels keeping attention): per layer, what its attention kept in the last forward
+        # ((bytes, None) or (None, why)); the levels keeping GEMM outputs: per layer, their bytes in the last forward
         self.attention: List[Optional[Tuple[Optional[int], Optional[str]]]] = [None] * len(layers)
-        self.context_fn = (KeepAttention(self.names, self._running, self._tell)
-                           if self.keep == "attention" else None)
+        self.gemm_bytes: List[int] = [0] * len(layers)
+        self.context_fn = self._context_fn()
         self.pending: Optional[_Pending] = None  # after a checkpointed group run, until its last layer
         self.traced: Optional[tuple] = None  # the same while Dynamo traces (_traced_layer_forward)
         self.siblings: List["_Group"] = []  # the multi-layer groups of the stack (see _check_order)
@@ -133,7 +134,7 @@ class _Group:
     # Pickled (torch.save of the model, a spawned process, copy.deepcopy): the configuration only. What belongs
     # to one step of this process -- the pending output (weak references to a graph), the traced hand-over, the
     # attention bytes seen, the keep-attention mode bound to this group -- starts afresh.
-    _RUNTIME = ("running", "attention", "context_fn", "pending", "traced")
+    _RUNTIME = ("running", "attention", "gemm_bytes", "context_fn", "pending", "traced")
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
@@ -142,13 +143,21 @@ class _Group:
         self.__dict__.update(state)
         self.running = 0
         self.attention = [None] * len(self.layers)
-        self.context_fn = (KeepAttention(self.names, self._running, self._tell)
-                           if self.keep == "attention" else None)
+        self.gemm_bytes = [0] * len(self.layers)
+        self.context_fn = self._context_fn()
         self.pending = None
         self.traced = None
         for layer in self.layers:
             if not isinstance(layer, FusedTransformerLayer):  # (a fused layer reads its own when loaded)
                 remember_signature(layer)
+
+    def _context_fn(self) -> Optional[KeepLevel]:
+        if self.keep == "boundaries":
+            return None
+        return KeepLevel(self.names, self._running, self._tell, self.keep, self._tell_gemm)
+
+    def _tell_gemm(self, layer: int, kept_bytes: int, first: bool):
+        self.gemm_bytes[layer] = kept_bytes + (0 if first else self.gemm_bytes[layer])
 
     def checkpointed(self, layer_args: Tuple, layer_kwargs: Dict):
         """Runs the group checkpointed: fused layers (ckpt_ext.fuse) as one C++ SegmentFunction, other
@@ -173,7 +182,9 @@ class _Group:
         """run_segment (fused layers as one C++ SegmentFunction) with this group's keep=. Keeping attention, the
         pool slots the segment takes besides its output are its layers' kept attention outputs and LSEs:
         explain() reports them."""
-        keep = self.keep == "attention"
+        # Fused layers keep attention outputs only: a level keeping more falls back to keep="attention", one keeping
+        # GEMM outputs only (keep="gemms") to boundaries (fused_level; explain() says so).
+        keep = keeps_attention(self.keep)
         if keep and self.planner is not None and self.planner.keep == "auto" and torch.compiler.is_compiling():
             # The planner chose keep-attention in eager steps; a compiled fused segment keeps only its input
             # (less memory than planned, the attention recomputed; the same gradients).
@@ -210,15 +221,32 @@ class _Group:
         if self.keep == "boundaries":
             return "only its group's input" if len(self.layers) > 1 else "only its input"
         head = "its group's input" if len(self.layers) > 1 else "its input"
+        level = fused_level(self.keep) if is_fused_layer(self.layers[k]) else self.keep
+        if level != self.keep:
+            prefix = (f"(keep={self.keep!r} falls back to {level!r}: fused layers keep no GEMM outputs, only their "
+                      "attention's) ")
+        else:
+            prefix = "" if level == "attention" else f"(keep={self.keep!r}) "
+        if level == "boundaries":
+            return f"{prefix}only {head}"
+        if level != "attention":
+            gemms = ("the outputs of the GEMMs before its attention (the query/key/value projections)"
+                     if level == "attention_inputs" else "the outputs of all its GEMMs")
+            if self.gemm_bytes[k]:
+                gemms += f" ({fmt_bytes(self.gemm_bytes[k])} in the last step)"
+            if level == "gemms":
+                return f"{prefix}{head} and {gemms}; the replay runs only elementwise ops, norms and the attention"
+            head = f"{head}, {gemms}"
         seen = self.attention[k]
         if seen is None:
-            return (f"{head} and its attention kernel's output and log-sum-exp (checked at the first training "
-                    "step)")
+            return (f"{prefix}{head} and its attention kernel's output and log-sum-exp (checked at the first "
+                    "training step)")
         kept_bytes, reason = seen
         if reason is not None:
-            return f"{head} only: its attention keeps nothing, because {reason}"
-        return (f"{head} and its attention kernel's output and log-sum-exp ({fmt_bytes(kept_bytes)} in the last "
-                "step); the replay skips the attention forward")
+            return f"{prefix}{head}{' only:' if level == 'attention' else ';'} its attention keeps nothing, because {reason}"
+        return (f"{prefix}{head} and its attention kernel's output and log-sum-exp ({fmt_bytes(kept_bytes)} in the "
+                "last step); the replay skips the attention forward" + ("" if level == "attention" else
+                                                                       " and those GEMMs"))
 
     def _uses(self) -> _Found:
         """What the group's layers use: their BatchNorm modules and FSDP units (see _discovery)."""
@@ -284,8 +312,8 @@ def _alone(self: nn.Module, group: "_Group", args: Tuple, kwargs: Dict):
     if out is not NotImplemented:
         return out
     context_fn = None
-    if group.keep == "attention":
-        context_fn = KeepAttention([group.names[group.layers.index(self)]])
+    if group.keep != "boundaries":
+        context_fn = KeepLevel([group.names[group.layers.index(self)]], keep=group.keep)
     return _checkpoint(functools.partial(type(self).forward, self), args, kwargs, outside=self,
                        context_fn=context_fn)
 
@@ -296,7 +324,7 @@ def _attach_planned(planner: StackPlanner, segments: List[Tuple[int, int, Union[
     groups = []
     for s, e, how in segments:
         if how:
-            keep = "attention" if how == ATTENTION else "boundaries"
+            keep = "boundaries" if how is True else how  # "attention", "attention_inputs", "gemms", ...
             groups.append(_Group(planner.layers[s:e], s, planner, keep=keep, stack=planner.name))
         else:
             groups.extend(_Group([planner.layers[i]], i, planner, kept=True, stack=planner.name)
@@ -483,9 +511,9 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     checkpoint and how to group them so that the activation bytes held from forward to backward (saved
     tensors and pooled boundaries, not parameters, gradients or optimizer state) plus the largest replay
     fit the budget with the least recompute, choosing per group among keeping its layers whole,
-    checkpointing them keeping their attention (as keep="attention" below, where the layers' attention can be
-    kept) and boundary-only recompute; ``keep="boundaries"`` never keeps attention, ``keep="attention"``
-    always does in checkpointed groups. It measures each layer during the first training step (bytes saved,
+    checkpointing them at a keep level (keeping their attention, attention and its inputs, GEMM outputs, both: the
+    values of keep= below, where the layers can) and boundary-only recompute; ``keep="boundaries"`` never keeps
+    more than the boundary, ``keep=<level>`` checkpoints every checkpointed group at that level. It measures each layer during the first training step (bytes saved,
     forward time, attention time and kept bytes) and plans for that step's input size (and again, during its
     step, for an input larger in a dimension); a budget below the least achievable raises ValueError stating
     the minimum. ``ckpt_ext.explain(model)`` describes the plan: each layer's choice, the predicted peak
@@ -501,7 +529,11 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
     flash, efficient or cuDNN): a Hugging Face model configured for another attention implementation is
     refused (ValueError), and a call that runs SDPA's math path (attention dropout on CPU, an unsupported
     mask or dtype) keeps nothing, is recomputed in full and warns once, naming the layer and the reason.
-    Other values raise ValueError naming the allowed ones. ``ckpt_ext.explain(model)`` says what each
+    ``"attention_inputs"`` also keeps the outputs of the GEMMs the layer runs before its attention (the q/k/v
+    projections; the replay skips them too), ``"gemms"`` keeps every GEMM output (``nn.Linear``/``F.linear``,
+    ``torch.addmm``; the replay runs only elementwise ops, norms and the attention) and ``"gemms_attention"`` both
+    (docs/keep-attention.md "Recompute levels"; fused layers keep attention only and fall back, saying so in
+    explain()). Other values raise ValueError naming the allowed ones. ``ckpt_ext.explain(model)`` says what each
     layer keeps.
 
     A Hugging Face model in which no such stack is found (layers of several classes)
@@ -531,8 +563,8 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
             # A Hugging Face model whose layers ckpt_ext does not see as one stack (layers of several
             # classes): Hugging Face's own mechanism places the checkpoints (its GradientCheckpointingLayers,
             # caches dropped by its rules, FSDP2 hooks outside), with ckpt_ext's checkpoint doing the work.
-            if keep == "attention":
-                _check_attention(model, [])
+            if keeps_attention(keep):
+                _check_attention(model, [], keep)
             disable_checkpointing(model)
             ride_hf_checkpointing(host, keep)
             install_take_over(model, options)
@@ -548,8 +580,8 @@ def enable_checkpointing(model: nn.Module, every: Optional[int] = None, layers: 
             raise ValueError(f"a layer appears twice in {name or 'the layer stack'}; ckpt_ext cannot group it")
         if every > len(mods):
             raise ValueError(f"every={every} is larger than the {len(mods)} layers of {name or 'the model'}")
-        if keep == "attention":
-            _check_attention(model, mods)
+        if keeps_attention(keep):
+            _check_attention(model, mods, keep)
     if _checkpointed_as(model, stacks, every, budget_bytes, keep):
         # The same call again (a notebook cell run twice, defensive code): kept as it is, a budget's plan included.
         install_take_over(model, options)
@@ -597,7 +629,7 @@ def _checkpointed_as(model: nn.Module, stacks: List[Tuple[str, Any]], every: int
         not any(rides_hf(m) for m in model.modules())
 
 
-def _check_attention(model: nn.Module, layers: List[nn.Module]):
+def _check_attention(model: nn.Module, layers: List[nn.Module], keep: str = "attention"):
     """keep="attention" needs attention through SDPA: refuses Hugging Face models configured for another
     attention implementation (known now; other models are checked at the first training step, layer by layer;
     fused layers call SDPA's kernels themselves and refuse in their segment, naming the layer)."""
@@ -608,10 +640,10 @@ def _check_attention(model: nn.Module, layers: List[nn.Module]):
     if impl is not None and impl != "sdpa":
         cls = type(layers[0]).__name__ if layers else type(model).__name__
         raise ValueError(
-            f"ckpt_ext.enable_checkpointing(keep='attention'): the attention of {cls} runs Hugging Face's "
+            f"ckpt_ext.enable_checkpointing(keep={keep!r}): the attention of {cls} runs Hugging Face's "
             f"{impl!r} implementation (config._attn_implementation), which "
             f"{'computes softmax(QK^T)V itself and keeps no log-sum-exp' if impl == 'eager' else 'ckpt_ext does not see'}; "
-            "keep='attention' needs torch.nn.functional.scaled_dot_product_attention. Load the model with "
+            f"keep={keep!r} needs torch.nn.functional.scaled_dot_product_attention. Load the model with "
             "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa')), or use keep='boundaries'.")
 
 
@@ -662,9 +694,10 @@ def explain(model: nn.Module) -> Explanation:
             groups.append(g)
     ridden = [m for m in model.modules() if rides_hf(m)]
     if ridden and not groups and not planners:
+        level = rides_hf_keep(ridden[0])
         keeps = ("its input and its attention kernel's output and log-sum-exp (keep='attention'; a layer whose "
-                 "attention keeps nothing is warned of at the first training step)"
-                 if rides_hf_keep(ridden[0]) == "attention" else "only its input")
+                 "attention keeps nothing is warned of at the first training step)" if level == "attention" else
+                 f"{KEEP_VALUES[level]} (keep={level!r})" if level != "boundaries" else "only its input")
         return Explanation(f"ckpt_ext checkpoints {len(ridden)} layers through Hugging Face's own checkpointing "
                            "(ckpt_ext found no uniform layer stack; Hugging Face places the checkpoints, ckpt_ext's "
                            f"checkpoint runs them): each layer keeps {keeps} from forward to backward.")
@@ -694,7 +727,7 @@ def explain(model: nn.Module) -> Explanation:
             text += "; every group keeps only its input from forward to backward."
         else:
             lines = [f"  {name}: keeps {g.keeps(k)}" for g in groups for k, name in enumerate(g.names)]
-            text += ", keep='attention'. From forward to backward:\n" + "\n".join(lines + _not_kept_summary(groups))
+            text += f", keep={groups[0].keep!r}. From forward to backward:\n" + "\n".join(lines + _not_kept_summary(groups))
     return Explanation(text)
 
 
@@ -704,7 +737,7 @@ def _not_kept_summary(groups: List["_Group"]) -> List[str]:
     layers: Dict[str, List[str]] = {}
     for g in groups:
         for k, seen in enumerate(g.attention):
-            if g.keep == "attention" and seen is not None and seen[1] is not None:
+            if keeps_attention(g.keep) and seen is not None and seen[1] is not None:
                 layers.setdefault(seen[1], []).append(g.names[k])
     return [f"  replayed in full (attention not kept) in the last step: {', '.join(names)}, because {why}"
             for why, names in layers.items()]

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .fused import FusedTransformerLayer
-from .keep import AttentionProbe
-from .planner import ATTENTION, LayerCost, Plan, plan_chain
+from .keep import LevelProbe, keeps_gemms
+from .planner import Level, LayerCost, Plan, plan_chain
 from .pool import is_pooled
 
 __all__ = ["StackPlanner"]
@@ -29,7 +29,7 @@ class StackPlanner:
 
     def __init__(self, name: str, layers: List[nn.Module], budget: int, attach: Callable, keep: str = "auto"):
         self.name = name
-        self.keep = keep  # "auto" (the planner chooses per segment), "boundaries" or "attention"
+        self.keep = keep  # "auto" (the planner chooses per segment), "boundaries" or a keep level
         self.attach = attach  # attach(planner, segments): installs (start, end, checkpointed) groups
         self.layers = layers
         self.budget = budget
@@ -37,7 +37,8 @@ class StackPlanner:
         self.costs: List[Optional[LayerCost]] = [None] * len(layers)
         self.why: List[Optional[str]] = [None] * len(layers)  # why a layer cannot keep its attention (measured)
         self.shared: Dict[int, int] = {}  # while measuring: storages the layers receive besides the hidden state
-        self.cpu_costs: List[Tuple[float, float]] = [(0.0, 0.0)] * len(layers)  # (forward, attention) CPU seconds
+        # (forward CPU seconds, {level: CPU seconds its replay skips})
+        self.cpu_costs: List[Tuple[float, Dict[str, float]]] = [(0.0, {})] * len(layers)
         self.backward: List[Optional[float]] = [None] * len(layers)  # measuring: each layer's replay + backward
         self.chained: List[bool] = [True] * len(layers)  # layer i is called on layer i-1's output
         self.outputs: List[Optional[weakref.ref]] = [None] * len(layers)  # while measuring: what each passed on
@@ -139,6 +140,8 @@ class StackPlanner:
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         fused = isinstance(layer, FusedTransformerLayer)
         attention = self.keep != "boundaries"
+        # the GEMMs are timed and their outputs measured where a level keeping them can be chosen (plain layers)
+        gemms = self.keep == "auto" or keeps_gemms(self.keep) is not None
         # The tensors the layer receives besides its hidden state (a mask, rotary tables): held once while any
         # layer holds them, whatever the plan (a checkpointed segment keeps them as inputs, a kept layer saves
         # them), so counted once for the stack and in no layer's bytes.
@@ -148,31 +151,45 @@ class StackPlanner:
         # allocator's first blocks, kernels' set-up) that training steps do not. A plain layer's runs also
         # time its SDPA calls and measure what keep="attention" would keep; a fused layer's attention is
         # C++, so its Hugging Face layer runs the same attention through SDPA for that.
-        saved, elapsed, probe, cpu = None, None, None, 0.0
+        # The levels' kept bytes are matched against the saved storages of the same run (the probe holds what it
+        # saw until then); each level's skipped time is the fastest run's.
+        saved, elapsed, probe, cpu, levels = None, None, None, 0.0, {}
         for _ in range(_PROBE_RUNS):
-            spy = AttentionProbe(sync) if attention and not fused else None
+            spy = LevelProbe(sync, gemms=gemms) if attention and not fused else None
             storages, seconds, cpu_seconds = _measure(layer, args, kwargs, device, sync, spy)
             if elapsed is None or seconds < elapsed:
                 elapsed, probe, cpu = seconds, spy, cpu_seconds
+                if spy is not None:
+                    levels = spy.levels({p: n for p, n in storages.items() if p not in shared})
             if saved is None:
                 saved = sum(n for ptr, n in storages.items() if ptr not in shared)
+            if spy is not None and spy is not probe:
+                spy.clear()  # (the storages it holds)
         self.shared.update(shared)
         attn_bytes, attn_seconds = None, 0.0
         if attention:
-            if fused:
+            if fused:  # fused layers keep attention only (other levels fall back: LayerCost.level)
                 for _ in range(_PROBE_RUNS):
-                    spy = AttentionProbe(sync)
+                    spy = LevelProbe(sync, gemms=False)
                     _measure(layer, args, kwargs, device, sync, spy, hf=True)
                     if probe is None or spy.result()[1] < probe.result()[1]:
                         probe = spy
+                levels = {}
             # a fused segment keeps them in pool slots (whole multiples of the pool's alignment)
             attn_bytes, attn_seconds, self.why[i] = probe.result(_POOL_ALIGNMENT if fused else 1)
         boundary = hidden.untyped_storage().nbytes() if hidden is not None else 0
         if hidden is not None and is_pooled(hidden):  # the output of a fused segment before: a pool slot
             boundary = -(-boundary // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
-        self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0)
+        extra = tuple(Level(name, kept, overlap, sec, whole) for name, (kept, overlap, sec, _, whole) in levels.items()
+                      if name != "attention")
+        self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0,
+                                  extra)
         # the same runs' process CPU time (the benchmarks compare it on a shared machine)
-        self.cpu_costs[i] = (cpu, probe.cpu_seconds if attn_bytes is not None else 0.0)
+        skipped = {name: c for name, (_, _, _, c, _) in levels.items()}
+        skipped["attention"] = probe.cpu_seconds if attn_bytes is not None else 0.0
+        self.cpu_costs[i] = (cpu, skipped)
+        if probe is not None:
+            probe.clear()
         if i == 0:
             self.shape = _shape_of(args)
         if all(c is not None for c in self.costs):
@@ -196,7 +213,11 @@ def recompute_cpu_seconds(planner: "StackPlanner", plan: Plan) -> float:
     total = 0.0
     for s, e, how in plan.segments:
         if how:
-            total += sum(f - (a if how == ATTENTION else 0.0) for f, a in planner.cpu_costs[s:e])
+            for k in range(s, e):
+                forward, skipped = planner.cpu_costs[k]
+                # as LayerCost.level: a level the layer lacks falls back to "attention" or to the boundary only
+                fallback = "attention" if how in ("attention_inputs", "gemms_attention") else None
+                total += forward - (skipped.get(how, skipped.get(fallback, 0.0)) if how is not True else 0.0)
     return total
 
 

@@ -75,7 +75,30 @@ def checkpoint_for_hf_keeping_attention(function, *args, **kwargs):
     return checkpoint(function, *args, use_reentrant=False, context_fn=keep_attention, **kwargs)
 
 
-_FOR_HF = {"boundaries": checkpoint_for_hf, "attention": checkpoint_for_hf_keeping_attention}
+def checkpoint_for_hf_keeping_attention_inputs(function, *args, **kwargs):
+    """checkpoint_for_hf with keep="attention_inputs"."""
+    return _keeping("attention_inputs", function, args, kwargs)
+
+
+def checkpoint_for_hf_keeping_gemms(function, *args, **kwargs):
+    """checkpoint_for_hf with keep="gemms"."""
+    return _keeping("gemms", function, args, kwargs)
+
+
+def checkpoint_for_hf_keeping_gemms_attention(function, *args, **kwargs):
+    """checkpoint_for_hf with keep="gemms_attention"."""
+    return _keeping("gemms_attention", function, args, kwargs)
+
+
+def _keeping(level, function, args, kwargs):
+    from ..checkpoint import checkpoint
+    from ..keep import keep_level
+    return checkpoint(function, *args, use_reentrant=False, context_fn=keep_level(level), **kwargs)
+
+
+_FOR_HF = {"boundaries": checkpoint_for_hf, "attention": checkpoint_for_hf_keeping_attention,
+           "attention_inputs": checkpoint_for_hf_keeping_attention_inputs,
+           "gemms": checkpoint_for_hf_keeping_gemms, "gemms_attention": checkpoint_for_hf_keeping_gemms_attention}
 
 
 def rides_hf(module: nn.Module) -> bool:
@@ -87,7 +110,7 @@ def rides_hf(module: nn.Module) -> bool:
 def rides_hf_keep(module: nn.Module) -> str:
     """What a layer checkpointed through Hugging Face's mechanism keeps (see rides_hf): keep='...'."""
     func = module.__dict__.get("_gradient_checkpointing_func")
-    return "attention" if func is checkpoint_for_hf_keeping_attention else "boundaries"
+    return next((k for k, f in _FOR_HF.items() if f is func), "boundaries")
 
 
 def hf_checkpointing_host(model: nn.Module):
