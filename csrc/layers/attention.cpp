@@ -82,7 +82,7 @@ constexpr uint64_t kSdpaSalt = 0x5DBA7E11A5EEDULL;  // separates SDPA's generato
 // CPU attention with dropout. SDPA takes its math path there (CPU's flash kernel has no dropout): a
 // bernoulli mask drawn from the generator (set and restored around the call), mask and scale applied in
 // separate passes, and _safe_softmax's guard for fully masked rows (isneginf, all, where) on every call
-// and every replay. Here: scores = mask + scale * q k^T in one pass, softmax, and the dropout site's mask
+// and every replay. Here: scores = (scale * q) k^T + mask, softmax, and the dropout site's mask
 // from ckpt_ext's Philox dropout op -- a function of (seed, site) like the residual sites, which its
 // backward regenerates instead of storing. Taken only where no row can be fully masked: an additive mask
 // (made finite by prepared()), none, or a square causal one (the diagonal is always kept).
@@ -90,14 +90,24 @@ bool dropout_written_out(const Tensor& q, const Tensor& k, const Tensor& mask, b
   return q.is_cpu() && (!mask.defined() || mask.scalar_type() != at::kBool) && (!causal || q.size(2) == k.size(2));
 }
 
+// The products run as 3-D bmm on [batch * heads, ...] (no at::matmul: its batched path records an expand
+// and a reshape per operand and copies q and k^T): q is scaled on its way to a contiguous copy (one pass
+// over q, half the size of the scores for seq >= 2 * head_dim, where scaling the scores was a pass of its
+// own and q's copy another), k and v are copied row by row (k^T is then a free transposed view); the
+// context comes back as [B, heads, S, D].
 Tensor attention_with_philox_dropout(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                                      bool causal, double scale, double p, int64_t seed, int64_t offset) {
-  const Tensor scores = gemm_matmul(q, k.transpose(-2, -1));
+  const int64_t B = q.size(0), heads = q.size(1), S = q.size(2), D = q.size(3), Sk = k.size(2);
+  const Tensor q3 = at::mul(q, scale).reshape({B * heads, S, D});
+  const Tensor k3 = k.contiguous().view({B * heads, Sk, D});
+  const Tensor v3 = v.contiguous().view({B * heads, Sk, v.size(3)});
+  const Tensor scores = gemm_bmm(q3, k3.transpose(1, 2)).view({B, heads, S, Sk});
   Tensor bias = mask;
   if (causal)
-    bias = at::full({q.size(2), k.size(2)}, -std::numeric_limits<double>::infinity(), scores.options()).triu_(1);
-  const Tensor logits = bias.defined() ? at::add(bias, scores, scale) : scores * scale;
-  return gemm_matmul(ops::dropout(at::softmax(logits, -1), p, seed, offset), v);
+    bias = at::full({S, Sk}, -std::numeric_limits<double>::infinity(), scores.options()).triu_(1);
+  const Tensor logits = bias.defined() ? at::add(scores, bias) : scores;
+  const Tensor dropped = ops::dropout(at::softmax(logits, -1), p, seed, offset);
+  return gemm_bmm(dropped.view({B * heads, S, Sk}), v3).view({B, heads, S, v.size(3)});
 }
 
 

@@ -187,6 +187,18 @@ Tensor gemm_matmul(const Tensor& a, const Tensor& b) {
   return MatmulFunction::apply(a3, b3).view(sizes);
 }
 
+Tensor gemm_bmm(const Tensor& a, const Tensor& b) {
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0), "ckpt_ext gemm_bmm: expects [n, M, K] @ [n, K, N]");
+  if (!autocast_layouts_apply(a)) return at::bmm(a, b);
+  Tensor aa = a, bb = b;
+  if (at::autocast::is_autocast_enabled(c10::DeviceType::CPU)) {
+    aa = autocast_arg(a, c10::DeviceType::CPU);
+    bb = autocast_arg(b, c10::DeviceType::CPU);
+  }
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  return MatmulFunction::apply(aa, bb);
+}
+
 Tensor gemm_mm(const Tensor& a, const Tensor& b) { return layouts_apply(a, a.scalar_type()) ? mm_layout(a, b) : a.mm(b); }
 
 Tensor& gemm_addmm_(Tensor& acc, const Tensor& a, const Tensor& b) {

@@ -191,6 +191,9 @@ ReplayBackward replay_backward(const LayerSpec& spec, const std::vector<Tensor>&
 // elsewhere these are the ATen calls themselves.
 Tensor gemm_linear(const Tensor& x, const Tensor& w, const Tensor& bias = Tensor());
 Tensor gemm_matmul(const Tensor& a, const Tensor& b);
+// a @ b for 3-D a [n, M, K], b [n, K, N] (equal batch): at::bmm itself, or gemm_matmul's policy. Unlike
+// gemm_matmul it records no expand / reshape around the product (at::matmul's batched path does).
+Tensor gemm_bmm(const Tensor& a, const Tensor& b);
 
 // The CPU GEMM layout policy of the layers (gemm.cpp): "auto" (default, or CKPT_EXT_CPU_GEMM_LAYOUT):
 // reduced-precision products on CPU run in a fast operand layout where ATen's GEMM has slow ones (no
