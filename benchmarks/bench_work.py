@@ -384,22 +384,26 @@ def _cuda_like():
         _C.cpu_gemm_layout(old_layout)
 
 
-def trace(family: str, mode: str, variant: str, layers: int, batch: int, seq: Optional[int] = None,
-          model_fn=None) -> List[Op]:
-    """The ops of one training step (see the module's docstring). `model_fn(layers)` -> (model, vocab, seq)
-    replaces the Hugging Face configs (the tests' tiny models)."""
+def _model_and_ids(family: str, mode: str, variant: str, layers: int, batch: int, seq: Optional[int], model_fn):
+    """The model of a traced step, set up as `variant` in `mode`'s dtype, and its input ids (seed 0)."""
     torch.manual_seed(0)
     if model_fn is None:
         m, cfg, s = _build(family, layers, attn_dropout=0.0)
         vocab = cfg.vocab_size
     else:
         m, vocab, s = model_fn(layers)
-    s = seq or s
     m = m.train()
     if mode == "bf16":
         m = m.to(torch.bfloat16)
     _setup(m, variant)
-    ids = torch.randint(0, vocab, (batch, s))
+    return m, torch.randint(0, vocab, (batch, seq or s))
+
+
+def trace(family: str, mode: str, variant: str, layers: int, batch: int, seq: Optional[int] = None,
+          model_fn=None) -> List[Op]:
+    """The ops of one training step (see the module's docstring). `model_fn(layers)` -> (model, vocab, seq)
+    replaces the Hugging Face configs (the tests' tiny models)."""
+    m, ids = _model_and_ids(family, mode, variant, layers, batch, seq, model_fn)
     work = WorkMode()
     _ACTIVE.append(work)
     with _cuda_like(), work, contextlib.ExitStack() as stack:
@@ -433,17 +437,7 @@ def peak_live_bytes(family: str, mode: str, variant: str, layers: int, batch: in
             if self.peak > before:
                 self.at_peak = dict(collections.Counter(e[0] for e in self.live.values()))
             return out
-    torch.manual_seed(0)
-    if model_fn is None:
-        m, cfg, s = _build(family, layers, attn_dropout=0.0)
-        vocab = cfg.vocab_size
-    else:
-        m, vocab, s = model_fn(layers)
-    m = m.train()
-    if mode == "bf16":
-        m = m.to(torch.bfloat16)
-    _setup(m, variant)
-    ids = torch.randint(0, vocab, (batch, s))
+    m, ids = _model_and_ids(family, mode, variant, layers, batch, None, model_fn)
     for _ in range(steps):
         m.zero_grad(set_to_none=True)
         work, live = WorkMode(), Peak()
