@@ -10,6 +10,12 @@ time, the same table for a machine without a GPU). Variants: none (Hugging Face 
     python benchmarks/bench_profile.py                          # CUDA: BERT-large s512 b32 and Llama s2048 b4, bf16
     python benchmarks/bench_profile.py --models llama --top 40
     python benchmarks/bench_profile.py --tiny                   # CPU: the same families, tiny (2 layers, hidden 64)
+    python benchmarks/bench_profile.py --models bert-large --variants hf-torch-nonreentrant,ckpt_ext-fused \
+        --memory hf-torch-nonreentrant,ckpt_ext-fused           # CUDA: also what is live at each step's peak
+
+--memory VARIANTS: after its profiled step, one more step of each of those variants with the allocator's history
+recorded (peak_snapshot.py): the step's peak, the blocks live at it grouped by the line that allocated them, the
+largest blocks. CUDA only (on CPU the rows say so).
 """
 import argparse
 import sys
@@ -18,6 +24,7 @@ from typing import List
 
 import torch
 
+import peak_snapshot
 from common import Timer, add_output_args, env_info, env_line, finish_env, free_memory, output_dir, short_error, write_results
 from variants import MODELS, ModelSpec, Workload, make_variant
 
@@ -35,8 +42,9 @@ def _self_time_us(evt, cuda: bool) -> float:
     return float(evt.self_cpu_time_total)
 
 
-def profile_variant(workload: Workload, name: str, batch: int, warmup: int, top: int) -> dict:
-    """Step time and the top kernels (or ops) of one profiled step of variant `name`."""
+def profile_variant(workload: Workload, name: str, batch: int, warmup: int, top: int, memory: bool = False) -> dict:
+    """Step time and the top kernels (or ops) of one profiled step of variant `name`; with `memory`, what is
+    live at the peak of one more step (CUDA)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -65,6 +73,9 @@ def profile_variant(workload: Workload, name: str, batch: int, warmup: int, top:
              "share": _self_time_us(e, cuda) / total if total else None,
              "of_step": _self_time_us(e, cuda) / 1e3 / row["step_ms"] if row["step_ms"] else None}
             for e in events[:top]])
+        if memory:
+            row["memory"] = (peak_snapshot.record_step(lambda: workload.step(variant, model, batch), device) if cuda
+                             else "the allocator's history is CUDA only")
     except Exception as e:
         row["status"] = f"error: {short_error(e)}"
     finally:
@@ -95,6 +106,11 @@ def to_markdown(info: dict, runs: List[dict], cfg: dict) -> str:
                 name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
                 of_step = f"{k['of_step']:.1%}" if k["of_step"] is not None else "-"
                 lines.append(f"| {i} | `{name}` | {k['calls']} | {k['self_ms']:.3f} | {k['share']:.1%} | {of_step} |")
+            mem = r.get("memory")
+            if mem is not None:
+                lines += ["", "### At the memory peak of one step", ""]
+                lines += ([f"not recorded: {mem}"] if isinstance(mem, str) else
+                          peak_snapshot.to_markdown_lines(r["variant"], mem))
     return "\n".join(lines) + "\n"
 
 
@@ -106,6 +122,7 @@ def main(argv=None) -> dict:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list (default {', '.join(VARIANTS)})")
     p.add_argument("--top", type=int, default=25, help="kernels listed per run (default 25)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed and the profiled one")
+    p.add_argument("--memory", default="", help="comma list of variants whose step peak is also recorded (CUDA)")
     p.add_argument("--tiny", action="store_true", help="tiny models (2 layers, hidden 64, seq 32, batch 2, fp32)")
     add_output_args(p)
     args = p.parse_args(argv)
@@ -113,11 +130,14 @@ def main(argv=None) -> dict:
     if not names or any(m not in CONFIGS for m in names):
         p.error(f"--models: choose from {', '.join(CONFIGS)}")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    memory = [v.strip() for v in args.memory.split(",") if v.strip()]
+    if any(v not in variants for v in memory):
+        p.error("--memory: every variant named must also be in --variants")
     if args.top < 1 or args.warmup < 0:
         p.error("--top must be at least 1 and --warmup at least 0")
     device = torch.device(args.device)
     info = env_info(device)
-    cfg = {"models": names, "variants": variants, "top": args.top, "warmup": args.warmup, "tiny": args.tiny,
+    cfg = {"models": names, "variants": variants, "memory": memory, "top": args.top, "warmup": args.warmup, "tiny": args.tiny,
            "argv": list(sys.argv[1:] if argv is None else argv)}
     out = output_dir(args, info)
     runs: List[dict] = []
@@ -131,7 +151,7 @@ def main(argv=None) -> dict:
             run = {"config": name, "model": spec.describe(), "batch": batch, "mode": mode, "rows": []}
             runs.append(run)
             for v in variants:  # written after each variant: a run cut off keeps what finished
-                run["rows"].append(profile_variant(workload, v, batch, args.warmup, args.top))
+                run["rows"].append(profile_variant(workload, v, batch, args.warmup, args.top, memory=v in memory))
                 write_results(out, "profile", result, to_markdown(info, runs, cfg))
         del workload
         free_memory(device)

@@ -488,3 +488,58 @@ def test_bench_profile_smoke(tmp_path):
         assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
         assert all(k["calls"] >= 1 and k["of_step"] is not None for k in r["kernels"])
     assert "| # | kernel | calls | self ms | share | of step |" in (tmp_path / "profile.md").read_text()
+
+
+def test_bench_profile_memory_option_on_cpu(tmp_path):
+    """--memory on CPU: the row says the allocator's history is CUDA only (no figure made up); a variant not
+    profiled is refused."""
+    import bench_profile
+    result = bench_profile.main(["--tiny", "--device", "cpu", "--models", "bert-large", "--variants", "none",
+                                 "--memory", "none", "--top", "3", "--warmup", "0", "--out", str(tmp_path)])
+    row = result["runs"][0]["rows"][0]
+    assert row["status"] == "ok" and row["memory"] == "the allocator's history is CUDA only"
+    assert "not recorded: the allocator's history is CUDA only" in (tmp_path / "profile.md").read_text()
+    with pytest.raises(SystemExit):
+        bench_profile.main(["--tiny", "--device", "cpu", "--variants", "none", "--memory", "fused",
+                            "--out", str(tmp_path)])
+
+
+def _frames(*files):
+    return [{"filename": f, "line": i + 1, "name": "f"} for i, f in enumerate(files)]
+
+
+def test_peak_from_trace_replays_the_allocator_trace():
+    """peak_snapshot.peak_from_trace: the running total's maximum (plus what was allocated before), the blocks
+    live at that moment grouped by the first frame outside torch, frees at free_completed when the trace has
+    them, segments mapped at the peak."""
+    import peak_snapshot
+    torch_f = "/x/site-packages/torch/nn/functional.py"
+    a = _frames(torch_f, "/x/site-packages/transformers/models/bert/modeling_bert.py")
+    b = _frames("/r/ckpt_ext/fused.py")
+    trace = [
+        {"action": "segment_alloc", "addr": 0, "size": 4096},
+        {"action": "alloc", "addr": 1, "size": 1024, "frames": a},
+        {"action": "alloc", "addr": 2, "size": 2048, "frames": b},
+        {"action": "free_requested", "addr": 1, "size": 1024},  # not yet completed: still counted
+        {"action": "alloc", "addr": 3, "size": 512, "frames": a},  # the peak: 1024 + 2048 + 512
+        {"action": "free_completed", "addr": 1, "size": 1024},
+        {"action": "free_completed", "addr": 2, "size": 2048},
+        {"action": "alloc", "addr": 4, "size": 3000, "frames": b},  # 512 + 3000 < 3584
+        {"action": "segment_free", "addr": 0, "size": 4096},
+    ]
+    r = peak_snapshot.peak_from_trace(trace, base=100)
+    assert r["peak_bytes"] == 100 + 3584 and r["live_at_peak"] == 3584 and r["at_event"] == 4
+    assert r["reserved_at_peak"] == 4096 and r["events"] == len(trace)
+    assert [(g["site"], g["bytes"], g["blocks"]) for g in r["groups"]] == [
+        ("ckpt_ext/fused.py:1 (f)", 2048, 1), ("bert/modeling_bert.py:2 (f)", 1536, 2)]
+    assert [x["bytes"] for x in r["largest"]] == [2048, 1024, 512]
+    # Without completions, a free counts at its request: 3072 after blocks 1 and 2, 2560 once 1 went and 3
+    # came, 512 once 2 went, then 3512 with block 4: the peak.
+    plain = [e for e in trace if e["action"] != "free_completed"]
+    plain.insert(5, {"action": "free_requested", "addr": 2, "size": 2048})
+    r2 = peak_snapshot.peak_from_trace(plain)
+    assert r2["peak_bytes"] == 3512 and r2["at_event"] == 6 and r2["reserved_at_peak"] == 4096
+    assert peak_snapshot.peak_from_trace([])["peak_bytes"] == 0
+    assert peak_snapshot.site(None) == "?" and peak_snapshot.site(_frames(torch_f)) == "nn/functional.py:1 (f)"
+    lines = peak_snapshot.to_markdown_lines("ckpt_ext-fused", dict(r, max_allocated_bytes=3684))
+    assert "| `ckpt_ext/fused.py:1 (f)` | 0.0 | 1 |" in lines
