@@ -35,6 +35,9 @@ def test_dry_run_writes_the_summary_and_the_tarball(tmp_path):
     for key, (title, *_rest) in gpu_report.SECTIONS.items():
         assert f"| {key}. {title} | " in summary, key
     assert "not run yet" not in summary
+    # f: what transformers hands SDPA under compile, next to the compile timings; d: the memory peak is CUDA only.
+    assert "What SDPA receives (tools/repro_compile_mask.py):" in summary and "  bert  compiled no mask" in summary
+    assert "memory peak not recorded: the allocator's history is CUDA only" in summary
     with tarfile.open(out / "gpu-report.tar.gz") as tar:
         names = set(tar.getnames())
     assert {"gpu-report/report.json", "gpu-report/summary.md", "gpu-report/b/pytest.log"} <= names
@@ -62,6 +65,23 @@ def test_sections_share_what_is_left(tmp_path, monkeypatch):
     rest = sum(estimate(k, False) for k in "efghij")
     assert rep.allot("e") == pytest.approx(100.0 * estimate("e", False) / rest)
     assert rep.allot("j") == pytest.approx(min(budget("j", False), 100.0))  # the last takes what is left
+
+
+def test_carried_wheels_are_unpacked_for_the_commands(tmp_path):
+    """.yardsticks/wheels/*.whl (pure-Python packages carried to the offline GPU machine): each unpacked into its own
+    folder, importable by the sections' commands; a file that is not a wheel is reported and left out."""
+    import zipfile
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "carried_pkg-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("carried_pkg/__init__.py", "VALUE = 42\n")
+    (wheels / "broken-1.0-py3-none-any.whl").write_text("not a zip")
+    paths = gpu_report.unpack_wheels(str(wheels), str(tmp_path / "deps"))
+    assert [os.path.basename(p) for p in paths] == ["carried_pkg-1.0-py3-none-any"]
+    out = subprocess.run([sys.executable, "-c", "import carried_pkg; print(carried_pkg.VALUE)"],
+                         env=dict(os.environ, PYTHONPATH=paths[0]), capture_output=True, text=True)
+    assert out.stdout.strip() == "42", out.stderr
+    assert gpu_report.unpack_wheels(str(tmp_path / "none"), str(tmp_path / "deps2")) == []
 
 
 def test_work_folder_that_is_not_a_report_is_not_emptied(tmp_path):

@@ -92,6 +92,24 @@ NOT_MEASURED = [
 
 
 # ---------------------------------------------------------------------------------------------- the run
+def unpack_wheels(folder: str, into: str) -> List[str]:
+    """Pure-Python wheels carried to the GPU machine (no network there; e.g. Liger-Kernel for section j's comparison:
+    `pip download liger-kernel --no-deps -d .yardsticks/wheels` before the call): each unpacked into its own folder
+    under `into`, returned for the commands' PYTHONPATH (after this checkout, before the environment's own)."""
+    import zipfile
+    paths = []
+    for whl in sorted(glob.glob(os.path.join(folder, "*.whl"))):
+        dest = os.path.join(into, os.path.basename(whl)[:-4])
+        try:
+            with zipfile.ZipFile(whl) as z:
+                z.extractall(dest)
+        except (OSError, zipfile.BadZipFile) as e:
+            print(f"gpu_report: carried wheel {whl} not usable: {e}", file=sys.stderr)
+            continue
+        paths.append(dest)
+    return paths
+
+
 class Report:
     def __init__(self, out: str, dry_run: bool, limit: float, python: str, sections: List[str],
                  work: Optional[str] = None):
@@ -111,6 +129,8 @@ class Report:
         shutil.rmtree(self.work, ignore_errors=True)
         os.makedirs(self.work)
         os.makedirs(out, exist_ok=True)
+        self.pydeps = unpack_wheels(os.path.join(REPO, ".yardsticks", "wheels"), os.path.join(self.work, "pydeps"))
+        self.env["carried_wheels"] = [os.path.basename(p) for p in self.pydeps]
 
     # -- time
     def left(self) -> float:
@@ -137,7 +157,7 @@ class Report:
         at the timeout. Returns rc (None when killed), seconds, timed_out, the log's path."""
         log = os.path.join(self.section_dir(key), name + ".log")
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(  # this checkout's ckpt_ext
-            [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+            [REPO] + self.pydeps + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         full_env.update(env or {})
         t0 = time.monotonic()
         rec = {"name": name, "argv": argv, "cwd": os.path.relpath(cwd, REPO), "log": os.path.relpath(log, self.work),
@@ -698,9 +718,19 @@ def section_f(rep: Report, limit: float) -> dict:
             rep.target("35", what, None, 0.9 if "HF" in what else (1.0 if "eager" in what else 0),
                        note="benchmarks/bench_compile.py absent")
         return {"status": "skipped", "line": "section skipped: benchmarks/bench_compile.py absent", "commands": []}
+    clock = Clock(limit)
+    # What transformers hands SDPA under compile (a tiny CPU model, seconds): a mask materialized only when compiled
+    # keeps the GPU's attention off its flash kernel (docs/compile.md). Read next to the timings below.
+    mask = rep.py("f", "repro_compile_mask", [os.path.join(REPO, "tools", "repro_compile_mask.py")],
+                  min(30.0, clock.left() * 0.2))
+    try:
+        with open(os.path.join(rep.work, mask["log"])) as fh:
+            mask_lines = [ln.rstrip() for ln in fh if ln.startswith(("transformers ", "  bert", "  llama"))]
+    except OSError:
+        mask_lines = []
     out = os.path.join(rep.section_dir("f"), "compile")
     args = ["bench_compile.py", "--out", out] + (["--tiny"] if rep.dry_run else ["--layers", "6"])
-    rec = rep.py("f", "bench_compile", args, limit, cwd=BENCH)
+    rec = rep.py("f", "bench_compile", args, clock.left(), cwd=BENCH)
     table = {}
     for path in sorted(glob.glob(os.path.join(out, "**", "*.json"), recursive=True)):
         try:
@@ -739,11 +769,12 @@ def section_f(rep: Report, limit: float) -> dict:
         lines.append(f"| {VARIANT_LABELS.get(v, v)} | {how} | {fmt(r['compile_s'])} | {fmt(r['median_ms'], '{:.2f}')} | "
                      f"{fmt(r['graph_breaks'], '{:.0f}')} | {fmt(r['unique_graphs'], '{:.0f}')} | "
                      f"{fmt(r['recompiles'], '{:.0f}')} |")
-    rep.extra["f"] = lines
+    rep.extra["f"] = lines + (["", "What SDPA receives (tools/repro_compile_mask.py):", "```"] + mask_lines + ["```"]
+                              if mask_lines else ["", "tools/repro_compile_mask.py printed nothing (see f/ in the tarball)"])
     line = (f"{len(table)} variant rows read" + (f"; compiled fuse + ckpt {cf:.1f} ms vs compiled HF + torch ckpt "
                                                   f"{ch:.1f} ms" if cf and ch else "")
             if table else "bench_compile.py ran but the report read no rows from its JSON (see f/ in the tarball)")
-    return {"status": _cmd_status([rec]) if table else "failed", "line": line, "commands": [rec]}
+    return {"status": _cmd_status([rec]) if table else "failed", "line": line, "commands": [mask, rec]}
 
 
 def _suite_rows(pattern: str) -> Dict[str, dict]:
@@ -934,7 +965,8 @@ def render_summary(rep: Report, state: dict) -> str:
     lines = [f"# GPU report: {mode}", "",
              f"{env.get('date')}; commit {env.get('commit', '?')}; torch {env.get('torch', '?')} (CUDA "
              f"{env.get('cuda')}), transformers {env.get('transformers', '?')}, Python {env.get('python', '?')}, "
-             f"{env.get('cpu_count', '?')} cores; {state['elapsed_s']:.0f} s of the {state['limit_s']:.0f} s limit.",
+             f"{env.get('cpu_count', '?')} cores; {state['elapsed_s']:.0f} s of the {state['limit_s']:.0f} s limit"
+             f"{'; carried wheels: ' + ', '.join(env['carried_wheels']) if env.get('carried_wheels') else ''}.",
              "", "Everything else (logs, JSON, tables, profiles) is in `gpu-report.tar.gz`.", "",
              "## Targets of the open issues", "", "| issue | target | figure | goal | verdict | note |",
              "|---|---|---|---|---|---|"]

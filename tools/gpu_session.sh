@@ -3,6 +3,9 @@
 # timeout_s=600 and carry .yardsticks), from a clean checkout with the image's default environment:
 #
 #   mkdir -p .yardsticks && cp ../shared/gpu/*.py .yardsticks/    # here, before the call
+#   pip download liger-kernel --no-deps -d .yardsticks/wheels       # optional: section j's Liger comparison (the
+#                                                                   # GPU machine has no network; pure-Python wheels
+#                                                                   # there are unpacked onto the commands' path)
 #   bash tools/gpu_session.sh report
 #
 # tools/gpu_report.py: build, the CUDA tests, the yardsticks, profiles, kernel bandwidth, compile, the 16 GiB cap
