@@ -132,6 +132,49 @@ def test_replay_skips_the_last_linear(family):
     assert weight.grad is not None
 
 
+def _allocator_events(fn):
+    """(ptr, bytes: + allocated / - freed, the op that allocated it) of the CPU allocator while fn() runs."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            op = e.parent
+            while op is not None and op.name.startswith(("aten::empty", "aten::zeros", "aten::resize")):
+                op = op.parent
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size, op.name if op else ""))
+    return [ev[1:] for ev in sorted(events, key=lambda ev: ev[0])]
+
+
+def test_replayed_output_is_freed_before_the_layer_backward():
+    """BERT's replay runs its last layer whole; the layer's output (its last norm's, which the norm's backward
+    does not read: it saves the pre-norm sum) is only the root of the inner backward, and its memory goes back
+    before that backward runs (as torch's engine lets an unsaved recomputed output go), not after the whole
+    layer's backward: one [tokens, hidden] tensor less at the segment's peak."""
+    model, ck = _checkpointed_pair("bert", every=1, layers=1, dropout=0.0)
+    out = ck(**inputs_for("bert", padding=False)).last_hidden_state
+    row_bytes = out.numel() * out.element_size()
+    events = _allocator_events(lambda: out.backward(torch.ones_like(out)))
+    norm = [k for k, (_, size, op) in enumerate(events) if size == row_bytes and op == "ckpt_ext::bias_dropout_add_layer_norm"]
+    first_bwd = next(k for k, (_, size, op) in enumerate(events) if size > 0 and
+                     op == "ckpt_ext::bias_dropout_add_layer_norm_backward")
+    assert len(norm) == 4  # the replay's two norms, each writing its output and its pre-norm sum
+    freed_at = {}
+    for k, (ptr, size, _) in enumerate(events):
+        if size < 0:
+            for a in norm:
+                if events[a][0] == ptr and a < k and a not in freed_at:
+                    freed_at[a] = k
+                    break
+    # The second norm's output is freed before the first norm backward allocates; its pre-norm sum (saved) after.
+    assert sorted(freed_at.get(a, len(events)) < first_bwd for a in norm[2:]) == [False, True], (norm, freed_at, first_bwd)
+    assert all(freed_at.get(a, len(events)) > first_bwd for a in norm[:2])
+
+
 def test_hugging_face_gradient_checkpointing_uses_the_segment_function():
     model, _ = _checkpointed_pair("gpt2", every=1, layers=2)
     hf_ck = copy.deepcopy(model)

@@ -136,6 +136,19 @@ at::Tensor run_forward(SegmentState& st, const at::Tensor& hidden) {
   return h;
 }
 
+// A root of the replay's autograd::grad whose values nobody reads: the engine needs its gradient edge and
+// metadata only, and the op that made it saved its inputs, not it (BERT's last norm saves the pre-norm sum).
+// Its memory goes back before the backward runs, as torch's engine lets a recomputed output go that nothing
+// saved; otherwise the replayed layer output (a [tokens, hidden] tensor) would be held through the whole
+// layer's backward. Only where this tensor is the storage's one user and nothing else holds the tensor (a
+// saved output, a view, a tensor kept elsewhere keep theirs).
+void release_unread_root(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || t.use_count() != 1 || t.storage().use_count() != 1) return;
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  s->set_nbytes(0);
+}
+
 // The backward of a segment: replays it from its input `saved` and returns {grad of hidden, grad of each
 // of st.params} (undefined where not needed). The replay starts from a detached input and detached
 // aliases of the parameters, so its graph ends here: neither the caller's inputs nor the parameters'
@@ -162,6 +175,7 @@ variable_list replay_grads(const SegmentState& st, const at::Tensor& saved, cons
     target_slot.push_back(1 + j);
   }
   if (!rep.outputs.empty()) {
+    for (const auto& root : rep.outputs) release_unread_root(root);
     variable_list grads = torch::autograd::grad(rep.outputs, targets, rep.grads, /*retain_graph=*/false,
                                                 /*create_graph=*/false, /*allow_unused=*/true);
     for (size_t i = 0; i < grads.size(); ++i) result[target_slot[i]] = grads[i];
