@@ -168,24 +168,30 @@ class StackPlanner:
         self.shared.update(shared)
         attn_bytes, attn_seconds = None, 0.0
         if attention:
-            if fused:  # fused layers keep attention only (other levels fall back: LayerCost.level)
+            if fused:
+                # the times of attention and the GEMMs from the Hugging Face layer's run (the fused layer's are C++
+                # calls no function mode sees); the bytes the levels keep from the fused layer's own run
                 for _ in range(_PROBE_RUNS):
-                    spy = LevelProbe(sync, gemms=False)
+                    spy = LevelProbe(sync, gemms=gemms)
                     _measure(layer, args, kwargs, device, sync, spy, hf=True)
-                    if probe is None or spy.result()[1] < probe.result()[1]:
+                    if probe is None or _probe_seconds(spy) < _probe_seconds(probe):
+                        if probe is not None:
+                            probe.clear()
                         probe = spy
-                levels = {}
+                    else:
+                        spy.clear()
+                levels = _fused_levels(layer, args, kwargs, device, sync, probe, shared) if gemms else {}
             # a fused segment keeps them in pool slots (whole multiples of the pool's alignment)
             attn_bytes, attn_seconds, self.why[i] = probe.result(_POOL_ALIGNMENT if fused else 1)
         boundary = hidden.untyped_storage().nbytes() if hidden is not None else 0
         if hidden is not None and is_pooled(hidden):  # the output of a fused segment before: a pool slot
             boundary = -(-boundary // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
-        extra = tuple(Level(name, kept, overlap, sec, whole) for name, (kept, overlap, sec, _, whole) in levels.items()
+        extra = tuple(Level(name, v[0], v[1], v[2], v[4], v[5] if len(v) > 5 else 0) for name, v in levels.items()
                       if name != "attention")
         self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0,
                                   extra)
         # the same runs' process CPU time (the benchmarks compare it on a shared machine)
-        skipped = {name: c for name, (_, _, _, c, _) in levels.items()}
+        skipped = {name: v[3] for name, v in levels.items()}
         skipped["attention"] = probe.cpu_seconds if attn_bytes is not None else 0.0
         self.cpu_costs[i] = (cpu, skipped)
         if probe is not None:
@@ -219,6 +225,56 @@ def recompute_cpu_seconds(planner: "StackPlanner", plan: Plan) -> float:
                 fallback = "attention" if how in ("attention_inputs", "gemms_attention") else None
                 total += forward - (skipped.get(how, skipped.get(fallback, 0.0)) if how is not True else 0.0)
     return total
+
+
+def _probe_seconds(probe: LevelProbe) -> float:
+    return sum(c[2] for c in probe.calls)
+
+
+# The GEMMs of one fused layer call that the recompute levels keep (layers::KeptGemms sites), per family: their
+# number, and whether the last is the layer's last linear (its output is not kept in a segment's last layer).
+_FUSED_SITES = {"bert": (4, False), "gpt2": (4, True)}  # Llama and its relatives: (5, True)
+
+
+def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, probe: LevelProbe,
+                  shared: Dict[int, int]) -> Dict[str, tuple]:
+    """The recompute levels of fused layer `layer` as StackPlanner.probe records them: {level: (kept bytes, bytes of
+    the layer's saved tensors among them, seconds and CPU seconds its replay skips, whole, bytes not kept as the
+    last layer of a segment)}. The bytes from one run of the fused layer with its GEMMs' outputs (the 2-D
+    mm/addmm results below its linears, in call order: the q/k/v projection first) caught by a dispatch mode;
+    the times from `probe` (the Hugging Face layer's run). {} for a call with LoRA adapters (its layers keep no
+    GEMM output) or one whose GEMMs are not the family's sites."""
+    from .keep import LEVELS, _Capture, _tensors
+    from ._layout import FAMILY_NAMES
+    if layer._adapter_terms()[0] is not None:
+        return {}
+    count, last_linear = _FUSED_SITES.get(FAMILY_NAMES[layer.family], (5, True))
+    capture = _Capture(frozenset(op for op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)))
+    saved, _, _ = _measure(layer, args, kwargs, device, sync, capture)
+    outputs = [t for k in capture.kept for t in _tensors(k.outputs) if t.dim() == 2]
+    capture.kept.clear()
+    if len(outputs) != count:
+        return {}
+    sizes = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in outputs]
+    del outputs
+    saved = {p: n for p, n in saved.items() if p not in shared}
+    attn_kept, _, why = probe.result(_POOL_ALIGNMENT)
+    timed = probe.levels({})
+    out = {}
+    for level, (attention, gemms) in LEVELS.items():
+        if gemms is None or level not in timed:
+            continue
+        chosen = sizes[:1] if gemms == "before" else sizes
+        kept = sum(n for _, n in chosen)
+        overlap = sum(saved.get(p, 0) for p, _ in chosen)
+        whole = not attention or attn_kept is not None
+        if attention and attn_kept is not None:
+            kept += attn_kept
+            overlap += attn_kept  # (the fused layer saves its attention's output and LSE, as LayerCost.level counts)
+        tail = sizes[-1][1] if gemms == "all" and last_linear else 0
+        _, _, seconds, cpu, _ = timed[level]
+        out[level] = (kept, overlap, seconds, cpu, whole, tail)
+    return out
 
 
 def _measure(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, spy, hf: bool = False):
