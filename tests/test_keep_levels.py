@@ -369,15 +369,17 @@ def _all_plans(costs, hows, strict):
 
 def _level_layer(a, b, c, attn, extra):
     att = None if attn is None else min(attn, a)
-    levels = tuple(Level(name, k, min(o, a), float(min(sk, c)), whole)
-                   for name, (k, o, sk, whole) in zip(NEW, extra) if k is not None)
+    # tail: the bytes a fused layer does not keep as the last of its segment (Level.tail_bytes)
+    levels = tuple(Level(name, k, min(o, a), float(min(sk, c)), whole, min(tail, k))
+                   for name, (k, o, sk, whole, tail) in zip(NEW, extra) if k is not None)
     return LayerCost(a, b, float(c), att, float(min(c, 5)) if att is not None else 0.0, levels)
 
 
 level_layer = st.builds(_level_layer, st.integers(0, 1000), st.integers(0, 200), st.integers(0, 40),
                         st.none() | st.integers(0, 100),
                         st.lists(st.tuples(st.none() | st.integers(0, 600), st.integers(0, 600), st.integers(0, 40),
-                                           st.booleans()), min_size=3, max_size=3))
+                                           st.booleans(), st.sampled_from([0, 0, 50, 200])),
+                                 min_size=3, max_size=3))
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
@@ -398,6 +400,19 @@ def test_levels_match_brute_force(costs, frac, keep):
     assert all(how is False or how in hows for *_, how in plan.segments)
     assert plan_chain(costs, None, keep=keep).need_bytes == least
     plan.describe()
+
+
+def test_tail_bytes_only_for_a_segments_last_layer():
+    """Level.tail_bytes: of a level's kept bytes, what the layer does not keep as the last of its segment (a fused
+    layer's last-linear output): a segment holds every layer's kept bytes but its last layer's tail."""
+    layer = LayerCost(1000, 100, 10.0, 50, 2.0, (Level("gemms", 400, 300, 6.0, True, 80),))
+    costs = [layer] * 3
+    assert segment_bytes(costs, 0, 3, "gemms") == (100 + 3 * 400 - 80, 3 * (1000 - 300))
+    assert segment_bytes(costs, 0, 1, "gemms") == (100 + 400 - 80, 700)
+    plan = _finish(costs, [(0, 2, "gemms"), (2, 3, "gemms")], None)
+    assert plan.held_bytes == (100 + 800 - 80) + (100 + 400 - 80)
+    with pytest.raises(ValueError, match="non-negative"):
+        plan_chain([LayerCost(1000, 100, 10.0, 50, 2.0, (Level("gemms", 40, 30, 6.0, True, 80),))], None)
 
 
 def test_level_accounting_and_fallback():
