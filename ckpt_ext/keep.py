@@ -256,6 +256,11 @@ def _warn_once(key, message: str):
     warnings.warn(message, stacklevel=user_stacklevel())
 
 
+def warn_once(key, message: str):
+    """One warning per `key` in this process (keep's and the fused levels' notices)."""
+    _warn_once(key, message)
+
+
 def warn_not_kept(name: str, reason: str, keep: str = "attention"):
     """keep='attention''s (and the other levels keeping attention) one warning per reason a layer keeps no attention
     output (plain and fused layers): names the first such layer; explain() lists them all."""

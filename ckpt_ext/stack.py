@@ -17,7 +17,8 @@ from ._compiler import traced_under_compile
 from ._discovery import _ATOMS, _add_module, _check_fsdp_units, _Found, _fsdp_unit_class
 from .checkpoint import _checkpoint
 from .fused import FusedTransformerLayer, run_segment
-from .keep import KEEP_VALUES, KeepLevel, check_keep, compiled_fused_level, fused_level, keeps_attention, keeps_gemms
+from .keep import (KEEP_VALUES, KeepLevel, check_keep, compiled_fused_level, fused_level, keeps_attention, keeps_gemms,
+                   warn_once)
 from .hf.versions import check_versions
 from .hf.cache import drop_cache, remember_signature
 from .hf.layers import attention_implementation
@@ -189,8 +190,11 @@ class _Group:
         keep, gemms = keeps_attention(self.keep), keeps_gemms(self.keep)
         if (keep or gemms is not None) and torch.compiler.is_compiling():
             # The ckpt_ext::fused_segment operator keeps only its input: a level keeping GEMM outputs runs as
-            # "boundaries" there (compiled_fused_level; explain() says so), keep="attention" alone is refused
-            # (run_segment) unless the planner chose it in eager steps (less memory than planned; the same gradients).
+            # "boundaries" there (warned once while Dynamo traces; explain() says so), keep="attention" alone is
+            # refused (run_segment) unless the planner chose it in eager steps (less memory than planned; the same
+            # gradients).
+            if gemms is not None:
+                _compiled_level_fallback(self.keep)
             if gemms is not None or (self.planner is not None and self.planner.keep == "auto"):
                 keep, gemms = False, None
         hidden = layer_args[0] if layer_args and isinstance(layer_args[0], torch.Tensor) else None
@@ -312,6 +316,22 @@ class _Group:
                         "before).")
                 raise
         return out
+
+
+def _compiled_level_fallback(keep: str) -> str:
+    """Under torch.compile a fused segment at keep level `keep` (one keeping GEMM outputs) runs as the level the
+    ``ckpt_ext::fused_segment`` operator keeps (keep.compiled_fused_level: "boundaries"): warns once. Dynamo calls it
+    while tracing (a constant result, no graph break), so the warning comes at compile time."""
+    level = compiled_fused_level(keep)
+    warn_once(("compiled fused level", keep),
+              f"ckpt_ext keep={keep!r}: under torch.compile a checkpointed group of fused layers is the "
+              f"ckpt_ext::fused_segment operator, which keeps only its input, so these groups run as keep={level!r} "
+              "there (the GEMM outputs and attention are recomputed in backward: more recompute and less memory than "
+              "the level; the same gradients). Run the step eagerly to keep them. ckpt_ext.explain(model) says so too.")
+    return level
+
+
+_compiled_level_fallback._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets
 
 
 def _layer_name(stack: str, i: int, layer: nn.Module) -> str:

@@ -254,3 +254,40 @@ def test_cuda_levels_bit_identical(family, keep, dtype):
     plain = step(model)
     _assert_same(step(_segments(copy.deepcopy(model), 2, "boundaries")), plain)
     _assert_same(step(_segments(copy.deepcopy(model), 2, keep)), plain)
+
+
+@pytest.mark.parametrize("keep", ["gemms", "gemms_attention"])
+def test_compiled_fused_levels_run_as_boundaries_with_one_warning(keep):
+    """Under torch.compile a fused group is the ckpt_ext::fused_segment operator (keeps only its input): a level
+    keeping GEMM outputs runs as keep="boundaries" there, warned once (at trace time: no graph break), never fails
+    the step; gradients as the eager step's; explain() says so."""
+    from torch._dynamo.utils import counters
+    import ckpt_ext.keep as keep_mod
+    torch._dynamo.reset()
+    keep_mod._warned.discard(("compiled fused level", keep))
+    family = "llama"
+    model = fuse(make_model(family, layers=2, **_dropout(family, 0.0))).train()
+    eager = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ckpt_ext.enable_checkpointing(model, every=2, keep=keep)
+        ckpt_ext.enable_checkpointing(eager, every=2, keep=keep)
+    kw = inputs_for(family, padding=False)
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(3)
+            compiled(**kw).last_hidden_state.sum().backward()
+    notices = [w for w in seen if "runs as keep='boundaries'" in str(w.message) or
+               "run as keep='boundaries'" in str(w.message)]
+    assert len(notices) == 1, [str(w.message) for w in seen]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch.manual_seed(3)
+    eager(**kw).last_hidden_state.sum().backward()
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert "runs as keep='boundaries' there" in ckpt_ext.explain(model)
+    torch._dynamo.reset()
