@@ -8,6 +8,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .fused import FusedTransformerLayer
 from .keep import LevelProbe, keeps_gemms
@@ -169,10 +170,10 @@ class StackPlanner:
         attn_bytes, attn_seconds = None, 0.0
         if attention:
             if fused:
-                # the times of attention and the GEMMs from the Hugging Face layer's run (the fused layer's are C++
-                # calls no function mode sees); the bytes the levels keep from the fused layer's own run
+                # the attention's time from the Hugging Face layer's run (the fused layer's is a C++ call no function
+                # mode sees); the levels' GEMM bytes and times from runs of the fused layer itself (_fused_levels)
                 for _ in range(_PROBE_RUNS):
-                    spy = LevelProbe(sync, gemms=gemms)
+                    spy = LevelProbe(sync, gemms=False)
                     _measure(layer, args, kwargs, device, sync, spy, hf=True)
                     if probe is None or _probe_seconds(spy) < _probe_seconds(probe):
                         if probe is not None:
@@ -236,43 +237,73 @@ def _probe_seconds(probe: LevelProbe) -> float:
 _FUSED_SITES = {"bert": (4, False), "gpt2": (4, True)}  # Llama and its relatives: (5, True)
 
 
+class _FusedGemms(TorchDispatchMode):
+    """One run of a fused layer: the 2-D mm/addmm calls below its linears (the GEMM sites of the recompute levels, in
+    call order), each call's output storage (address, bytes; held until the run's saved tensors are matched against
+    them), its seconds and its process CPU seconds (the kernel alone: the time is taken around the call)."""
+
+    _OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+    def __init__(self, sync):
+        super().__init__()
+        self.sync = sync or (lambda: None)
+        self.calls: List[Tuple[torch.UntypedStorage, float, float]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self._OPS:
+            return func(*args, **(kwargs or {}))
+        self.sync()
+        start, cpu = time.perf_counter(), time.process_time()
+        out = func(*args, **(kwargs or {}))
+        self.sync()
+        self.calls.append((out.untyped_storage(), time.perf_counter() - start, time.process_time() - cpu))
+        return out
+
+
 def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, probe: LevelProbe,
                   shared: Dict[int, int]) -> Dict[str, tuple]:
     """The recompute levels of fused layer `layer` as StackPlanner.probe records them: {level: (kept bytes, bytes of
     the layer's saved tensors among them, seconds and CPU seconds its replay skips, whole, bytes not kept as the
-    last layer of a segment)}. The bytes from one run of the fused layer with its GEMMs' outputs (the 2-D
-    mm/addmm results below its linears, in call order: the q/k/v projection first) caught by a dispatch mode;
-    the times from `probe` (the Hugging Face layer's run). {} for a call with LoRA adapters (its layers keep no
-    GEMM output) or one whose GEMMs are not the family's sites."""
-    from .keep import LEVELS, _Capture, _tensors
+    last layer of a segment)}. The GEMMs' bytes and times from runs of the fused layer itself (its GEMMs' outputs
+    caught by a dispatch mode, in call order: the q/k/v projection first; the faster run's times), the attention's
+    from `probe` (the Hugging Face layer's SDPA, the kernel the fused layer calls). {} for a call with LoRA adapters
+    (its layers keep no GEMM output) or one whose GEMMs are not the family's sites."""
+    from .keep import LEVELS
     from ._layout import FAMILY_NAMES
     if layer._adapter_terms()[0] is not None:
         return {}
     count, last_linear = _FUSED_SITES.get(FAMILY_NAMES[layer.family], (5, True))
-    capture = _Capture(frozenset(op for op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)))
-    saved, _, _ = _measure(layer, args, kwargs, device, sync, capture)
-    outputs = [t for k in capture.kept for t in _tensors(k.outputs) if t.dim() == 2]
-    capture.kept.clear()
-    if len(outputs) != count:
-        return {}
-    sizes = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in outputs]
-    del outputs
-    saved = {p: n for p, n in saved.items() if p not in shared}
-    attn_kept, _, why = probe.result(_POOL_ALIGNMENT)
-    timed = probe.levels({})
+    best = None
+    for _ in range(_PROBE_RUNS):
+        gemms = _FusedGemms(sync)
+        saved, _, _ = _measure(layer, args, kwargs, device, sync, gemms)
+        if len(gemms.calls) != count:
+            return {}
+        sites = [(st.data_ptr(), st.nbytes(), sec, cpu) for st, sec, cpu in gemms.calls]
+        saved = {p: n for p, n in saved.items() if p not in shared}
+        overlaps = [saved.get(ptr, 0) for ptr, *_ in sites]
+        gemms.calls.clear()
+        if best is None or sum(x[2] for x in sites) < sum(x[2] for x in best[0]):
+            best = (sites, overlaps)
+    sites, overlaps = best
+    attn_kept, attn_seconds, _ = probe.result(_POOL_ALIGNMENT)
+    attn_cpu = probe.cpu_seconds if attn_kept is not None else 0.0
     out = {}
     for level, (attention, gemms) in LEVELS.items():
-        if gemms is None or level not in timed:
+        if gemms is None:
             continue
-        chosen = sizes[:1] if gemms == "before" else sizes
-        kept = sum(n for _, n in chosen)
-        overlap = sum(saved.get(p, 0) for p, _ in chosen)
+        n = 1 if gemms == "before" else len(sites)
+        kept = sum(x[1] for x in sites[:n])
+        overlap = sum(overlaps[:n])
+        seconds = sum(x[2] for x in sites[:n])
+        cpu = sum(x[3] for x in sites[:n])
         whole = not attention or attn_kept is not None
         if attention and attn_kept is not None:
             kept += attn_kept
             overlap += attn_kept  # (the fused layer saves its attention's output and LSE, as LayerCost.level counts)
-        tail = sizes[-1][1] if gemms == "all" and last_linear else 0
-        _, _, seconds, cpu, _ = timed[level]
+            seconds += attn_seconds
+            cpu += attn_cpu
+        tail = sites[-1][1] if gemms == "all" and last_linear else 0
         out[level] = (kept, overlap, seconds, cpu, whole, tail)
     return out
 
