@@ -188,7 +188,7 @@ class _Group:
         # Every level runs in C++ (fused_level): the attention's output and LSE in pool slots, the GEMM outputs held
         # by the segment's node.
         keep, gemms = keeps_attention(self.keep), keeps_gemms(self.keep)
-        if (keep or gemms is not None) and torch.compiler.is_compiling():
+        if (keep or gemms is not None) and torch.compiler.is_compiling() and layers and is_fused_layer(layers[0]):
             # The ckpt_ext::fused_segment operator keeps only its input: a level keeping GEMM outputs runs as
             # "boundaries" there (warned once while Dynamo traces; explain() says so), keep="attention" alone is
             # refused (run_segment) unless the planner chose it in eager steps (less memory than planned; the same
