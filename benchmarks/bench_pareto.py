@@ -24,7 +24,7 @@ interleaved rounds (every variant once per round, order rotated), p20-p80 and th
 planned point the comparison is with the fastest torch policy holding no more bytes, as the median of the
 per-round ratios (both in the same round). What the planner can choose: per group of layers, kept whole, or
 checkpointed at a keep level -- boundary only, keeping attention (output + LSE), attention and the q/k/v projections
-("attention_inputs"), every GEMM output ("gemms"), or both ("gemms_attention"); fused layers keep attention only
+("attention_inputs"), every GEMM output ("gemms"), or both ("gemms_attention"); fused layers too, in C++
 (docs/keep-attention.md "Recompute levels").
 
     python benchmarks/bench_pareto.py                                   # CPU: Llama and BERT 4 x 256, s512

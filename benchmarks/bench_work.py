@@ -347,6 +347,9 @@ def _setup(m, variant: str):
     elif variant == "fused+keep":
         ckpt_ext.fuse(m)
         ckpt_ext.enable_checkpointing(m, keep="attention")
+    elif variant.startswith("fused+keep="):  # a recompute level of the fused layers ("fused+keep=gemms", ...)
+        ckpt_ext.fuse(m)
+        ckpt_ext.enable_checkpointing(m, keep=variant.split("=", 1)[1])
     elif variant == "torch-sac":
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
         keep = {aten.mm.default, aten.addmm.default, aten.bmm.default}

@@ -369,7 +369,9 @@ def _check_segment_not_capturing():
 
 
 def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_attention: bool = False,
-                names: Optional[Sequence[str]] = None, report: Optional[Callable[[int, Optional[str]], None]] = None):
+                names: Optional[Sequence[str]] = None, report: Optional[Callable[[int, Optional[str]], None]] = None,
+                gemms: Optional[str] = None,
+                report_gemms: Optional[Callable[[int, int, Optional[str]], None]] = None):
     """Runs consecutive fused layers as one C++ SegmentFunction (checkpointed: one autograd node that
     replays them in backward), calling them with the first layer's arguments as Hugging Face's stack
     does. Returns ``NotImplemented`` when the layers or the call do not allow it (not all fused layers of
@@ -382,7 +384,13 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
     kernel with a log-sum-exp (SDPA's math path, attention dropout in training on CPU, a CUDA flash head dim
     SDPA pads) keeps nothing and is replayed in full: one warning per reason (keep.warn_not_kept, naming the
     layer by ``names[i]``), and ``report(i, reason)`` is told for every layer (reason None: kept).
-    ``NotImplementedError`` under torch.compile."""
+    ``NotImplementedError`` under torch.compile.
+
+    ``gemms`` (the recompute levels, keep.LEVELS): "before" keeps each layer's q/k/v projection output, "all" every
+    GEMM output of each layer (the last layer's last linear excepted where its replay skips it), held by the node
+    from forward to backward; the replay hands them back (bit-identical gradients). ``report_gemms(i, bytes,
+    reason)`` is told, per layer, the bytes kept (reason: why none, LoRA adapters). Under torch.compile the
+    operator keeps only the segment's input: the caller falls back (stack.py)."""
     first = layers[0] if layers else None
     if not isinstance(first, FusedTransformerLayer):
         return NotImplemented
@@ -397,16 +405,28 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
         return NotImplemented
     if keep_attention:
         _check_keep_attention()
+    if gemms is not None and gemms not in _GEMM_LEVELS:
+        raise ValueError(f"run_segment: gemms must be None, 'before' or 'all', got {gemms!r}")
     if compiled.use_ops():
         return first._as_returned(compiled.fused_segment(layers, call.hidden, call.mask, call.cos, call.sin,
                                                          first.training))
     _check_segment_not_capturing()
     specs, weights = zip(*(layer._call_args() for layer in layers))
-    if not keep_attention:
+    if not keep_attention and gemms is None:
         return first._as_returned(_C.segment_apply(list(specs), call.hidden, call.mask, call.cos, call.sin,
                                                     list(weights), first.training))
-    out, not_kept = _C.segment_apply_keeping_attention(list(specs), call.hidden, call.mask, call.cos, call.sin,
-                                                        list(weights), first.training)
+    if gemms is not None:
+        out, not_kept, gemm_bytes, gemm_why = _C.segment_apply_levels(
+            list(specs), call.hidden, call.mask, call.cos, call.sin, list(weights), first.training, keep_attention,
+            _GEMM_LEVELS[gemms])
+        if report_gemms is not None:
+            for i, (n, why) in enumerate(zip(gemm_bytes, gemm_why)):
+                report_gemms(i, n, why or None)
+        if not keep_attention:
+            return first._as_returned(out)
+    else:
+        out, not_kept = _C.segment_apply_keeping_attention(list(specs), call.hidden, call.mask, call.cos, call.sin,
+                                                            list(weights), first.training)
     for i, why in enumerate(not_kept):
         if report is not None:
             report(i, why or None)
@@ -415,6 +435,9 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
                 f"fused {layers[i].layer_class} (layer {i} of this checkpointed group of {len(layers)})"
             warn_not_kept(name, why)
     return first._as_returned(out)
+
+
+_GEMM_LEVELS = {"before": 1, "all": 2}  # run_segment's gemms= -> _C.segment_apply_levels' gemm_level
 
 
 def _check_keep_attention():

@@ -51,7 +51,8 @@ from torch.utils._pytree import tree_map
 from ._user_frame import user_stacklevel
 
 __all__ = ["KEEP_VALUES", "LEVELS", "check_keep", "keep_attention", "keep_level", "KeepAttention", "KeepLevel",
-           "AttentionProbe", "LevelProbe", "LSE_OPS", "GEMM_OPS", "compiled_context_fn", "warn_not_kept"]
+           "AttentionProbe", "LevelProbe", "LSE_OPS", "GEMM_OPS", "compiled_context_fn", "warn_not_kept", "fused_level",
+           "compiled_fused_level"]
 
 # The documented values of keep=, with what each keeps besides the checkpointed segments' inputs, from least to
 # most (docs/keep-attention.md "Recompute levels").
@@ -119,9 +120,15 @@ def keeps_gemms(keep: str) -> Optional[str]:
 
 
 def fused_level(keep: str) -> str:
-    """The level a fused (C++) segment keeps for `keep`: fused layers keep attention outputs only, so a level that
-    keeps attention falls back to "attention" and one that does not (keep="gemms") to "boundaries"."""
-    return "attention" if keeps_attention(keep) else "boundaries"
+    """The level a fused (C++) segment keeps for `keep`: every level (csrc/layers' KeptAttention and KeptGemms)."""
+    return keep if keep in LEVELS else "boundaries"
+
+
+def compiled_fused_level(keep: str) -> str:
+    """The level a fused segment keeps for `keep` under torch.compile, where it is the ``ckpt_ext::fused_segment``
+    operator, which keeps only its input: a level keeping GEMM outputs runs as "boundaries" there (explain() says
+    so); keep="attention" is refused under torch.compile (fused.run_segment), unless the budget planner chose it."""
+    return "attention" if keep == "attention" else "boundaries"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,6 +254,11 @@ def _warn_once(key, message: str):
             return
         _warned.add(key)
     warnings.warn(message, stacklevel=user_stacklevel())
+
+
+def warn_once(key, message: str):
+    """One warning per `key` in this process (keep's and the fused levels' notices)."""
+    _warn_once(key, message)
 
 
 def warn_not_kept(name: str, reason: str, keep: str = "attention"):

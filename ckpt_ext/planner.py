@@ -58,6 +58,9 @@ class Level:
     saved_kept_bytes: int
     skipped: float
     whole: bool = True
+    # of kept_bytes, what the layer does not keep when it is the last of its segment (a fused layer's last linear:
+    # the segment's replay skips it anyway, so its output is not kept)
+    tail_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,13 @@ class LayerCost:
                                                                                       self.attn_compute)
         return None if strict else (0, self.act_bytes, self.compute)
 
+    def tail(self, how, strict: bool = True) -> int:
+        """Of level(how)'s kept bytes, those the layer does not keep as the last layer of its segment."""
+        if how is True:
+            return 0
+        found = next((lv for lv in self.levels if lv.name == how), None)
+        return found.tail_bytes if found is not None and (found.whole or not strict) else 0
+
     def recompute(self, how) -> float:
         """What replaying the layer costs in a segment checkpointed `how` (True or a level)."""
         return self.level(how, strict=False)[2]
@@ -98,7 +108,8 @@ class LayerCost:
 def segment_bytes(costs: Sequence[LayerCost], s: int, e: int, how) -> Tuple[int, int]:
     """(held, replay) bytes of segment [s, e) checkpointed `how` (True or a level)."""
     parts = [c.level(how, strict=False) for c in costs[s:e]]
-    return costs[s].boundary_bytes + sum(p[0] for p in parts), sum(p[1] for p in parts)
+    return (costs[s].boundary_bytes + sum(p[0] for p in parts) - costs[e - 1].tail(how, strict=False),
+            sum(p[1] for p in parts))
 
 
 @dataclass
@@ -217,7 +228,8 @@ def _check_costs(costs: Sequence[LayerCost]):
     for c in costs:
         if c.act_bytes < 0 or c.boundary_bytes < 0 or c.compute < 0 or c.attn_compute < 0 or \
                 (c.attn_bytes is not None and c.attn_bytes < 0) or \
-                any(lv.kept_bytes < 0 or lv.saved_kept_bytes < 0 or lv.skipped < 0 or lv.name not in LEVELS[1:]
+                any(lv.kept_bytes < 0 or lv.saved_kept_bytes < 0 or lv.skipped < 0 or lv.name not in LEVELS[1:] or
+                    not 0 <= lv.tail_bytes <= lv.kept_bytes
                     for lv in c.levels):
             raise ValueError(f"layer costs must be non-negative, got {c}")
 
@@ -288,6 +300,9 @@ class _Chain:
         strict = True in hows
         self.hows = [h for h in hows if h is True or not strict or any(c.level(h) is not None for c in costs)]
         self.pw, self.pk, self.pc, self.paid, self.bad = {}, {}, {}, {}, {}
+        # per how, per layer: the bytes it does not keep as the last layer of a segment (LayerCost.tail)
+        self.tail = {how: [c.tail(how, strict) if c.level(how, strict) is not None else 0 for c in costs]
+                     for how in self.hows}
         for how in self.hows:
             pw, pk, pc, paid, bad = [0], [0], [0.0], [0], [0]
             for c in costs:
@@ -304,10 +319,11 @@ class _Chain:
         """The segments [i, j) checkpointed `how`, nearest start first: (i, replay bytes, held bytes, recompute,
         free). Their replay and recompute grow as i falls."""
         pw, pk, pc, paid, bad = self.pw[how], self.pk[how], self.pc[how], self.paid[how], self.bad[how]
+        tail = self.tail[how][j - 1]
         for i in range(j - 1, self.first[j] - 1, -1):
             if bad[j] != bad[i]:
                 return
-            yield i, pw[j] - pw[i], self.bnd[i] + pk[j] - pk[i], pc[j] - pc[i], paid[j] == paid[i]
+            yield i, pw[j] - pw[i], self.bnd[i] + pk[j] - pk[i] - tail, pc[j] - pc[i], paid[j] == paid[i]
 
     def bounds(self, limit: Optional[int]) -> List[int]:
         sizes = {0}

@@ -17,7 +17,8 @@ from ._compiler import traced_under_compile
 from ._discovery import _ATOMS, _add_module, _check_fsdp_units, _Found, _fsdp_unit_class
 from .checkpoint import _checkpoint
 from .fused import FusedTransformerLayer, run_segment
-from .keep import KEEP_VALUES, KeepLevel, check_keep, fused_level, keeps_attention
+from .keep import (KEEP_VALUES, KeepLevel, check_keep, compiled_fused_level, fused_level, keeps_attention, keeps_gemms,
+                   warn_once)
 from .hf.versions import check_versions
 from .hf.cache import drop_cache, remember_signature
 from .hf.layers import attention_implementation
@@ -126,6 +127,7 @@ class _Group:
         # ((bytes, None) or (None, why)); the levels keeping GEMM outputs: per layer, their bytes in the last forward
         self.attention: List[Optional[Tuple[Optional[int], Optional[str]]]] = [None] * len(layers)
         self.gemm_bytes: List[int] = [0] * len(layers)
+        self.gemm_why: List[Optional[str]] = [None] * len(layers)  # fused layers: why one kept no GEMM output
         self.context_fn = self._context_fn()
         self.pending: Optional[_Pending] = None  # after a checkpointed group run, until its last layer
         self.traced: Optional[tuple] = None  # the same while Dynamo traces (_traced_layer_forward)
@@ -134,7 +136,7 @@ class _Group:
     # Pickled (torch.save of the model, a spawned process, copy.deepcopy): the configuration only. What belongs
     # to one step of this process -- the pending output (weak references to a graph), the traced hand-over, the
     # attention bytes seen, the keep-attention mode bound to this group -- starts afresh.
-    _RUNTIME = ("running", "attention", "gemm_bytes", "context_fn", "pending", "traced")
+    _RUNTIME = ("running", "attention", "gemm_bytes", "gemm_why", "context_fn", "pending", "traced")
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
@@ -144,6 +146,7 @@ class _Group:
         self.running = 0
         self.attention = [None] * len(self.layers)
         self.gemm_bytes = [0] * len(self.layers)
+        self.gemm_why = [None] * len(self.layers)
         self.context_fn = self._context_fn()
         self.pending = None
         self.traced = None
@@ -182,21 +185,33 @@ class _Group:
         """run_segment (fused layers as one C++ SegmentFunction) with this group's keep=. Keeping attention, the
         pool slots the segment takes besides its output are its layers' kept attention outputs and LSEs:
         explain() reports them."""
-        # Fused layers keep attention outputs only: a level keeping more falls back to keep="attention", one keeping
-        # GEMM outputs only (keep="gemms") to boundaries (fused_level; explain() says so).
-        keep = keeps_attention(self.keep)
-        if keep and self.planner is not None and self.planner.keep == "auto" and torch.compiler.is_compiling():
-            # The planner chose keep-attention in eager steps; a compiled fused segment keeps only its input
-            # (less memory than planned, the attention recomputed; the same gradients).
-            keep = False
+        # Every level runs in C++ (fused_level): the attention's output and LSE in pool slots, the GEMM outputs held
+        # by the segment's node.
+        keep, gemms = keeps_attention(self.keep), keeps_gemms(self.keep)
+        if (keep or gemms is not None) and torch.compiler.is_compiling() and layers and is_fused_layer(layers[0]):
+            # The ckpt_ext::fused_segment operator keeps only its input: a level keeping GEMM outputs runs as
+            # "boundaries" there (warned once while Dynamo traces; explain() says so), keep="attention" alone is
+            # refused (run_segment) unless the planner chose it in eager steps (less memory than planned; the same
+            # gradients).
+            if gemms is not None:
+                _compiled_level_fallback(self.keep)
+            if gemms is not None or (self.planner is not None and self.planner.keep == "auto"):
+                keep, gemms = False, None
         hidden = layer_args[0] if layer_args and isinstance(layer_args[0], torch.Tensor) else None
-        if not keep or layers is not self.layers or torch.compiler.is_compiling() or hidden is None or \
-                not is_fused_layer(layers[0]):
-            return run_segment(layers, layer_args, layer_kwargs, keep_attention=keep)
+        if (not keep and gemms is None) or layers is not self.layers or torch.compiler.is_compiling() or \
+                hidden is None or not is_fused_layer(layers[0]):
+            return run_segment(layers, layer_args, layer_kwargs, keep_attention=keep, gemms=gemms)
         before = pool_stats(hidden.device)["in_use_bytes"]
         why: List[Optional[str]] = [None] * len(layers)
-        out = run_segment(layers, layer_args, layer_kwargs, keep_attention=True, names=self.names,
-                          report=why.__setitem__)
+        gemm_bytes: List[Tuple[int, Optional[str]]] = [(0, None)] * len(layers)
+        out = run_segment(layers, layer_args, layer_kwargs, keep_attention=keep, names=self.names,
+                          report=why.__setitem__, gemms=gemms,
+                          report_gemms=lambda k, n, reason: gemm_bytes.__setitem__(k, (n, reason)))
+        if out is not NotImplemented and gemms is not None:
+            self.gemm_bytes = [n for n, _ in gemm_bytes]
+            self.gemm_why = [reason for _, reason in gemm_bytes]
+        if not keep:
+            return out
         if out is not NotImplemented:
             kept = pool_stats(hidden.device)["in_use_bytes"] - before
             h = _hidden_of(out)
@@ -227,6 +242,8 @@ class _Group:
                       "attention's) ")
         else:
             prefix = "" if level == "attention" else f"(keep={self.keep!r}) "
+        if keeps_gemms(level) is not None and is_fused_layer(self.layers[k]) and self.gemm_why[k]:
+            prefix += f"(no GEMM output kept, because {self.gemm_why[k]}) "
         if level == "boundaries":
             return f"{prefix}only {head}"
         if level != "attention":
@@ -299,6 +316,22 @@ class _Group:
                         "before).")
                 raise
         return out
+
+
+def _compiled_level_fallback(keep: str) -> str:
+    """Under torch.compile a fused segment at keep level `keep` (one keeping GEMM outputs) runs as the level the
+    ``ckpt_ext::fused_segment`` operator keeps (keep.compiled_fused_level: "boundaries"): warns once. Dynamo calls it
+    while tracing (a constant result, no graph break), so the warning comes at compile time."""
+    level = compiled_fused_level(keep)
+    warn_once(("compiled fused level", keep),
+              f"ckpt_ext keep={keep!r}: under torch.compile a checkpointed group of fused layers is the "
+              f"ckpt_ext::fused_segment operator, which keeps only its input, so these groups run as keep={level!r} "
+              "there (the GEMM outputs and attention are recomputed in backward: more recompute and less memory than "
+              "the level; the same gradients). Run the step eagerly to keep them. ckpt_ext.explain(model) says so too.")
+    return level
+
+
+_compiled_level_fallback._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets
 
 
 def _layer_name(stack: str, i: int, layer: nn.Module) -> str:
@@ -739,8 +772,13 @@ def _not_kept_summary(groups: List["_Group"]) -> List[str]:
         for k, seen in enumerate(g.attention):
             if keeps_attention(g.keep) and seen is not None and seen[1] is not None:
                 layers.setdefault(seen[1], []).append(g.names[k])
-    return [f"  replayed in full (attention not kept) in the last step: {', '.join(names)}, because {why}"
-            for why, names in layers.items()]
+    lines = [f"  replayed in full (attention not kept) in the last step: {', '.join(names)}, because {why}"
+             for why, names in layers.items()]
+    compiled = sorted({g.keep for g in groups if keeps_gemms(g.keep) is not None and is_fused_layer(g.layers[0])})
+    if compiled:
+        lines.append(f"  under torch.compile a fused segment (the ckpt_ext::fused_segment operator) keeps only its "
+                     f"input: keep={'/'.join(map(repr, compiled))} runs as keep='boundaries' there (warned once)")
+    return lines
 
 
 def _planned_layers(model: nn.Module, p: StackPlanner) -> List[str]:

@@ -8,6 +8,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .fused import FusedTransformerLayer
 from .keep import LevelProbe, keeps_gemms
@@ -168,24 +169,30 @@ class StackPlanner:
         self.shared.update(shared)
         attn_bytes, attn_seconds = None, 0.0
         if attention:
-            if fused:  # fused layers keep attention only (other levels fall back: LayerCost.level)
+            if fused:
+                # the attention's time from the Hugging Face layer's run (the fused layer's is a C++ call no function
+                # mode sees); the levels' GEMM bytes and times from runs of the fused layer itself (_fused_levels)
                 for _ in range(_PROBE_RUNS):
                     spy = LevelProbe(sync, gemms=False)
                     _measure(layer, args, kwargs, device, sync, spy, hf=True)
-                    if probe is None or spy.result()[1] < probe.result()[1]:
+                    if probe is None or _probe_seconds(spy) < _probe_seconds(probe):
+                        if probe is not None:
+                            probe.clear()
                         probe = spy
-                levels = {}
+                    else:
+                        spy.clear()
+                levels = _fused_levels(layer, args, kwargs, device, sync, probe, shared) if gemms else {}
             # a fused segment keeps them in pool slots (whole multiples of the pool's alignment)
             attn_bytes, attn_seconds, self.why[i] = probe.result(_POOL_ALIGNMENT if fused else 1)
         boundary = hidden.untyped_storage().nbytes() if hidden is not None else 0
         if hidden is not None and is_pooled(hidden):  # the output of a fused segment before: a pool slot
             boundary = -(-boundary // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
-        extra = tuple(Level(name, kept, overlap, sec, whole) for name, (kept, overlap, sec, _, whole) in levels.items()
+        extra = tuple(Level(name, v[0], v[1], v[2], v[4], v[5] if len(v) > 5 else 0) for name, v in levels.items()
                       if name != "attention")
         self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0,
                                   extra)
         # the same runs' process CPU time (the benchmarks compare it on a shared machine)
-        skipped = {name: c for name, (_, _, _, c, _) in levels.items()}
+        skipped = {name: v[3] for name, v in levels.items()}
         skipped["attention"] = probe.cpu_seconds if attn_bytes is not None else 0.0
         self.cpu_costs[i] = (cpu, skipped)
         if probe is not None:
@@ -219,6 +226,86 @@ def recompute_cpu_seconds(planner: "StackPlanner", plan: Plan) -> float:
                 fallback = "attention" if how in ("attention_inputs", "gemms_attention") else None
                 total += forward - (skipped.get(how, skipped.get(fallback, 0.0)) if how is not True else 0.0)
     return total
+
+
+def _probe_seconds(probe: LevelProbe) -> float:
+    return sum(c[2] for c in probe.calls)
+
+
+# The GEMMs of one fused layer call that the recompute levels keep (layers::KeptGemms sites), per family: their
+# number, and whether the last is the layer's last linear (its output is not kept in a segment's last layer).
+_FUSED_SITES = {"bert": (4, False), "gpt2": (4, True)}  # Llama and its relatives: (5, True)
+
+
+class _FusedGemms(TorchDispatchMode):
+    """One run of a fused layer: the 2-D mm/addmm calls below its linears (the GEMM sites of the recompute levels, in
+    call order), each call's output storage (address, bytes; held until the run's saved tensors are matched against
+    them), its seconds and its process CPU seconds (the kernel alone: the time is taken around the call)."""
+
+    _OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+    def __init__(self, sync):
+        super().__init__()
+        self.sync = sync or (lambda: None)
+        self.calls: List[Tuple[torch.UntypedStorage, float, float]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self._OPS:
+            return func(*args, **(kwargs or {}))
+        self.sync()
+        start, cpu = time.perf_counter(), time.process_time()
+        out = func(*args, **(kwargs or {}))
+        self.sync()
+        self.calls.append((out.untyped_storage(), time.perf_counter() - start, time.process_time() - cpu))
+        return out
+
+
+def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, probe: LevelProbe,
+                  shared: Dict[int, int]) -> Dict[str, tuple]:
+    """The recompute levels of fused layer `layer` as StackPlanner.probe records them: {level: (kept bytes, bytes of
+    the layer's saved tensors among them, seconds and CPU seconds its replay skips, whole, bytes not kept as the
+    last layer of a segment)}. The GEMMs' bytes and times from runs of the fused layer itself (its GEMMs' outputs
+    caught by a dispatch mode, in call order: the q/k/v projection first; the faster run's times), the attention's
+    from `probe` (the Hugging Face layer's SDPA, the kernel the fused layer calls). {} for a call with LoRA adapters
+    (its layers keep no GEMM output) or one whose GEMMs are not the family's sites."""
+    from .keep import LEVELS
+    from ._layout import FAMILY_NAMES
+    if layer._adapter_terms()[0] is not None:
+        return {}
+    count, last_linear = _FUSED_SITES.get(FAMILY_NAMES[layer.family], (5, True))
+    best = None
+    for _ in range(_PROBE_RUNS):
+        gemms = _FusedGemms(sync)
+        saved, _, _ = _measure(layer, args, kwargs, device, sync, gemms)
+        if len(gemms.calls) != count:
+            return {}
+        sites = [(st.data_ptr(), st.nbytes(), sec, cpu) for st, sec, cpu in gemms.calls]
+        saved = {p: n for p, n in saved.items() if p not in shared}
+        overlaps = [saved.get(ptr, 0) for ptr, *_ in sites]
+        gemms.calls.clear()
+        if best is None or sum(x[2] for x in sites) < sum(x[2] for x in best[0]):
+            best = (sites, overlaps)
+    sites, overlaps = best
+    attn_kept, attn_seconds, _ = probe.result(_POOL_ALIGNMENT)
+    attn_cpu = probe.cpu_seconds if attn_kept is not None else 0.0
+    out = {}
+    for level, (attention, gemms) in LEVELS.items():
+        if gemms is None:
+            continue
+        n = 1 if gemms == "before" else len(sites)
+        kept = sum(x[1] for x in sites[:n])
+        overlap = sum(overlaps[:n])
+        seconds = sum(x[2] for x in sites[:n])
+        cpu = sum(x[3] for x in sites[:n])
+        whole = not attention or attn_kept is not None
+        if attention and attn_kept is not None:
+            kept += attn_kept
+            overlap += attn_kept  # (the fused layer saves its attention's output and LSE, as LayerCost.level counts)
+            seconds += attn_seconds
+            cpu += attn_cpu
+        tail = sites[-1][1] if gemms == "all" and last_linear else 0
+        out[level] = (kept, overlap, seconds, cpu, whole, tail)
+    return out
 
 
 def _measure(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, spy, hf: bool = False):

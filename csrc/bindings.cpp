@@ -185,6 +185,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("specs"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
       py::arg("training"),
       "segment_apply keeping attention; returns (output, per layer why its attention kept nothing, '' if kept)");
+  m.def(
+      "segment_apply_levels",
+      [](const std::vector<L::LayerSpec>& specs, const at::Tensor& hidden, const OptTensor& mask,
+         const OptTensor& cos, const OptTensor& sin, const std::vector<std::vector<OptTensor>>& weights,
+         bool training, bool keep_attention, int64_t gemm_level) {
+        std::vector<std::vector<at::Tensor>> w;
+        w.reserve(weights.size());
+        for (const auto& l : weights) w.push_back(undefined_if_absent(l));
+        std::vector<std::string> not_kept, gemm_not_kept;
+        std::vector<int64_t> gemm_bytes;
+        at::Tensor out = ckpt_ext::segment_apply(specs, hidden, layer_inputs(mask, cos, sin), w, training,
+                                                 keep_attention, &not_kept, static_cast<int>(gemm_level),
+                                                 &gemm_bytes, &gemm_not_kept);
+        return py::make_tuple(out, not_kept, gemm_bytes, gemm_not_kept);
+      },
+      py::arg("specs"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
+      py::arg("training"), py::arg("keep_attention"), py::arg("gemm_level"),
+      "segment_apply at a recompute level (gemm_level 0: no GEMM output kept, 1: the q/k/v projections, 2: every "
+      "GEMM); returns (output, per layer why its attention kept nothing, per layer the GEMM bytes kept, per layer why "
+      "it kept no GEMM output)");
   m.def("cudnn_attention_problem", &ckpt_ext::layers::cudnn_attention_problem,
         "Why torch's cuDNN attention ops cannot be called by name here ('' when they can)");
 

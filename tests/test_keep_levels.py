@@ -7,8 +7,8 @@ Gradients: every parameter's, bitwise (torch.equal) against training without che
 forward's own kernel outputs back, so the backward runs the same ops on the same values. That the replay skips
 what a level keeps is checked by counting the GEMM and fused-attention kernels that run (a dispatch mode outside
 ckpt_ext's sees only kernels that run). Memory: the bytes held from forward to backward (bench_budget's
-measurement) equal the planner's prediction. Fused layers keep attention only: a level keeping more falls back
-(fused_level), bit-identical, and explain() says so.
+measurement) equal the planner's prediction. Fused layers keep every level in C++ (tests/test_keep_levels_fused.py);
+here through enable_checkpointing and the planner.
 """
 import copy
 import itertools
@@ -63,7 +63,7 @@ def _assert_equal(a, b):
 
 def _model(family, dropout, layers=3):
     # hidden dropout on; attention dropout 0 (on CPU it sends SDPA to its math path: nothing to keep)
-    over = {"attention_probs_dropout_prob": 0.0} if family == "bert" else {}
+    over = {"attention_probs_dropout_prob": 0.0} if family == "bert" else {"attn_pdrop": 0.0} if family == "gpt2" else {}
     return make_model(family, dropout=dropout, layers=layers, **over).train()
 
 
@@ -179,18 +179,21 @@ def _seq_grads(model, call, x):
     return out.detach(), grads, (kernels.gemms, kernels.attention)
 
 
-@pytest.mark.parametrize("family", ["llama", "bert"])
+@pytest.mark.parametrize("family", ["llama", "bert", "gpt2"])
 @pytest.mark.parametrize("keep", NEW)
-def test_fused_layers_fall_back_bit_identical(family, keep):
-    """Fused layers keep attention outputs only: attention_inputs and gemms_attention keep attention, gemms keeps
-    the boundary only; bit-identical to the fused model without checkpointing; explain() says so."""
-    model = ckpt_ext.fuse(_model(family, 0.1 if family == "bert" else 0.0))
+def test_fused_layers_keep_the_level_bit_identical(family, keep):
+    """Fused layers keep every level in C++ (tests/test_keep_levels_fused.py has the kernel counts): through
+    enable_checkpointing, bit-identical to the fused model without checkpointing; explain() names the level and the
+    GEMM bytes kept."""
+    model = ckpt_ext.fuse(_model(family, 0.1 if family in ("bert", "gpt2") else 0.0))
     kw = inputs_for(family, padding=True)
     ref = _grads(copy.deepcopy(model), kw)
     m = _enable(copy.deepcopy(model), keep=keep, every=2)
     _assert_equal(_grads(m, kw), ref)
     text = ckpt_ext.explain(m)
-    assert f"keep={keep!r} falls back to {fused_level(keep)!r}" in text, text
+    assert "falls back" not in text, text
+    assert f"(keep={keep!r})" in text and "in the last step" in text, text
+    assert "keeps only its input: keep=" in text and "runs as keep='boundaries' there" in text, text
 
 
 @pytest.mark.parametrize("bad", ["everything", "gemm", "auto", 3])
@@ -286,20 +289,68 @@ def test_budget_with_a_forced_level(keep):
     _assert_equal((out, grads), ref[:2])
 
 
-def test_fused_budget_never_chooses_a_level_it_cannot_keep():
+@pytest.mark.parametrize("family,autocast", [("llama", False), ("bert", False), ("gpt2", False), ("llama", True)],
+                         ids=["llama", "bert", "gpt2", "llama-autocast"])
+def test_fused_budget_chooses_levels_held_bytes_as_predicted(family, autocast):
+    """Fused layers: the probe measures every level (the GEMM bytes from the fused layer's own run, the times from its
+    Hugging Face layer's); a sweep of budgets: each plan fits, the bytes held equal the prediction exactly (a
+    segment's last layer keeps no last-linear output: Level.tail_bytes), gradients bitwise, levels beyond attention
+    chosen somewhere."""
+    model = ckpt_ext.fuse(_model(family, 0.1 if family in ("bert", "gpt2") else 0.0, layers=4))
+    kw = inputs_for(family, padding=True)
+    ref = _held_step(copy.deepcopy(model), kw, autocast=autocast)
+    _enable(model, budget="1GiB")
+    _held_step(model, kw, autocast=autocast)
+    p = _planner(model)
+    for c in p.costs:
+        by = {lv.name: lv for lv in c.levels}
+        assert set(by) == set(NEW) and all(lv.whole and lv.kept_bytes > 0 for lv in c.levels), c
+        assert c.attn_bytes < by["attention_inputs"].kept_bytes < by["gemms_attention"].kept_bytes
+        assert by["gemms"].kept_bytes < by["gemms_attention"].kept_bytes
+        assert (by["gemms"].tail_bytes > 0) == (family != "bert") and by["attention_inputs"].tail_bytes == 0
+    shared = sum(p.shared.values())
+    least = plan_chain(p.costs, None, shared_bytes=shared).need_bytes
+    top = sum(c.act_bytes for c in p.costs) + shared
+    chosen = set()
+    for frac in (0.0, 0.15, 0.3, 0.45, 0.6, 0.8):
+        budget = int(least + frac * (top - least))
+        _enable(model, budget=budget)
+        _held_step(model, kw, autocast=autocast)  # measures, plans
+        out, grads, held = _held_step(model, kw, autocast=autocast)
+        plan = _planner(model).plan
+        assert plan.need_bytes <= budget
+        # exact where every layer is checkpointed; a fused layer kept whole next to a checkpointed segment is
+        # accounted to within one boundary (as on main with keep="attention": the boundary's pool slot against the
+        # kept layer's saved input)
+        whole = sum(1 for *_, how in plan.segments if how is False)
+        boundary = max(c.boundary_bytes for c in p.costs)
+        assert abs(held - plan.held_bytes) <= whole * boundary, (frac, held, plan.held_bytes, plan.segments)
+        if not whole:
+            assert held == plan.held_bytes, (frac, held, plan.held_bytes, plan.segments)
+        _assert_equal((out, grads), ref[:2])
+        chosen.update(how for *_, how in plan.segments)
+        if any(how in NEW for *_, how in plan.segments):
+            text = ckpt_ext.explain(model)
+            assert any(f"(keep={lv!r})" in text for lv in NEW), text
+    assert chosen & set(NEW), chosen
+    ckpt_ext.disable_checkpointing(model)
+
+
+@pytest.mark.parametrize("keep", NEW)
+def test_fused_budget_with_a_forced_level(keep):
     model = ckpt_ext.fuse(_model("llama", 0.0, layers=4))
     kw = inputs_for("llama", padding=False)
     ref = _held_step(copy.deepcopy(model), kw)
-    _enable(model, budget="1GiB")
+    _enable(model, budget="1GiB", keep=keep)
     _held_step(model, kw)
     p = _planner(model)
-    assert all(c.levels == () and c.keeps_attention for c in p.costs)
-    shared = sum(p.shared.values())
-    least = plan_chain(p.costs, None, shared_bytes=shared).need_bytes
-    _enable(model, budget=int(least * 1.5))
+    least = plan_chain(p.costs, None, keep=keep, shared_bytes=sum(p.shared.values())).need_bytes
+    _enable(model, budget=least, keep=keep)
     _held_step(model, kw)
     out, grads, held = _held_step(model, kw)
-    assert all(how in (False, True, ATTENTION) for *_, how in _planner(model).plan.segments)
+    plan = _planner(model).plan
+    assert any(how == keep for *_, how in plan.segments)
+    assert held == plan.held_bytes <= least
     _assert_equal((out, grads), ref[:2])
 
 
@@ -318,15 +369,17 @@ def _all_plans(costs, hows, strict):
 
 def _level_layer(a, b, c, attn, extra):
     att = None if attn is None else min(attn, a)
-    levels = tuple(Level(name, k, min(o, a), float(min(sk, c)), whole)
-                   for name, (k, o, sk, whole) in zip(NEW, extra) if k is not None)
+    # tail: the bytes a fused layer does not keep as the last of its segment (Level.tail_bytes)
+    levels = tuple(Level(name, k, min(o, a), float(min(sk, c)), whole, min(tail, k))
+                   for name, (k, o, sk, whole, tail) in zip(NEW, extra) if k is not None)
     return LayerCost(a, b, float(c), att, float(min(c, 5)) if att is not None else 0.0, levels)
 
 
 level_layer = st.builds(_level_layer, st.integers(0, 1000), st.integers(0, 200), st.integers(0, 40),
                         st.none() | st.integers(0, 100),
                         st.lists(st.tuples(st.none() | st.integers(0, 600), st.integers(0, 600), st.integers(0, 40),
-                                           st.booleans()), min_size=3, max_size=3))
+                                           st.booleans(), st.sampled_from([0, 0, 50, 200])),
+                                 min_size=3, max_size=3))
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
@@ -347,6 +400,19 @@ def test_levels_match_brute_force(costs, frac, keep):
     assert all(how is False or how in hows for *_, how in plan.segments)
     assert plan_chain(costs, None, keep=keep).need_bytes == least
     plan.describe()
+
+
+def test_tail_bytes_only_for_a_segments_last_layer():
+    """Level.tail_bytes: of a level's kept bytes, what the layer does not keep as the last of its segment (a fused
+    layer's last-linear output): a segment holds every layer's kept bytes but its last layer's tail."""
+    layer = LayerCost(1000, 100, 10.0, 50, 2.0, (Level("gemms", 400, 300, 6.0, True, 80),))
+    costs = [layer] * 3
+    assert segment_bytes(costs, 0, 3, "gemms") == (100 + 3 * 400 - 80, 3 * (1000 - 300))
+    assert segment_bytes(costs, 0, 1, "gemms") == (100 + 400 - 80, 700)
+    plan = _finish(costs, [(0, 2, "gemms"), (2, 3, "gemms")], None)
+    assert plan.held_bytes == (100 + 800 - 80) + (100 + 400 - 80)
+    with pytest.raises(ValueError, match="non-negative"):
+        plan_chain([LayerCost(1000, 100, 10.0, 50, 2.0, (Level("gemms", 40, 30, 6.0, True, 80),))], None)
 
 
 def test_level_accounting_and_fallback():

@@ -48,13 +48,13 @@ Tensor cat_or_undefined(std::initializer_list<Tensor> parts) {
 
 // y = x @ W + b for a Conv1D weight [in, out]: gemm_linear on W's transpose view (outside gemm.cpp's CPU
 // layout policy at::linear's addmm(b, x, W), as Hugging Face computes it).
-Tensor conv1d(const Tensor& x, const Tensor& w, const Tensor& b) {
-  return gemm_linear(x, w.t(), b);
+Tensor conv1d(const Tensor& x, const Tensor& w, const Tensor& b, int site) {
+  return gemm_linear(x, w.t(), b, site);
 }
 
 // x @ W (no bias: the bias is fused into the following op), keeping x's leading dims.
-Tensor conv1d_nobias(const Tensor& x, const Tensor& w) {
-  return gemm_linear(x, w.t());
+Tensor conv1d_nobias(const Tensor& x, const Tensor& w, int site) {
+  return gemm_linear(x, w.t(), Tensor(), site);
 }
 
 namespace {

@@ -25,6 +25,9 @@ enum : int64_t { kLoraQ, kLoraK, kLoraV, kLoraAttnOut, kLoraInter, kLoraOut };
 const std::vector<std::string> kLora{"q_weight", "k_weight", "v_weight", "attn_out_weight", "inter_weight",
                                      "out_weight"};
 
+// The GEMM sites of the recompute levels (layer.h's KeptGemms; the q/k/v projection is KeptGemms::kQkv).
+enum : int { kSiteAttnOut = 1, kSiteInter = 2, kSiteOut = 3 };
+
 void check(const LayerSpec& s, const std::vector<Tensor>& w) {
   const int64_t H = s.hidden;
   for (int64_t i : {kQW, kKW, kVW, kAttnOutW}) {
@@ -48,19 +51,19 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
       any_adapter(s, w, {kLoraQ, kLoraK, kLoraV})
           ? split_qkv(plus_lora_qkv(s, w, {kLoraQ, kLoraK, kLoraV}, x,
                                     gemm_linear(x, at::cat({w[kQW], w[kKW], w[kVW]}, 0),
-                                                cat_or_undefined({w[kQB], w[kKB], w[kVB]})),
+                                                cat_or_undefined({w[kQB], w[kKB], w[kVB]}), KeptGemms::kQkv),
                                     {H, H, H}, rng),
                       s.num_heads, s.num_heads, s.head_dim)
           : qkv_heads(x, {w[kQW], w[kKW], w[kVW]}, {w[kQB], w[kKB], w[kVB]}, s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/false, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
   const Tensor h1 = std::get<0>(ops::bias_dropout_add_layer_norm(
-      like(plus_lora(gemm_linear(ctx, w[kAttnOutW]), lora_delta(s, w, kLoraAttnOut, ctx, rng)), x),
+      like(plus_lora(gemm_linear(ctx, w[kAttnOutW], Tensor(), kSiteAttnOut), lora_delta(s, w, kLoraAttnOut, ctx, rng)), x),
                                                                  opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]),
                                                                  hidden_p, s.eps, rng.seed, kAttnOut));
-  const Tensor i = plus_lora(gemm_linear(h1, w[kInterW]), lora_delta(s, w, kLoraInter, h1, rng));
+  const Tensor i = plus_lora(gemm_linear(h1, w[kInterW], Tensor(), kSiteInter), lora_delta(s, w, kLoraInter, h1, rng));
   const Tensor inter = ops::bias_gelu(i, opt_like(w[kInterB], i), s.gelu_tanh ? "tanh" : "none");
-  const Tensor o = like(plus_lora(gemm_linear(inter, w[kOutW]), lora_delta(s, w, kLoraOut, inter, rng)), h1);
+  const Tensor o = like(plus_lora(gemm_linear(inter, w[kOutW], Tensor(), kSiteOut), lora_delta(s, w, kLoraOut, inter, rng)), h1);
   LayerOutput r;
   if (out_slot.defined()) {
     ops::bias_dropout_add_layer_norm_into(o, opt(w[kOutB]), h1, w[kLn2W], opt(w[kLn2B]), hidden_p, s.eps, rng.seed,

@@ -66,9 +66,30 @@ Tensor gemm_mm(const Tensor& a, const Tensor& b);
 Tensor& gemm_addmm_(Tensor& acc, const Tensor& a, const Tensor& b);
 
 // y = x @ W + b for a Conv1D weight [in, out], as Hugging Face computes it.
-Tensor conv1d(const Tensor& x, const Tensor& w, const Tensor& b);
+Tensor conv1d(const Tensor& x, const Tensor& w, const Tensor& b, int site = -1);
 // x @ W (no bias: the bias is fused into the following op), keeping x's leading dims.
-Tensor conv1d_nobias(const Tensor& x, const Tensor& w);
+Tensor conv1d_nobias(const Tensor& x, const Tensor& w, int site = -1);
+
+// ---- recompute levels (layer.h's KeptGemms; gemm.cpp) ----
+// Makes `gemms` the active KeptGemms of this thread for its lifetime (nullptr: none).
+class KeptGemmsScope {
+ public:
+  explicit KeptGemmsScope(KeptGemms* gemms);
+  ~KeptGemmsScope();
+  KeptGemmsScope(const KeptGemmsScope&) = delete;
+  KeptGemmsScope& operator=(const KeptGemmsScope&) = delete;
+
+ private:
+  KeptGemms* prev_;
+};
+// The replay: the output kept for `site` (undefined when nothing is kept there or no replay is active).
+Tensor kept_gemm(int site);
+// The forward: keeps `y` as the output of `site` when a recording KeptGemms selects it.
+void record_gemm(int site, const Tensor& y);
+// A non-tensor argument of an autograd function carrying a kept output (not an input of the node).
+struct KeptTensor {
+  Tensor t;
+};
 // The concatenation of the parts along dim 0, or undefined when one is (absent q/k/v biases).
 Tensor cat_or_undefined(std::initializer_list<Tensor> parts);
 
@@ -77,6 +98,8 @@ std::array<Tensor, 3> split_qkv(const Tensor& qkv, int64_t q_heads, int64_t kv_h
 // q, k, v as split_qkv returns them, of x's projection by w = {Wq, Wk, Wv} (+ b, all three or none), as one
 // autograd node (qkv.cpp): one GEMM over the concatenated weights; its backward takes dq, dk, dv apart
 // (no [T, q + 2 kv] gradient concatenated, no concatenated weight saved). Casts as linear under autocast.
+// Under a KeptGemms (site kQkv), the projection is kept in forward, and the replay returns the kept one as a node
+// with the same backward.
 std::array<Tensor, 3> qkv_heads(const Tensor& x, std::array<Tensor, 3> w, std::array<Tensor, 3> b, int64_t q_heads,
                                 int64_t kv_heads, int64_t head_dim);
 // [B, heads, S, D] -> [B, S, heads * D] (contiguous).

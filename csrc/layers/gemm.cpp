@@ -19,9 +19,14 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <ATen/ExpandUtils.h>
+
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+
+#include <algorithm>
 
 #include "family.h"
 
@@ -103,14 +108,72 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const Tensor &x = saved[0], &w = saved[1];
-    torch::autograd::variable_list out(3);
-    if (!grads[0].defined()) return out;
-    const Tensor g = grads[0].reshape({-1, grads[0].size(-1)});
-    if (ctx->needs_input_grad(0)) out[0] = mm_layout(g, w).view(x.sizes());
-    if (ctx->needs_input_grad(1)) out[1] = mm_layout(g.t(), x.reshape({-1, x.size(-1)}));
-    if (ctx->saved_data.at("has_bias").toBool() && ctx->needs_input_grad(2)) out[2] = g.sum(0);
+    const bool has_bias = ctx->saved_data.at("has_bias").toBool();
+    auto g = layout_linear_backward(saved[0], saved[1], grads[0], ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                    has_bias && ctx->needs_input_grad(2));
+    return {g[0], g[1], g[2]};
+  }
+
+  // {dx, dw, db} of y = x @ w^T + b in the policy's layouts (also the kept GEMM's backward on this path).
+  static std::array<Tensor, 3> layout_linear_backward(const Tensor& x, const Tensor& w, const Tensor& grad,
+                                                      bool need_x, bool need_w, bool need_b) {
+    std::array<Tensor, 3> out;
+    if (!grad.defined()) return out;
+    const Tensor g = grad.reshape({-1, grad.size(-1)});
+    if (need_x) out[0] = mm_layout(g, w).view(x.sizes());
+    if (need_w) out[1] = mm_layout(g.t(), x.reshape({-1, x.size(-1)}));
+    if (need_b) out[2] = g.sum(0);
     return out;
+  }
+};
+
+// {dx, dw, db} of at::linear(x, w, b) for x 2-D or contiguous, as autograd computes them for its nodes: at::linear
+// flattens such an x to 2-D (a view) and runs addmm(b, x2d, w^T) (mm without bias); the node's backward is
+// torch's mm_mat1_backward / mm_mat2_backward (FunctionsManual.cpp) -- a column-major operand gets its gradient
+// computed transposed, as there --, w^T's gradient transposed back, and the bias's the incoming gradient summed to
+// the bias's shape (at::sum_to, what the engine does for addmm's broadcast input). The same operands in the same
+// calls: the same bits.
+std::array<Tensor, 3> aten_linear_backward(const Tensor& x, const Tensor& w, const Tensor& grad, bool need_x,
+                                           bool need_w, bool need_b) {
+  std::array<Tensor, 3> out;
+  if (!grad.defined()) return out;
+  const Tensor x2d = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+  const Tensor g = grad.reshape({-1, grad.size(-1)});
+  const Tensor mat2 = w.t();
+  const auto column_major = [](const Tensor& t) { return t.stride(0) == 1 && t.stride(1) == t.size(0); };
+  if (need_x) {
+    const Tensor dx2d = column_major(x2d) ? mat2.mm(g.t()).t() : g.mm(mat2.t());
+    out[0] = x.dim() == 2 ? dx2d : dx2d.reshape(x.sizes());
+  }
+  if (need_w) out[1] = (column_major(mat2) ? g.t().mm(x2d).t() : x2d.t().mm(g)).t();
+  if (need_b) {
+    const int64_t bias_size[1] = {w.size(0)};
+    out[2] = at::sum_to(g, at::IntArrayRef(bias_size, 1));
+  }
+  return out;
+}
+
+// The replay of a kept GEMM output (KeptGemms): returns it, and in backward computes the GEMM's gradients as the
+// node of the full replay would (`layouts`: gemm_linear's CPU layout policy applies, LinearFunction's backward;
+// otherwise at::linear's).
+struct KeptLinearFunction : torch::autograd::Function<KeptLinearFunction> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& w,
+                        const std::optional<Tensor>& bias, const KeptTensor& kept, bool layouts) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["layouts"] = layouts;
+    return kept.t.detach();
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const bool has_bias = ctx->saved_data.at("has_bias").toBool();
+    const bool nx = ctx->needs_input_grad(0), nw = ctx->needs_input_grad(1), nb = has_bias && ctx->needs_input_grad(2);
+    const auto g = ctx->saved_data.at("layouts").toBool()
+                       ? LinearFunction::layout_linear_backward(saved[0], saved[1], grads[0], nx, nw, nb)
+                       : aten_linear_backward(saved[0], saved[1], grads[0], nx, nw, nb);
+    return {g[0], g[1], g[2], Tensor(), Tensor()};
   }
 };
 
@@ -155,7 +218,83 @@ bool autocast_layouts_apply(const Tensor& t) {
 
 }  // namespace
 
-Tensor gemm_linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
+namespace {
+
+thread_local KeptGemms* active_gemms = nullptr;
+
+// The cast autocast would make of a linear's argument on x's device type (none outside autocast).
+Tensor linear_autocast_arg(const Tensor& t, const Tensor& x) {
+  const c10::DeviceType dt = x.device().type();
+  if (!t.defined() || (dt != c10::DeviceType::CPU && dt != c10::DeviceType::CUDA) ||
+      !at::autocast::is_autocast_enabled(dt))
+    return t;
+  return autocast_arg(t, dt);
+}
+
+// The replay of a kept output: the casts autocast (or the layout path) makes, then the kept node.
+Tensor kept_linear(const Tensor& x, const Tensor& w, const Tensor& bias, const Tensor& kept) {
+  const bool layouts = autocast_layouts_apply(x);
+  const Tensor xx = linear_autocast_arg(x, x), ww = linear_autocast_arg(w, x), bb = linear_autocast_arg(bias, x);
+  auto sizes = x.sizes().vec();
+  sizes.back() = w.size(0);
+  TORCH_CHECK(kept.sizes() == at::IntArrayRef(sizes) && kept.scalar_type() == ww.scalar_type(),
+              "ckpt_ext fused segment: the GEMM output kept in forward (", kept.sizes(), " ", kept.scalar_type(),
+              ") does not match the replay's GEMM (", at::IntArrayRef(sizes), " ", ww.scalar_type(),
+              "); the replay must run the layers as forward did");
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  return KeptLinearFunction::apply(xx, ww, opt(bb), KeptTensor{kept}, layouts);
+}
+
+Tensor plain_linear(const Tensor& x, const Tensor& w, const Tensor& bias);
+
+}  // namespace
+
+KeptGemmsScope::KeptGemmsScope(KeptGemms* gemms) : prev_(active_gemms) { active_gemms = gemms; }
+KeptGemmsScope::~KeptGemmsScope() { active_gemms = prev_; }
+
+Tensor kept_gemm(int site) {
+  const KeptGemms* g = active_gemms;
+  return g != nullptr && !g->recording && g->selects(site) ? g->out[static_cast<size_t>(site)] : Tensor();
+}
+
+void record_gemm(int site, const Tensor& y) {
+  KeptGemms* g = active_gemms;
+  if (g != nullptr && g->recording && g->selects(site)) g->out[static_cast<size_t>(site)] = y;
+}
+
+bool KeptGemms::filled() const {
+  for (const auto& t : out)
+    if (t.defined()) return true;
+  return false;
+}
+
+int64_t KeptGemms::nbytes() const {
+  int64_t n = 0;
+  std::vector<const void*> seen;
+  for (const auto& t : out) {
+    if (!t.defined()) continue;
+    const void* p = t.storage().unsafeGetStorageImpl();
+    if (std::find(seen.begin(), seen.end(), p) != seen.end()) continue;
+    seen.push_back(p);
+    n += static_cast<int64_t>(t.storage().nbytes());
+  }
+  return n;
+}
+
+Tensor gemm_linear(const Tensor& x, const Tensor& w, const Tensor& bias, int site) {
+  if (site < 0 || active_gemms == nullptr) return plain_linear(x, w, bias);
+  // kept only for the inputs at::linear flattens to a view (the backward above is that case's)
+  const bool keepable = x.dim() == 2 || x.is_contiguous();
+  const Tensor kept = kept_gemm(site);
+  if (kept.defined()) return kept_linear(x, w, bias, kept);
+  Tensor y = plain_linear(x, w, bias);
+  if (keepable && !at::GradMode::is_enabled()) record_gemm(site, y);
+  return y;
+}
+
+namespace {
+
+Tensor plain_linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
   if (!autocast_layouts_apply(x)) return at::linear(x, w, opt(bias));
   Tensor xx = x, ww = w, bb = bias;
   if (at::autocast::is_autocast_enabled(c10::DeviceType::CPU)) {
@@ -166,6 +305,8 @@ Tensor gemm_linear(const Tensor& x, const Tensor& w, const Tensor& bias) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   return LinearFunction::apply(xx, ww, opt(bb));
 }
+
+}  // namespace
 
 Tensor gemm_matmul(const Tensor& a, const Tensor& b) {
   if (!autocast_layouts_apply(a) || a.dim() < 3 || b.dim() != a.dim() ||

@@ -24,6 +24,9 @@ static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kCount, "one name pe
 enum : int64_t { kLoraAttn, kLoraAttnProj, kLoraFc, kLoraMlpProj };
 const std::vector<std::string> kLora{"attn_weight", "attn_proj_weight", "fc_weight", "mlp_proj_weight"};
 
+// The GEMM sites of the recompute levels (layer.h's KeptGemms; mlp.c_proj is the last linear's).
+enum : int { kSiteAttnProj = 1, kSiteFc = 2 };
+
 void check(const LayerSpec& s, const std::vector<Tensor>& w) {
   const int64_t H = s.hidden;
   for (int64_t i = 0; i < kCount; ++i) check_present(s, w, i, "every GPT-2 weight and bias");
@@ -40,16 +43,16 @@ LastLinear last_linear(const LayerSpec& s, const std::vector<Tensor>& w, const L
 LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, const std::vector<Tensor>& w,
                     const LayerRng& rng, const Tensor& out_slot, bool stop, KeptAttention* kept) {
   const Tensor ln1 = at::layer_norm(x, {s.hidden}, opt(w[kLn1W]), opt(w[kLn1B]), s.eps);
-  const Tensor qkv = plus_lora(conv1d(ln1, w[kAttnW], w[kAttnB]), lora_delta(s, w, kLoraAttn, ln1, rng));
+  const Tensor qkv = plus_lora(conv1d(ln1, w[kAttnW], w[kAttnB], KeptGemms::kQkv), lora_delta(s, w, kLoraAttn, ln1, rng));
   const auto [q, k, v] = split_qkv(qkv, s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
   auto [ln2, h1, mean, rstd, keep_bits] =
-      ops::bias_dropout_add_layer_norm(like(plus_lora(conv1d_nobias(ctx, w[kAttnProjW]),
+      ops::bias_dropout_add_layer_norm(like(plus_lora(conv1d_nobias(ctx, w[kAttnProjW], kSiteAttnProj),
                                                  lora_delta(s, w, kLoraAttnProj, ctx, rng)),
                                        x), opt(w[kAttnProjB]), x, w[kLn2W],
                                        opt(w[kLn2B]), effective(s.hidden_p, rng), s.eps, rng.seed, kAttnOut);
-  const Tensor fc = plus_lora(conv1d_nobias(ln2, w[kFcW]), lora_delta(s, w, kLoraFc, ln2, rng));
+  const Tensor fc = plus_lora(conv1d_nobias(ln2, w[kFcW], kSiteFc), lora_delta(s, w, kLoraFc, ln2, rng));
   const Tensor act = ops::bias_gelu(fc, opt_like(w[kFcB], fc), s.gelu_tanh ? "tanh" : "none");
   return last_linear_tail(s, w, rng, last_linear(s, w, rng), act, h1, out_slot, stop,
                           lora_delta(s, w, kLoraMlpProj, act, rng));

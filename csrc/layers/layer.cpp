@@ -66,6 +66,20 @@ void check_inputs(const LayerSpec& spec, const Tensor& hidden, const LayerInputs
   }
 }
 
+// The KeptGemms a layer call uses: `gemms`, unless the call has LoRA adapters (then none, and not_kept says why:
+// the kept nodes know the base GEMMs only, and an adapter's input gradient would join theirs).
+KeptGemms* gemms_for(const LayerSpec& spec, const std::vector<Tensor>& weights, KeptGemms* gemms) {
+  if (gemms == nullptr) return nullptr;
+  const size_t n = family(spec.family).info.slots.size();
+  for (size_t i = n; i < weights.size(); ++i) {
+    if (weights[i].defined()) {
+      gemms->not_kept = "it has LoRA adapters, whose layers keep no GEMM outputs (only what the level keeps besides)";
+      return nullptr;
+    }
+  }
+  return gemms;
+}
+
 }  // namespace
 
 const FamilyInfo& family_info(Family f) { return family(f).info; }
@@ -160,10 +174,11 @@ bool uses_dropout(const LayerSpec& spec, bool training) {
 
 LayerOutput layer_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
                           const std::vector<Tensor>& weights, const LayerRng& rng, const Tensor& out_slot,
-                          KeptAttention* kept) {
+                          KeptAttention* kept, KeptGemms* gemms) {
   check_inputs(spec, hidden, in);
   TORCH_CHECK(!out_slot.defined() || !c10::GradMode::is_enabled(),
               "ckpt_ext: a layer writes into a preallocated output only under no_grad");
+  KeptGemmsScope scope(gemms_for(spec, weights, gemms));
   return family(spec.family).forward(spec, hidden, in, weights, rng, out_slot, /*stop=*/false, kept);
 }
 
@@ -177,9 +192,11 @@ Tensor fused_layer_forward(const LayerSpec& spec, const Tensor& hidden, const La
 // ---- the segment's replay --------------------------------------------------------------------------------------
 
 LayerOutput replay_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
-                           const std::vector<Tensor>& weights, const LayerRng& rng, KeptAttention* kept) {
+                           const std::vector<Tensor>& weights, const LayerRng& rng, KeptAttention* kept,
+                           KeptGemms* gemms) {
   check_inputs(spec, hidden, in);
   const LayerFamily& fam = family(spec.family);
+  KeptGemmsScope scope(gemms_for(spec, weights, gemms));
   return fam.forward(spec, hidden, in, weights, rng, Tensor(), /*stop=*/fam.last_linear != nullptr, kept);
 }
 

@@ -30,6 +30,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -151,15 +152,45 @@ struct KeptAttention {
   static constexpr size_t kTensors = 6;
 };
 
+// Recompute levels of a checkpointed segment beyond keep-attention (keep="attention_inputs", "gemms",
+// "gemms_attention"): the outputs of a layer call's GEMMs, kept from forward to backward so that the replay runs
+// the layer without them. Each family tags its own GEMMs with a site (kQkv: the q/k/v projection, one GEMM over the
+// concatenated weights; the rest numbered by the family, kLastLinear: the linear that feeds only the residual sum,
+// which the replay of a segment's last layer skips anyway and so is never kept there). A layer call given a
+// KeptGemms with `recording` (forward, no grad) keeps the output of each site it selects (`all`, or kQkv only); one
+// given it without `recording` (the replay, grad on) gets each kept output back as an autograd node whose backward
+// is the GEMM's own -- the calls autograd makes for at::linear's node (mm/addmm backward on the same operands), or
+// the CPU layout policy's functions (gemm.cpp), or the q/k/v node's (qkv.cpp), or the last linear's
+// (residual_linear.cpp) -- so the gradients are the same bits as a full replay's. Kept: the tensors the GEMMs
+// returned (no copy), held by the segment's node. A layer call with LoRA adapters keeps none (`not_kept` says so;
+// its attention is kept as its level says).
+struct KeptGemms {
+  enum Site : int { kNone = -1, kQkv = 0, kLastLinear = 4, kCount = 5 };
+  bool all = false;        // every GEMM of the layer; false: the q/k/v projection only
+  bool recording = false;  // forward: fill; otherwise the replay: hand back
+  std::array<Tensor, kCount> out;
+  std::string not_kept;    // why this layer call kept no GEMM output ("" when it kept or was not asked to)
+
+  bool selects(int site) const { return site >= 0 && site < kCount && (all || site == kQkv); }
+  bool filled() const;
+  int64_t nbytes() const;  // bytes of the distinct storages kept
+  std::vector<Tensor> tensors() const { return {out.begin(), out.end()}; }
+  void from_tensors(const Tensor* t) {
+    for (size_t i = 0; i < kTensors; ++i) out[i] = t[i];
+  }
+  static constexpr size_t kTensors = kCount;
+};
+
 // Why torch's cuDNN attention ops cannot be called by name in this process ("" when they can; attention.cpp).
 std::string cudnn_attention_problem();
 
 // One layer. Differentiable through the weights and `hidden` when grad mode is on. `out_slot`
 // (no grad only): where to write the output (contiguous, hidden's shape), e.g. a BoundaryPool slot.
-// `kept`: keep-attention, see KeptAttention (nullptr: attention runs as usual).
+// `kept`: keep-attention, see KeptAttention (nullptr: attention runs as usual); `gemms`: the GEMM outputs of the
+// recompute levels, see KeptGemms (nullptr: the GEMMs run as usual).
 LayerOutput layer_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
                           const std::vector<Tensor>& weights, const LayerRng& rng, const Tensor& out_slot = Tensor(),
-                          KeptAttention* kept = nullptr);
+                          KeptAttention* kept = nullptr, KeptGemms* gemms = nullptr);
 
 // The entry point for one layer call outside a segment: checks the weights, draws the call's seed
 // (training with dropout) and runs layer_forward.
@@ -172,7 +203,8 @@ Tensor fused_layer_forward(const LayerSpec& spec, const Tensor& hidden, const La
 // family whose last linear only feeds the residual sum (GPT-2, Llama) stops before it, to compute its
 // gradients directly in replay_backward and save that GEMM; the others run whole.
 LayerOutput replay_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
-                           const std::vector<Tensor>& weights, const LayerRng& rng, KeptAttention* kept = nullptr);
+                           const std::vector<Tensor>& weights, const LayerRng& rng, KeptAttention* kept = nullptr,
+                           KeptGemms* gemms = nullptr);
 
 // Where backward goes from a replay_forward: autograd::grad(outputs, ..., grads) gives the rest of
 // the gradients; slot_grads are the (weight slot, gradient) pairs computed directly.
@@ -189,7 +221,9 @@ ReplayBackward replay_backward(const LayerSpec& spec, const std::vector<Tensor>&
 // batch dims). On CPUs whose reduced-precision GEMM is slow in some operand layouts (no oneDNN bfloat16),
 // the product runs in a fast layout instead, in forward and backward (autograd functions of their own);
 // elsewhere these are the ATen calls themselves.
-Tensor gemm_linear(const Tensor& x, const Tensor& w, const Tensor& bias = Tensor());
+// `site` (KeptGemms::Site, a family's own GEMMs only): under an active KeptGemms (gemm.cpp's KeptGemmsScope) the
+// output is kept (forward) or handed back (replay); -1 (LoRA adapters, anything else): never.
+Tensor gemm_linear(const Tensor& x, const Tensor& w, const Tensor& bias = Tensor(), int site = -1);
 Tensor gemm_matmul(const Tensor& a, const Tensor& b);
 // a @ b for 3-D a [n, M, K], b [n, K, N] (equal batch): at::bmm itself, or gemm_matmul's policy. Unlike
 // gemm_matmul it records no expand / reshape around the product (at::matmul's batched path does).

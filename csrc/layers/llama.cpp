@@ -36,6 +36,9 @@ enum : int64_t { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraDown }
 const std::vector<std::string> kLora{"q_weight", "k_weight", "v_weight", "o_weight", "gate_weight", "up_weight",
                                      "down_weight"};
 
+// The GEMM sites of the recompute levels (layer.h's KeptGemms; the down projection is the last linear's).
+enum : int { kSiteO = 1, kSiteGate = 2, kSiteUp = 3 };
+
 struct Decoder {
   const char* label;  // in messages
   bool qk_norm;       // qwen3: RMSNorm over each head of q and k (slots kQNormW, kKNormW), before rotary
@@ -91,7 +94,7 @@ LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
   const int64_t qw = s.num_heads * s.head_dim, kvw = s.num_kv_heads * s.head_dim;
   const Tensor qkv = plus_lora_qkv(s, w, {kLoraQ, kLoraK, kLoraV}, n1,
-                                  gemm_linear(n1, wqkv, bqkv), {qw, kvw, kvw}, rng);
+                                  gemm_linear(n1, wqkv, bqkv, KeptGemms::kQkv), {qw, kvw, kvw}, rng);
   auto [q_raw, k_raw, v] = split_qkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim);
   if (d.qk_norm) {
     q_raw = head_rms_norm(s, q_raw, w[kQNormW]);
@@ -103,11 +106,11 @@ LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
   auto [n2, h1, rstd] = ops::add_rms_norm(
-      like(plus_lora(gemm_linear(ctx, w[kOW], w[kOB]), lora_delta(s, w, kLoraO, ctx, rng)), x), x,
+      like(plus_lora(gemm_linear(ctx, w[kOW], w[kOB], kSiteO), lora_delta(s, w, kLoraO, ctx, rng)), x), x,
       norm_weight(d, w[kLn2W]), s.eps);
   // Two GEMMs rather than one over [gate; up]: the gated activation reads contiguous halves without a copy.
-  const Tensor gate = plus_lora(gemm_linear(n2, w[kGateW], w[kGateB]), lora_delta(s, w, kLoraGate, n2, rng));
-  const Tensor up = plus_lora(gemm_linear(n2, w[kUpW], w[kUpB]), lora_delta(s, w, kLoraUp, n2, rng));
+  const Tensor gate = plus_lora(gemm_linear(n2, w[kGateW], w[kGateB], kSiteGate), lora_delta(s, w, kLoraGate, n2, rng));
+  const Tensor up = plus_lora(gemm_linear(n2, w[kUpW], w[kUpB], kSiteUp), lora_delta(s, w, kLoraUp, n2, rng));
   const Tensor act = d.gelu ? ops::geglu(gate, up, s.gelu_tanh ? "tanh" : "none") : ops::swiglu(gate, up);
   return last_linear_tail(s, w, rng, last_linear(s, w, rng), act, h1, out_slot, stop,
                           lora_delta(s, w, kLoraDown, act, rng));

@@ -33,6 +33,15 @@ struct QkvFunction : torch::autograd::Function<QkvFunction> {
                                                 int64_t head_dim) {
     const bool bias = bq.has_value() && bq->defined();
     const Tensor qkv = gemm_linear(x, at::cat({wq, wk, wv}, 0), bias ? at::cat({*bq, *bk, *bv}, 0) : Tensor());
+    record_gemm(KeptGemms::kQkv, qkv);  // a recompute level's forward keeps it (KeptGemms)
+    return finish(ctx, x, wq, wk, wv, bias, qkv, q_heads, kv_heads, head_dim);
+  }
+
+  // Saves what backward needs and returns q, k, v of the projection `qkv` (also the kept node's forward).
+  static torch::autograd::variable_list finish(torch::autograd::AutogradContext* ctx, const Tensor& x,
+                                               const Tensor& wq, const Tensor& wk, const Tensor& wv, bool bias,
+                                               const Tensor& qkv, int64_t q_heads, int64_t kv_heads,
+                                               int64_t head_dim) {
     ctx->save_for_backward({x, wq, wk, wv});
     ctx->saved_data["bias"] = bias;
     const auto parts = split_qkv(qkv, q_heads, kv_heads, head_dim);
@@ -41,10 +50,18 @@ struct QkvFunction : torch::autograd::Function<QkvFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    auto out = gradients(ctx, grads);
+    out.resize(10);
+    return out;
+  }
+
+  // {dx, dwq, dwk, dwv, dbq, dbk, dbv}.
+  static torch::autograd::variable_list gradients(torch::autograd::AutogradContext* ctx,
+                                                  const torch::autograd::variable_list& grads) {
     const auto saved = ctx->get_saved_variables();
     const Tensor& x = saved[0];
     const bool bias = ctx->saved_data.at("bias").toBool();
-    torch::autograd::variable_list out(10);
+    torch::autograd::variable_list out(7);
     const Tensor x2d = x.reshape({-1, x.size(-1)});
     Tensor dx;
     for (int i = 0; i < 3; ++i) {
@@ -56,6 +73,25 @@ struct QkvFunction : torch::autograd::Function<QkvFunction> {
       if (bias && ctx->needs_input_grad(4 + i)) out[4 + i] = g.sum(0);
     }
     if (dx.defined()) out[0] = dx.view(x.sizes());
+    return out;
+  }
+};
+
+// The replay of a kept projection (KeptGemms, site kQkv): q, k, v of the kept output, and QkvFunction's backward.
+struct KeptQkvFunction : torch::autograd::Function<KeptQkvFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const Tensor& x,
+                                                const Tensor& wq, const Tensor& wk, const Tensor& wv,
+                                                const std::optional<Tensor>& bq, const std::optional<Tensor>& bk,
+                                                const std::optional<Tensor>& bv, const KeptTensor& kept,
+                                                int64_t q_heads, int64_t kv_heads, int64_t head_dim) {
+    return QkvFunction::finish(ctx, x, wq, wk, wv, bq.has_value() && bq->defined(), kept.t.detach(), q_heads,
+                               kv_heads, head_dim);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto out = QkvFunction::gradients(ctx, grads);
+    out.resize(11);
     return out;
   }
 };
@@ -80,6 +116,18 @@ std::array<Tensor, 3> qkv_heads(const Tensor& x, std::array<Tensor, 3> w, std::a
     }
   }
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const Tensor kept = kept_gemm(KeptGemms::kQkv);
+  if (kept.defined()) {
+    const int64_t width = (q_heads + 2 * kv_heads) * head_dim;
+    TORCH_CHECK(kept.dim() == 3 && kept.size(0) == x.size(0) && kept.size(1) == x.size(1) && kept.size(2) == width &&
+                    kept.scalar_type() == w[0].scalar_type(),
+                "ckpt_ext fused segment: the q/k/v projection kept in forward (", kept.sizes(), ") does not match the "
+                "replay's; the replay must run the layers as forward did");
+    const auto r = KeptQkvFunction::apply(xx, w[0], w[1], w[2], bias ? opt(b[0]) : std::nullopt,
+                                          bias ? opt(b[1]) : std::nullopt, bias ? opt(b[2]) : std::nullopt,
+                                          KeptTensor{kept}, q_heads, kv_heads, head_dim);
+    return {r[0], r[1], r[2]};
+  }
   const auto r = QkvFunction::apply(xx, w[0], w[1], w[2], bias ? opt(b[0]) : std::nullopt,
                                     bias ? opt(b[1]) : std::nullopt, bias ? opt(b[2]) : std::nullopt, q_heads,
                                     kv_heads, head_dim);

@@ -30,11 +30,17 @@ Tensor matmul_2d(const Tensor& x, const LastLinear& lin) {
 struct ResidualLinearFunction : torch::autograd::Function<ResidualLinearFunction> {
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                         const std::optional<Tensor>& bias, const Tensor& residual, bool conv1d, double p,
-                        int64_t seed, int64_t offset) {
+                        int64_t seed, int64_t offset, const KeptTensor& kept) {
     LastLinear lin{weight, bias.has_value() ? *bias : Tensor(), conv1d, p, offset, -1, -1};
+    // A recompute level's replay: the GEMM's output kept in forward (KeptGemms), no GEMM.
+    Tensor y2d = kept.t;
+    if (!y2d.defined()) {
+      y2d = matmul_2d(x, lin);
+      record_gemm(KeptGemms::kLastLinear, y2d);  // a recompute level's forward keeps it
+    }
     // The GEMM's output joins the residual stream in the stream's dtype (Hugging Face's residual add
     // promotes the same way under autocast).
-    const Tensor y = in_dtype(matmul_2d(x, lin).view(residual.sizes()), residual.scalar_type());
+    const Tensor y = in_dtype(y2d.view(residual.sizes()), residual.scalar_type());
     ctx->save_for_backward({x, weight});
     ctx->saved_data["conv1d"] = conv1d;
     ctx->saved_data["has_bias"] = lin.bias.defined();
@@ -51,7 +57,7 @@ struct ResidualLinearFunction : torch::autograd::Function<ResidualLinearFunction
     const bool has_bias = ctx->saved_data.at("has_bias").toBool();
     LastLinear lin{saved[1], Tensor(), ctx->saved_data.at("conv1d").toBool(), ctx->saved_data.at("p").toDouble(),
                    ctx->saved_data.at("offset").toInt(), -1, -1};
-    torch::autograd::variable_list out(8);
+    torch::autograd::variable_list out(9);
     const Tensor& grad = grads[0];
     if (!grad.defined()) return out;
     // Edges: x, weight, bias (if present), residual.
@@ -70,7 +76,14 @@ struct ResidualLinearFunction : torch::autograd::Function<ResidualLinearFunction
 }  // namespace
 
 Tensor residual_linear(const Tensor& x, const LastLinear& lin, const Tensor& residual, int64_t seed) {
-  return ResidualLinearFunction::apply(x, lin.weight, opt(lin.bias), residual, lin.conv1d, lin.p, seed, lin.offset);
+  const Tensor kept = kept_gemm(KeptGemms::kLastLinear);
+  if (kept.defined()) {
+    TORCH_CHECK(kept.dim() == 2 && kept.size(0) * kept.size(1) == residual.numel() && kept.scalar_type() == x.scalar_type(),
+                "ckpt_ext fused segment: the last linear's output kept in forward (", kept.sizes(), ") does not match "
+                "the replay's; the replay must run the layers as forward did");
+  }
+  return ResidualLinearFunction::apply(x, lin.weight, opt(lin.bias), residual, lin.conv1d, lin.p, seed, lin.offset,
+                                       KeptTensor{kept});
 }
 
 ResidualLinearGrads residual_linear_backward(const Tensor& grad, const Tensor& x, const LastLinear& lin, int64_t seed,

@@ -45,6 +45,10 @@ struct SegmentState : torch::CustomClassHolder {
   // forward, so that autograd frees them after backward; here remain the kernel and the layer's name.
   bool keep_attention = false;
   std::vector<layers::KeptAttention> kept;
+  // Recompute levels (layers::KeptGemms): per layer, its GEMM outputs kept in forward (none when empty), moved into
+  // the node's saved variables after the attention's, likewise.
+  std::vector<layers::KeptGemms> kept_gemms;
+  std::vector<int64_t> gemm_bytes;  // per layer, the bytes its forward kept (segment_apply reports them)
 
   // Throws when a parameter was modified in place since forward (the replay would use new values).
   void check_versions() const {
@@ -88,13 +92,16 @@ class SegmentAutocast {
 // (and the caller's autograd::grad) under the backward's own, as in the un-checkpointed backward.
 // `kept` (keep-attention): per layer, the attention forward's kept outputs; the layers then run no
 // attention forward (a layer whose attention kept nothing runs it: full recompute of that layer).
+// `gemms` (recompute levels): per layer, the GEMM outputs kept in forward, handed back instead of running the GEMMs.
 layers::ReplayBackward replay(const SegmentState& st, const at::Tensor& x, const std::vector<at::Tensor>& values,
                               const at::Tensor& grad_out, const std::vector<bool>& need_param,
-                              std::vector<layers::KeptAttention>* kept) {
+                              std::vector<layers::KeptAttention>* kept,
+                              std::vector<layers::KeptGemms>* gemms = nullptr) {
   const size_t last = st.specs.size() - 1;
   const auto w = st.weights_of(last, values);
   const layers::LayerRng rng{st.training, st.seeds[last]};
   auto kept_of = [&](size_t l) { return kept != nullptr && (*kept)[l].filled() ? &(*kept)[l] : nullptr; };
+  auto gemms_of = [&](size_t l) { return gemms != nullptr && (*gemms)[l].filled() ? &(*gemms)[l] : nullptr; };
   at::AutoGradMode grad_mode(true);
   RecomputingScope recomputing;
   layers::LayerOutput tail;
@@ -103,9 +110,9 @@ layers::ReplayBackward replay(const SegmentState& st, const at::Tensor& x, const
     at::Tensor h = x;
     for (size_t l = 0; l < last; ++l)
       h = layers::layer_forward(st.specs[l], h, st.inputs, st.weights_of(l, values),
-                                layers::LayerRng{st.training, st.seeds[l]}, at::Tensor(), kept_of(l))
+                                layers::LayerRng{st.training, st.seeds[l]}, at::Tensor(), kept_of(l), gemms_of(l))
               .out;
-    tail = layers::replay_forward(st.specs[last], h, st.inputs, w, rng, kept_of(last));
+    tail = layers::replay_forward(st.specs[last], h, st.inputs, w, rng, kept_of(last), gemms_of(last));
   }
   std::vector<bool> need_slot;
   need_slot.reserve(st.weight_index[last].size());
@@ -127,7 +134,10 @@ at::Tensor run_forward(SegmentState& st, const at::Tensor& hidden) {
     at::Tensor slot;
     if (l + 1 == K) slot = pool->empty(h.sizes(), c10::contiguous_strides(h.sizes()), h.scalar_type());
     layers::KeptAttention* kept = st.keep_attention ? &st.kept[l] : nullptr;
-    h = layers::layer_forward(st.specs[l], h, st.inputs, st.weights_of(l, st.params), rng, slot, kept).out;
+    layers::KeptGemms* gemms = st.kept_gemms.empty() ? nullptr : &st.kept_gemms[l];
+    if (gemms != nullptr) gemms->recording = true;
+    h = layers::layer_forward(st.specs[l], h, st.inputs, st.weights_of(l, st.params), rng, slot, kept, gemms).out;
+    if (gemms != nullptr) gemms->recording = false;
     if (kept != nullptr && kept->filled()) {  // the kernel's output and log-sum-exp into the pool, strides kept
       kept->out = pool->store(kept->out);
       kept->lse = pool->store(kept->lse);
@@ -155,14 +165,15 @@ void release_unread_root(const at::Tensor& t) {
 // hooks see the inner autograd::grad.
 variable_list replay_grads(const SegmentState& st, const at::Tensor& saved, const at::Tensor& grad_out,
                            bool need_hidden, const std::vector<bool>& need_param,
-                           std::vector<layers::KeptAttention>* kept = nullptr) {
+                           std::vector<layers::KeptAttention>* kept = nullptr,
+                           std::vector<layers::KeptGemms>* gemms = nullptr) {
   const size_t P = st.params.size();
   variable_list result(1 + P);
   at::Tensor x = saved.detach();
   if (need_hidden) x.requires_grad_(true);
   std::vector<at::Tensor> aliases(P);
   for (size_t j = 0; j < P; ++j) aliases[j] = st.params[j].detach().requires_grad_(need_param[j]);
-  const layers::ReplayBackward rep = replay(st, x, aliases, grad_out, need_param, kept);
+  const layers::ReplayBackward rep = replay(st, x, aliases, grad_out, need_param, kept, gemms);
   variable_list targets;
   std::vector<size_t> target_slot;  // result index of each target
   if (need_hidden) {
@@ -198,6 +209,11 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
       for (auto& t : k.tensors()) saved.push_back(t);
       k.from_tensors(std::vector<at::Tensor>(layers::KeptAttention::kTensors).data());
     }
+    for (auto& g : st->kept_gemms) {  // the recompute levels' GEMM outputs, likewise
+      st->gemm_bytes.push_back(g.nbytes());
+      for (auto& t : g.tensors()) saved.push_back(t);
+      g.from_tensors(std::vector<at::Tensor>(layers::KeptGemms::kTensors).data());
+    }
     ctx->save_for_backward(saved);
     ctx->saved_data["state"] = at::IValue::make_capsule(st);
     return {h};
@@ -224,8 +240,11 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
     if (!any) return result;
     std::vector<layers::KeptAttention> kept = st->kept;
     for (size_t l = 0; l < kept.size(); ++l) kept[l].from_tensors(&saved[1 + l * layers::KeptAttention::kTensors]);
+    std::vector<layers::KeptGemms> gemms = st->kept_gemms;
+    const size_t gemms_at = 1 + kept.size() * layers::KeptAttention::kTensors;
+    for (size_t l = 0; l < gemms.size(); ++l) gemms[l].from_tensors(&saved[gemms_at + l * layers::KeptGemms::kTensors]);
     const variable_list grads = replay_grads(*st, saved[0], grad_out, need_hidden, need_param,
-                                             st->keep_attention ? &kept : nullptr);
+                                             st->keep_attention ? &kept : nullptr, gemms.empty() ? nullptr : &gemms);
     std::copy(grads.begin(), grads.end(), result.begin() + 1);
     return result;
   }
@@ -275,7 +294,10 @@ c10::intrusive_ptr<SegmentState> make_state(const std::vector<layers::LayerSpec>
 
 at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
                          const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
-                         bool training, bool keep_attention, std::vector<std::string>* not_kept) {
+                         bool training, bool keep_attention, std::vector<std::string>* not_kept, int gemm_level,
+                         std::vector<int64_t>* gemm_bytes, std::vector<std::string>* gemm_not_kept) {
+  TORCH_CHECK(gemm_level >= 0 && gemm_level <= 2, "ckpt_ext fused segment: gemm_level must be 0 (none), 1 (the q/k/v "
+              "projections) or 2 (every GEMM), got ", gemm_level);
   for (const at::Tensor* t : {&inputs.mask, &inputs.cos, &inputs.sin}) {
     TORCH_CHECK(!t->defined() || !t->requires_grad(),
                 "ckpt_ext fused segment: the attention mask and rotary tables must not require grad (their "
@@ -290,6 +312,10 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
                         ") of a checkpointed segment of " + std::to_string(specs.size());
     }
   }
+  if (gemm_level > 0) {
+    st->kept_gemms.resize(specs.size());
+    for (auto& g : st->kept_gemms) g.all = gemm_level == 2;
+  }
   std::vector<at::Tensor> all;
   all.reserve(1 + st->params.size());
   all.push_back(hidden);
@@ -298,6 +324,11 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
   if (not_kept != nullptr) {
     not_kept->clear();
     for (const auto& k : st->kept) not_kept->push_back(k.not_kept);
+  }
+  if (gemm_bytes != nullptr) *gemm_bytes = st->gemm_bytes;
+  if (gemm_not_kept != nullptr) {
+    gemm_not_kept->clear();
+    for (const auto& g : st->kept_gemms) gemm_not_kept->push_back(g.not_kept);
   }
   return out;
 }

@@ -32,9 +32,15 @@ namespace ckpt_ext {
 // calling the attention kernel's backward op with them (layers::KeptAttention). A layer whose attention
 // runs no kernel with a log-sum-exp (SDPA's math path, attention dropout on CPU) keeps nothing and is
 // replayed in full; `not_kept` (when given) receives, per layer, why ("" for a layer that kept its attention).
+// `gemm_level` (recompute levels, layers::KeptGemms): 0 keeps no GEMM output, 1 each layer's q/k/v projection, 2
+// every GEMM's (the last layer's last linear excepted: its replay skips it anyway); the replay hands them back
+// (bit-identical gradients). `gemm_bytes` / `gemm_not_kept` (when given) receive, per layer, the bytes kept and why
+// nothing was ("" otherwise: LoRA adapters).
 at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
                          const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
-                         bool training, bool keep_attention = false, std::vector<std::string>* not_kept = nullptr);
+                         bool training, bool keep_attention = false, std::vector<std::string>* not_kept = nullptr,
+                         int gemm_level = 0, std::vector<int64_t>* gemm_bytes = nullptr,
+                         std::vector<std::string>* gemm_not_kept = nullptr);
 
 // The operators ckpt_ext::fused_segment(specs, hidden, mask, cos, sin, weights, layout, training, seeds,
 // autocast_dtype) -> out and ckpt_ext::fused_segment_backward(..., needs) -> grads: the same segment as a
