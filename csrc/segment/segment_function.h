@@ -18,6 +18,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,13 @@ namespace ckpt_ext {
 at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
                          const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
                          bool training, bool keep_attention = false, std::vector<std::string>* not_kept = nullptr);
+
+// BERT's pre-norm boundary between eager segments (layers::PreNormBoundary): a segment whose last layer has one
+// keeps it (not its output) and replays without that layer's output linear and norm; a segment called on such
+// a segment's output (unchanged) keeps not its input but that boundary, recomputing the input in its replay.
+// The compiled operators below keep today's behaviour. On by default; `enable` sets it (tests compare both);
+// returns the setting before the call.
+bool pre_norm_boundaries(std::optional<bool> enable);
 
 // The operators ckpt_ext::fused_segment(specs, hidden, mask, cos, sin, weights, layout, training, seeds,
 // autocast_dtype) -> out and ckpt_ext::fused_segment_backward(..., needs) -> grads: the same segment as a
