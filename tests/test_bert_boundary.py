@@ -340,6 +340,18 @@ def test_retain_graph_second_backward():
         assert torch.equal(a, b)
 
 
+def test_second_backward_without_retain_graph_is_refused():
+    model = fuse(make_model("bert", dropout=0.2, layers=2)).train()
+    ck = _ckpt(model, 1)
+    with boundaries(True):
+        out = ck(**inputs_for("bert", padding=True)).last_hidden_state
+        node = out.grad_fn
+        g = torch.ones_like(out)
+        out.backward(g)
+        with pytest.raises(RuntimeError, match="second time"):
+            torch.autograd.backward(out, g)
+
+
 def test_gpt2_is_unchanged():
     """GPT-2 has no pre-norm boundary: each segment keeps its input (three pooled slots after forward), the same
     gradients."""

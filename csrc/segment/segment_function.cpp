@@ -63,6 +63,7 @@ struct SegmentState : torch::CustomClassHolder {
     uint32_t version_at_forward;
   };
   std::optional<InputBoundary> input_from;
+  bool boundaries_used = false;  // a backward without retain_graph used (and dropped) them
 
   // Throws when a parameter was modified in place since forward (the replay would use new values).
   void check_versions() const {
@@ -305,6 +306,9 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
     for (size_t l = 0; l < kept.size(); ++l) kept[l].from_tensors(&saved[1 + l * layers::KeptAttention::kTensors]);
     // The boundaries are used once and dropped, unless the graph is retained for another backward.
     const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+    TORCH_CHECK(!st->boundaries_used, "ckpt_ext fused segment: trying to backward through the segment a second "
+                "time, after its kept boundaries were freed; specify retain_graph=True in the first backward");
+    st->boundaries_used = !keep_graph && (st->input_from || st->keeps_boundary);
     const at::Tensor input = st->input_from ? input_from_boundary(*st, keep_graph) : saved[0];
     layers::PreNormBoundary boundary;
     if (st->keeps_boundary) {
