@@ -14,6 +14,11 @@
 // layers' replay interface (layer.h: replay_forward / replay_backward), which lets a family skip its
 // last linear (GPT-2, Llama: its gradients come directly from the incoming gradient, saving one of
 // the layer's four large GEMMs). The segment knows no family.
+//
+// BERT/RoBERTa (layers::PreNormBoundary): a segment keeps its last layer's pre-norm sum and norm statistics
+// instead, its replay stops before that layer's output linear and norm, and the next segment, called on this
+// segment's unchanged output, keeps that sum rather than its input and recomputes the input from it
+// (pre_norm_boundaries below).
 #pragma once
 
 #include <ATen/core/Tensor.h>
