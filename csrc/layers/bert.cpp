@@ -104,50 +104,68 @@ Tensor bert_output_from_pre_norm(const LayerSpec& s, const std::vector<Tensor>& 
 
 namespace {
 
-// The end of a BERT layer replayed from its boundary, as one autograd node whose forward computes nothing:
-// out = LN2(h1 + dropout(inter W^T + b)) with pre_norm, mean and rstd those the forward stored. Its backward is
-// the norm's node backward as BiasDropoutAddLayerNormFunction runs it (no gradient reaches the pre_norm output;
-// the dropout mask regenerated from the seed: the CPU forward's keep bits hold the same mask), then the output
-// linear's gradients as autograd computes them in the un-checkpointed layer (gemm_linear_grads; autocast: the
-// gradient back in the GEMM's dtype and W as autocast cast it, W's gradient cast back). A node rather than
-// gradients handed to autograd::grad, so that autograd frees what it no longer needs as it goes (the boundary
-// after the norm's backward, inter's gradient after bias_gelu's), as in the layer run whole.
-struct PreNormTailFunction : torch::autograd::Function<PreNormTailFunction> {
-  // Tensor arguments (some undefined: absent biases): inter, h1, out_w, out_b, ln_w, ln_b, pre_norm, mean, rstd.
-  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& inter, const Tensor& h1,
-                        const Tensor& out_w, const Tensor& out_b, const Tensor& ln_w, const Tensor& ln_b,
-                        const Tensor& pre_norm, const Tensor& mean, const Tensor& rstd, double p, int64_t seed) {
-    ctx->save_for_backward({inter, out_w, ln_w, pre_norm, mean, rstd});
-    ctx->saved_data["p"] = p;
-    ctx->saved_data["seed"] = seed;
-    ctx->saved_data["has_out_b"] = out_b.defined();
-    // Nothing is computed: the output only roots the backward (no memory: a broadcast scalar).
-    return at::zeros({}, h1.options()).expand(h1.sizes());
+// The end of a BERT layer replayed from its boundary, out = LN2(h1 + dropout(o + b)), o = like(inter W^T, h1), as
+// two autograd nodes that compute nothing in forward (their outputs are broadcast zeros, only roots and edges).
+// Two, as the layer run whole has them, so that autograd frees the boundary after the norm's backward and
+// before the output linear's GEMMs, and dX after bias_gelu's backward.
+Tensor nothing_like(const Tensor& t) { return at::zeros({}, t.options()).expand(t.sizes()); }
+
+// o = inter W^T in the residual stream's dtype (of h1). Backward: the output linear's gradients as autograd
+// computes them in the un-checkpointed layer (gemm_linear_grads; autocast: the gradient cast to the GEMM's dtype as
+// like()'s cast does, W as autocast cast it, W's gradient cast back).
+struct OutLinearTailFunction : torch::autograd::Function<OutLinearTailFunction> {
+  // h1: only its shape and dtype (a detached alias: no edge).
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& inter, const Tensor& W,
+                        const Tensor& h1) {
+    ctx->save_for_backward({inter, W});
+    return nothing_like(h1);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    torch::autograd::variable_list out(11);
+    torch::autograd::variable_list out(3);
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    if (!grads[0].defined() || !(need_x || need_w)) return out;
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &inter = saved[0], &W = saved[1];
+    const auto cdt = inter.scalar_type();
+    const Tensor g = grads[0].scalar_type() == cdt ? grads[0] : grads[0].to(cdt);
+    auto [dx, dw] = gemm_linear_grads(g, inter, W.scalar_type() == cdt ? W : W.to(cdt), need_x, need_w);
+    out[0] = dx;
+    if (need_w) out[1] = dw.scalar_type() == W.scalar_type() ? dw : dw.to(W.scalar_type());
+    return out;
+  }
+};
+
+// out = LN2(h1 + dropout(o + out_b)) with the stored pre_norm, mean, rstd. Backward: the norm's node backward as
+// BiasDropoutAddLayerNormFunction runs it (no gradient reaches its pre_norm output; the dropout mask regenerated
+// from the seed: the CPU forward's keep bits hold the same mask), the dense bias's gradient from the kernel.
+// Tensor arguments (biases may be undefined): o, h1, out_b, ln_w, ln_b, pre_norm, mean, rstd.
+struct NormTailFunction : torch::autograd::Function<NormTailFunction> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& o, const Tensor& h1, const Tensor& out_b,
+                        const Tensor& ln_w, const Tensor& ln_b, const Tensor& pre_norm, const Tensor& mean,
+                        const Tensor& rstd, double p, int64_t seed) {
+    ctx->save_for_backward({ln_w, pre_norm, mean, rstd});
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["seed"] = seed;
+    ctx->saved_data["has_out_b"] = out_b.defined();
+    return nothing_like(h1);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    torch::autograd::variable_list out(10);
     if (!grads[0].defined()) return out;
-    auto saved = ctx->get_saved_variables();
-    const Tensor inter = saved[0], W = saved[1];
-    const bool need_b = ctx->saved_data.at("has_out_b").toBool() && ctx->needs_input_grad(3);
+    const auto saved = ctx->get_saved_variables();
+    const bool need_b = ctx->saved_data.at("has_out_b").toBool() && ctx->needs_input_grad(2);
     auto [grad_o, grad_h1, grad_ln_w, grad_ln_b, grad_bias] = ops::bias_dropout_add_layer_norm_backward(
-        grads[0], std::nullopt, saved[3], saved[2], saved[4], saved[5], ctx->saved_data.at("p").toDouble(),
+        grads[0], std::nullopt, saved[1], saved[0], saved[2], saved[3], ctx->saved_data.at("p").toDouble(),
         ctx->saved_data.at("seed").toInt(), kMlpOut, std::nullopt, need_b);
-    saved.clear();  // the boundary's last use here
+    if (ctx->needs_input_grad(0)) out[0] = grad_o;
     if (ctx->needs_input_grad(1)) out[1] = grad_h1;
-    if (need_b) out[3] = grad_bias;
-    if (ctx->needs_input_grad(4)) out[4] = grad_ln_w;
-    if (ctx->needs_input_grad(5)) out[5] = grad_ln_b;
-    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(2);
-    if (need_x || need_w) {
-      const auto cdt = inter.scalar_type();
-      const Tensor g = grad_o.scalar_type() == cdt ? grad_o : grad_o.to(cdt);
-      auto [dx, dw] = gemm_linear_grads(g, inter, W.scalar_type() == cdt ? W : W.to(cdt), need_x, need_w);
-      out[0] = dx;
-      if (need_w) out[2] = dw.scalar_type() == W.scalar_type() ? dw : dw.to(W.scalar_type());
-    }
+    if (need_b) out[2] = grad_bias;
+    if (ctx->needs_input_grad(3)) out[3] = grad_ln_w;
+    if (ctx->needs_input_grad(4)) out[4] = grad_ln_b;
     return out;
   }
 };
@@ -161,9 +179,9 @@ ReplayBackward bert_pre_norm_backward(const LayerSpec& s, const std::vector<Tens
               "ckpt_ext: the BERT boundary replay needs the kept pre-norm sum and a replay stopped before the "
               "output linear");
   ReplayBackward r;
-  r.outputs.push_back(PreNormTailFunction::apply(replayed.last_input, replayed.residual, w[kOutW], w[kOutB],
-                                                 w[kLn2W], w[kLn2B], b.pre_norm, b.mean, b.rstd,
-                                                 effective(s.hidden_p, rng), rng.seed));
+  const Tensor o = OutLinearTailFunction::apply(replayed.last_input, w[kOutW], replayed.residual.detach());
+  r.outputs.push_back(NormTailFunction::apply(o, replayed.residual, w[kOutB], w[kLn2W], w[kLn2B], b.pre_norm, b.mean,
+                                              b.rstd, effective(s.hidden_p, rng), rng.seed));
   r.grads.push_back(grad_out);
   return r;
 }
