@@ -271,6 +271,23 @@ def test_boundaries_released_as_backward_reaches_them():
         assert sum(n for b, n in new.items() if txh < b <= txh + 1024) == 0, k
 
 
+def test_forward_without_backward_frees_the_boundaries():
+    """A graph dropped without backward frees the pre-norm sums and statistics at once (the thread's offer of the
+    last segment holds weak references only)."""
+    import helpers.benchmarks  # noqa: F401
+    import bench_head
+    model = fuse(_tiny_bert(3)[0].train())
+    ckpt_ext.enable_checkpointing(model, every=1)
+    ids = torch.randint(0, 50, (8, 16))
+    with boundaries(True), _own_chunks():
+        live = bench_head.LiveBytes()
+        with live:
+            out = model(input_ids=ids).last_hidden_state
+            during = live.current
+            del out
+        assert during > 0 and live.current == 0
+
+
 def test_peak_live_bytes_no_higher():
     """The traced step's peak of live tensor bytes (bench_work --peak; a tiny BERT of 4 layers, I = 4 H, every=1;
     Python's garbage collection off during the steps, so that it does not move the peaks): with the boundary no

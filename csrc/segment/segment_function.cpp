@@ -65,6 +65,15 @@ struct SegmentState : torch::CustomClassHolder {
   std::optional<InputBoundary> input_from;
   bool boundaries_used = false;  // a backward without retain_graph used (and dropped) them
 
+  // The last strong reference is gone (the graph freed, with or without a backward); a weak one may remain (the
+  // thread's offered boundary, until the next segment call), which keeps the object, not its tensors.
+  void release_resources() override {
+    boundary = layers::PreNormBoundary();
+    input_from.reset();
+    params.clear();
+    kept.clear();
+  }
+
   // Throws when a parameter was modified in place since forward (the replay would use new values).
   void check_versions() const {
     for (size_t j = 0; j < params.size(); ++j) {
