@@ -155,6 +155,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("spec"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
       py::arg("training"));
+  m.def("pre_norm_boundaries", &ckpt_ext::pre_norm_boundaries, py::arg("enable") = py::none(),
+        "BERT's pre-norm boundary between fused segments: on/off (None: unchanged); returns the setting before");
   m.def("register_spec", &ckpt_ext::register_spec, py::arg("spec"),
         "An id naming `spec` in the ckpt_ext::fused_segment operators (torch.compile's path)");
   m.def(

@@ -5,6 +5,10 @@
 //   h1  = LN(x + dropout(ctx Wo^T + bo))                      bias_dropout_add_layer_norm
 //   out = LN(h1 + dropout(gelu(h1 Wi^T + bi) Wo2^T + bo2))    bias_gelu, bias_dropout_add_layer_norm
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <tuple>
 
 #include "../ops/ops.h"
 #include "family.h"
@@ -41,9 +45,14 @@ void check(const LayerSpec& s, const std::vector<Tensor>& w) {
   check_matrix(s, "output.dense.weight", w[kOutW], H, w[kInterW].size(0));
 }
 
+bool has_out_adapter(const LayerSpec& s, const std::vector<Tensor>& w) {
+  return any_adapter(s, w, {kLoraOut, kLoraOut, kLoraOut});
+}
+
+// `stop` (pre_norm_replay_forward only; BERT has no last_linear): return before the output linear, with its
+// input and h1, when it has no adapter.
 LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, const std::vector<Tensor>& w,
-                    const LayerRng& rng, const Tensor& out_slot, bool /*stop: no last_linear*/,
-                    KeptAttention* kept) {
+                    const LayerRng& rng, const Tensor& out_slot, bool stop, KeptAttention* kept) {
   const double hidden_p = effective(s.hidden_p, rng);
   const int64_t H = s.hidden;
   // Without adapters, the projection's own node (qkv.cpp: no gradient concatenation in backward).
@@ -63,11 +72,18 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
                                                                  hidden_p, s.eps, rng.seed, kAttnOut));
   const Tensor i = plus_lora(gemm_linear(h1, w[kInterW], Tensor(), kSiteInter), lora_delta(s, w, kLoraInter, h1, rng));
   const Tensor inter = ops::bias_gelu(i, opt_like(w[kInterB], i), s.gelu_tanh ? "tanh" : "none");
+  if (stop && !has_out_adapter(s, w)) {
+    LayerOutput r;
+    r.last_input = inter;
+    r.residual = h1;
+    return r;
+  }
   const Tensor o = like(plus_lora(gemm_linear(inter, w[kOutW], Tensor(), kSiteOut), lora_delta(s, w, kLoraOut, inter, rng)), h1);
   LayerOutput r;
   if (out_slot.defined()) {
-    ops::bias_dropout_add_layer_norm_into(o, opt(w[kOutB]), h1, w[kLn2W], opt(w[kLn2B]), hidden_p, s.eps, rng.seed,
-                                          kMlpOut, out_slot);
+    // The pre-norm boundary (layer.h) comes with it; the segment keeps it or drops it.
+    std::tie(r.pre_norm, r.mean, r.rstd) = ops::bias_dropout_add_layer_norm_into(
+        o, opt(w[kOutB]), h1, w[kLn2W], opt(w[kLn2B]), hidden_p, s.eps, rng.seed, kMlpOut, out_slot);
     r.out = out_slot;
   } else {
     r.out = std::get<0>(ops::bias_dropout_add_layer_norm(o, opt(w[kOutB]), h1, w[kLn2W], opt(w[kLn2B]), hidden_p,
@@ -77,6 +93,101 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
 }
 
 }  // namespace
+
+// ---- the pre-norm boundary (layer.h) --------------------------------------------------------------------------
+
+bool bert_has_pre_norm_boundary(const LayerSpec& s, const std::vector<Tensor>& w) { return !has_out_adapter(s, w); }
+
+Tensor bert_output_from_pre_norm(const LayerSpec& s, const std::vector<Tensor>& w, const Tensor& pre_norm) {
+  at::NoGradGuard no_grad;
+  // The forward's norm kernel with no bias, dropout or residual: the sum it stores is pre_norm itself, and it
+  // normalises what it stores.
+  return std::get<0>(ops::add_layer_norm(pre_norm, std::nullopt, w[kLn2W], opt(w[kLn2B]), s.eps));
+}
+
+namespace {
+
+// The end of a BERT layer replayed from its boundary, out = LN2(h1 + dropout(o + b)), o = like(inter W^T, h1), as
+// two autograd nodes that compute nothing in forward (their outputs are broadcast zeros, only roots and edges).
+// Two, as the layer run whole has them, so that autograd frees the boundary after the norm's backward and
+// before the output linear's GEMMs, and dX after bias_gelu's backward.
+Tensor nothing_like(const Tensor& t) { return at::zeros({}, t.options()).expand(t.sizes()); }
+
+// o = inter W^T in the residual stream's dtype (of h1). Backward: the output linear's gradients as autograd
+// computes them in the un-checkpointed layer (gemm_linear_grads; autocast: the gradient cast to the GEMM's dtype as
+// like()'s cast does, W as autocast cast it, W's gradient cast back).
+struct OutLinearTailFunction : torch::autograd::Function<OutLinearTailFunction> {
+  // h1: only its shape and dtype (a detached alias: no edge).
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& inter, const Tensor& W,
+                        const Tensor& h1) {
+    ctx->save_for_backward({inter, W});
+    return nothing_like(h1);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    torch::autograd::variable_list out(3);
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    if (!grads[0].defined() || !(need_x || need_w)) return out;
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &inter = saved[0], &W = saved[1];
+    const auto cdt = inter.scalar_type();
+    const Tensor g = grads[0].scalar_type() == cdt ? grads[0] : grads[0].to(cdt);
+    auto [dx, dw] = gemm_linear_grads(g, inter, W.scalar_type() == cdt ? W : W.to(cdt), need_x, need_w);
+    out[0] = dx;
+    if (need_w) out[1] = dw.scalar_type() == W.scalar_type() ? dw : dw.to(W.scalar_type());
+    return out;
+  }
+};
+
+// out = LN2(h1 + dropout(o + out_b)) with the stored pre_norm, mean, rstd. Backward: the norm's node backward as
+// BiasDropoutAddLayerNormFunction runs it (no gradient reaches its pre_norm output; the dropout mask regenerated
+// from the seed: the CPU forward's keep bits hold the same mask), the dense bias's gradient from the kernel.
+// Tensor arguments (biases may be undefined): o, h1, out_b, ln_w, ln_b, pre_norm, mean, rstd.
+struct NormTailFunction : torch::autograd::Function<NormTailFunction> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& o, const Tensor& h1, const Tensor& out_b,
+                        const Tensor& ln_w, const Tensor& ln_b, const Tensor& pre_norm, const Tensor& mean,
+                        const Tensor& rstd, double p, int64_t seed) {
+    ctx->save_for_backward({ln_w, pre_norm, mean, rstd});
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["seed"] = seed;
+    ctx->saved_data["has_out_b"] = out_b.defined();
+    return nothing_like(h1);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    torch::autograd::variable_list out(10);
+    if (!grads[0].defined()) return out;
+    const auto saved = ctx->get_saved_variables();
+    const bool need_b = ctx->saved_data.at("has_out_b").toBool() && ctx->needs_input_grad(2);
+    auto [grad_o, grad_h1, grad_ln_w, grad_ln_b, grad_bias] = ops::bias_dropout_add_layer_norm_backward(
+        grads[0], std::nullopt, saved[1], saved[0], saved[2], saved[3], ctx->saved_data.at("p").toDouble(),
+        ctx->saved_data.at("seed").toInt(), kMlpOut, std::nullopt, need_b);
+    if (ctx->needs_input_grad(0)) out[0] = grad_o;
+    if (ctx->needs_input_grad(1)) out[1] = grad_h1;
+    if (need_b) out[2] = grad_bias;
+    if (ctx->needs_input_grad(3)) out[3] = grad_ln_w;
+    if (ctx->needs_input_grad(4)) out[4] = grad_ln_b;
+    return out;
+  }
+};
+
+}  // namespace
+
+ReplayBackward bert_pre_norm_backward(const LayerSpec& s, const std::vector<Tensor>& w, const LayerRng& rng,
+                                      const LayerOutput& replayed, PreNormBoundary b, const Tensor& grad_out,
+                                      const std::vector<bool>& /*need_slot: autograd asks the node*/) {
+  TORCH_CHECK(b.defined() && replayed.last_input.defined() && replayed.residual.defined(),
+              "ckpt_ext: the BERT boundary replay needs the kept pre-norm sum and a replay stopped before the "
+              "output linear");
+  ReplayBackward r;
+  const Tensor o = OutLinearTailFunction::apply(replayed.last_input, w[kOutW], replayed.residual.detach());
+  r.outputs.push_back(NormTailFunction::apply(o, replayed.residual, w[kOutB], w[kLn2W], w[kLn2B], b.pre_norm, b.mean,
+                                              b.rstd, effective(s.hidden_p, rng), rng.seed));
+  r.grads.push_back(grad_out);
+  return r;
+}
 
 const LayerFamily kBertFamily{{Family::kBert, "bert", {kSlotNames, kSlotNames + kCount}, kLora}, &check, &forward,
                               nullptr};

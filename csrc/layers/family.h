@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "../common/optional.h"
@@ -64,6 +65,19 @@ inline OptTensor opt_like(const Tensor& t, const Tensor& ref) { return opt(like(
 Tensor gemm_mm(const Tensor& a, const Tensor& b);
 // acc += a @ b in place (2-D, one GEMM with beta = 1), recording no autograd, in gemm_mm's layout.
 Tensor& gemm_addmm_(Tensor& acc, const Tensor& a, const Tensor& b);
+
+// gemm_linear(x, w)'s gradients (no bias), computed directly as its autograd backward computes them (the same
+// products in the same layouts): {x's (when need_x), w's (when need_w)}. `grad` and `w` in x's dtype (autocast:
+// the caller casts as autocast cast the forward's operands).
+std::pair<Tensor, Tensor> gemm_linear_grads(const Tensor& grad, const Tensor& x, const Tensor& w, bool need_x,
+                                            bool need_w);
+
+// BERT's pre-norm boundary (bert.cpp; layer.h describes it).
+bool bert_has_pre_norm_boundary(const LayerSpec& s, const std::vector<Tensor>& w);
+Tensor bert_output_from_pre_norm(const LayerSpec& s, const std::vector<Tensor>& w, const Tensor& pre_norm);
+ReplayBackward bert_pre_norm_backward(const LayerSpec& s, const std::vector<Tensor>& w, const LayerRng& rng,
+                                      const LayerOutput& replayed, PreNormBoundary b, const Tensor& grad_out,
+                                      const std::vector<bool>& need_slot);
 
 // y = x @ W + b for a Conv1D weight [in, out], as Hugging Face computes it.
 Tensor conv1d(const Tensor& x, const Tensor& w, const Tensor& b, int site = -1);

@@ -340,6 +340,25 @@ Tensor gemm_bmm(const Tensor& a, const Tensor& b) {
   return MatmulFunction::apply(aa, bb);
 }
 
+std::pair<Tensor, Tensor> gemm_linear_grads(const Tensor& grad, const Tensor& x, const Tensor& w, bool need_x,
+                                            bool need_w) {
+  const Tensor g = grad.reshape({-1, grad.size(-1)});
+  const Tensor x2d = x.reshape({-1, x.size(-1)});
+  Tensor dx, dw;
+  // gemm_linear took LinearFunction where the policy applies to x in its GEMM dtype (x's own: under autocast x
+  // is already in autocast's dtype here), else at::linear, whose x2d @ w^T is an aten::mm: autograd's
+  // mm_mat1_backward (row-major x2d) is grad @ w, mm_mat2_backward (w^T column-major) is (grad^T @ x2d)^T,
+  // transposed back to w's orientation.
+  if (layouts_apply(x, x.scalar_type())) {
+    if (need_x) dx = mm_layout(g, w).view(x.sizes());
+    if (need_w) dw = mm_layout(g.t(), x2d);
+  } else {
+    if (need_x) dx = g.mm(w).view(x.sizes());
+    if (need_w) dw = g.t().mm(x2d);
+  }
+  return {dx, dw};
+}
+
 Tensor gemm_mm(const Tensor& a, const Tensor& b) { return layouts_apply(a, a.scalar_type()) ? mm_layout(a, b) : a.mm(b); }
 
 Tensor& gemm_addmm_(Tensor& acc, const Tensor& a, const Tensor& b) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <utility>
 
 #include "family.h"
 #include "rng.h"
@@ -229,6 +230,34 @@ ReplayBackward replay_backward(const LayerSpec& spec, const std::vector<Tensor>&
     r.grads.push_back(grad_out);
   }
   return r;
+}
+
+// ---- the pre-norm boundary (BERT/RoBERTa) ----------------------------------------------------------------------
+
+bool has_pre_norm_boundary(const LayerSpec& spec, const std::vector<Tensor>& weights) {
+  return spec.family == Family::kBert && bert_has_pre_norm_boundary(spec, weights);
+}
+
+Tensor output_from_pre_norm(const LayerSpec& spec, const std::vector<Tensor>& weights, const Tensor& pre_norm) {
+  TORCH_CHECK(spec.family == Family::kBert, "ckpt_ext: ", family_name(spec.family), " layers have no pre-norm boundary");
+  return bert_output_from_pre_norm(spec, weights, pre_norm);
+}
+
+LayerOutput pre_norm_replay_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
+                                    const std::vector<Tensor>& weights, const LayerRng& rng, KeptAttention* kept,
+                                    KeptGemms* gemms) {
+  TORCH_CHECK(has_pre_norm_boundary(spec, weights), "ckpt_ext: this ", family_name(spec.family),
+              " layer has no pre-norm boundary");
+  check_inputs(spec, hidden, in);
+  KeptGemmsScope scope(gemms_for(spec, weights, gemms));
+  return family(spec.family).forward(spec, hidden, in, weights, rng, Tensor(), /*stop=*/true, kept);
+}
+
+ReplayBackward pre_norm_replay_backward(const LayerSpec& spec, const std::vector<Tensor>& weights,
+                                        const LayerRng& rng, const LayerOutput& replayed, PreNormBoundary boundary,
+                                        const Tensor& grad_out, const std::vector<bool>& need_slot) {
+  TORCH_CHECK(spec.family == Family::kBert, "ckpt_ext: ", family_name(spec.family), " layers have no pre-norm boundary");
+  return bert_pre_norm_backward(spec, weights, rng, replayed, std::move(boundary), grad_out, need_slot);
 }
 
 }  // namespace layers

@@ -119,10 +119,13 @@ bool uses_dropout(const LayerSpec& spec, bool training);
 // What a layer forward returns: `out`; or, from a replay_forward that stopped before the layer's
 // last linear, `last_input` (that linear's input) and `residual` (the tensor its output is added
 // to: out = residual + dropout(last_input @ W + b)) with `out` undefined.
+// A BERT layer forward into out_slot (no grad) also returns its last norm's input `pre_norm` and row statistics
+// `mean`, `rstd` (the pre-norm boundary below); undefined elsewhere.
 struct LayerOutput {
   Tensor out;
   Tensor last_input;
   Tensor residual;
+  Tensor pre_norm, mean, rstd;
 };
 
 // Keep-attention (a checkpointed segment's keep_attention): what a layer call's attention kernel returned
@@ -216,6 +219,35 @@ struct ReplayBackward {
 ReplayBackward replay_backward(const LayerSpec& spec, const std::vector<Tensor>& weights, const LayerRng& rng,
                                const LayerOutput& replayed, const Tensor& grad_out,
                                const std::vector<bool>& need_slot);
+
+// ---- the pre-norm boundary (BERT/RoBERTa; issue 32) ----
+// A post-LN layer ends out = LN(pre_norm), pre_norm = h1 + dropout(o W + b); its backward needs pre_norm and
+// the norm's row statistics, not `out`. A segment whose last layer has this boundary keeps (pre_norm, mean,
+// rstd) instead of recomputing the layer's output GEMM and norm in its replay, and the next segment recomputes
+// its input `out` from pre_norm (one norm forward) instead of keeping it.
+struct PreNormBoundary {
+  Tensor pre_norm, mean, rstd;  // of the layer's last norm, as its forward stored them
+  bool defined() const { return pre_norm.defined(); }
+};
+// Whether the layer ends in such a norm and the segment can replay it from the boundary: BERT/RoBERTa
+// without a LoRA adapter on the output linear (whose direct gradients know no adapter).
+bool has_pre_norm_boundary(const LayerSpec& spec, const std::vector<Tensor>& weights);
+// The layer's output from its boundary (no grad): its last norm run again on the stored pre_norm, the same
+// kernel on the same stored values, hence the forward's bits.
+Tensor output_from_pre_norm(const LayerSpec& spec, const std::vector<Tensor>& weights, const Tensor& pre_norm);
+// replay_forward for a layer with the boundary: stops before its output linear (last_input = that linear's
+// input, residual = h1; `out` undefined).
+// `gemms` (recompute levels) as replay_forward's; the output linear's kept output, if any, goes unused.
+LayerOutput pre_norm_replay_forward(const LayerSpec& spec, const Tensor& hidden, const LayerInputs& in,
+                                    const std::vector<Tensor>& weights, const LayerRng& rng,
+                                    KeptAttention* kept = nullptr, KeptGemms* gemms = nullptr);
+// replay_backward from the boundary: one autograd node (in `outputs`, computing nothing in forward) whose
+// backward is the norm's backward from pre_norm/mean/rstd, then the output linear's gradients as autograd
+// computes them in the un-checkpointed layer (the same ops, the same order); `slot_grads` stays empty.
+// `boundary` is taken by value: the node holds it until its backward (its memory free for the rest).
+ReplayBackward pre_norm_replay_backward(const LayerSpec& spec, const std::vector<Tensor>& weights,
+                                        const LayerRng& rng, const LayerOutput& replayed, PreNormBoundary boundary,
+                                        const Tensor& grad_out, const std::vector<bool>& need_slot);
 
 // The layers' GEMMs (gemm.cpp): x @ w^T (+ bias) as at::linear, and a @ b as at::matmul (batched: equal
 // batch dims). On CPUs whose reduced-precision GEMM is slow in some operand layouts (no oneDNN bfloat16),

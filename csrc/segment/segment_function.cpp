@@ -4,10 +4,12 @@
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -49,6 +51,32 @@ struct SegmentState : torch::CustomClassHolder {
   // the node's saved variables after the attention's, likewise.
   std::vector<layers::KeptGemms> kept_gemms;
   std::vector<int64_t> gemm_bytes;  // per layer, the bytes its forward kept (segment_apply reports them)
+  // BERT's pre-norm boundary (layers::PreNormBoundary; issue 32), eager segments only (segment_apply).
+  // `keeps_boundary`: this segment keeps its last layer's (boundary, from forward until its replay's norm
+  // backward: dropped there unless the graph is retained) and its replay stops before that layer's output
+  // linear. `input_from`: this segment's input is the output of such a segment, so the segment keeps not its
+  // input but that segment's pre-norm sum, and its replay starts by recomputing the input from it.
+  bool keeps_boundary = false;
+  layers::PreNormBoundary boundary;
+  struct InputBoundary {
+    at::Tensor pre_norm;
+    layers::LayerSpec spec;           // the producing layer's
+    std::vector<at::Tensor> weights;  // the producing layer's (its last norm's weight and bias are read)
+    std::vector<uint32_t> weight_versions;
+    c10::VariableVersion version;     // the input's version counter, and its value in forward
+    uint32_t version_at_forward;
+  };
+  std::optional<InputBoundary> input_from;
+  bool boundaries_used = false;  // a backward without retain_graph used (and dropped) them
+
+  // The last strong reference is gone (the graph freed, with or without a backward); a weak one may remain (the
+  // thread's offered boundary, until the next segment call), which keeps the object, not its tensors.
+  void release_resources() override {
+    boundary = layers::PreNormBoundary();
+    input_from.reset();
+    params.clear();
+    kept.clear();
+  }
 
   // Throws when a parameter was modified in place since forward (the replay would use new values).
   void check_versions() const {
@@ -93,10 +121,13 @@ class SegmentAutocast {
 // `kept` (keep-attention): per layer, the attention forward's kept outputs; the layers then run no
 // attention forward (a layer whose attention kept nothing runs it: full recompute of that layer).
 // `gemms` (recompute levels): per layer, the GEMM outputs kept in forward, handed back instead of running the GEMMs.
+// `boundary` (defined: the segment keeps its last layer's pre-norm boundary): the last layer stops before its
+// output linear and goes back from the boundary (layers::pre_norm_replay_*), which is moved from.
 layers::ReplayBackward replay(const SegmentState& st, const at::Tensor& x, const std::vector<at::Tensor>& values,
                               const at::Tensor& grad_out, const std::vector<bool>& need_param,
-                              std::vector<layers::KeptAttention>* kept,
-                              std::vector<layers::KeptGemms>* gemms = nullptr) {
+                              std::vector<layers::KeptAttention>* kept, std::vector<layers::KeptGemms>* gemms,
+                              layers::PreNormBoundary* boundary) {
+  const bool from_boundary = boundary != nullptr && boundary->defined();
   const size_t last = st.specs.size() - 1;
   const auto w = st.weights_of(last, values);
   const layers::LayerRng rng{st.training, st.seeds[last]};
@@ -112,11 +143,17 @@ layers::ReplayBackward replay(const SegmentState& st, const at::Tensor& x, const
       h = layers::layer_forward(st.specs[l], h, st.inputs, st.weights_of(l, values),
                                 layers::LayerRng{st.training, st.seeds[l]}, at::Tensor(), kept_of(l), gemms_of(l))
               .out;
-    tail = layers::replay_forward(st.specs[last], h, st.inputs, w, rng, kept_of(last), gemms_of(last));
+    tail = from_boundary
+               ? layers::pre_norm_replay_forward(st.specs[last], h, st.inputs, w, rng, kept_of(last), gemms_of(last))
+               : layers::replay_forward(st.specs[last], h, st.inputs, w, rng, kept_of(last), gemms_of(last));
   }
   std::vector<bool> need_slot;
   need_slot.reserve(st.weight_index[last].size());
   for (int64_t i : st.weight_index[last]) need_slot.push_back(i >= 0 && need_param[static_cast<size_t>(i)]);
+  if (from_boundary) {
+    return layers::pre_norm_replay_backward(st.specs[last], w, rng, tail, std::move(*boundary), grad_out,
+                                            need_slot);
+  }
   return layers::replay_backward(st.specs[last], w, rng, tail, grad_out, need_slot);
 }
 
@@ -136,8 +173,14 @@ at::Tensor run_forward(SegmentState& st, const at::Tensor& hidden) {
     layers::KeptAttention* kept = st.keep_attention ? &st.kept[l] : nullptr;
     layers::KeptGemms* gemms = st.kept_gemms.empty() ? nullptr : &st.kept_gemms[l];
     if (gemms != nullptr) gemms->recording = true;
-    h = layers::layer_forward(st.specs[l], h, st.inputs, st.weights_of(l, st.params), rng, slot, kept, gemms).out;
+    layers::LayerOutput r =
+        layers::layer_forward(st.specs[l], h, st.inputs, st.weights_of(l, st.params), rng, slot, kept, gemms);
     if (gemms != nullptr) gemms->recording = false;
+    h = r.out;
+    if (l + 1 == K && st.keeps_boundary) {
+      TORCH_CHECK(r.pre_norm.defined(), "ckpt_ext fused segment: the last layer returned no pre-norm boundary");
+      st.boundary = layers::PreNormBoundary{r.pre_norm, r.mean, r.rstd};
+    }
     if (kept != nullptr && kept->filled()) {  // the kernel's output and log-sum-exp into the pool, strides kept
       kept->out = pool->store(kept->out);
       kept->lse = pool->store(kept->lse);
@@ -166,14 +209,15 @@ void release_unread_root(const at::Tensor& t) {
 variable_list replay_grads(const SegmentState& st, const at::Tensor& saved, const at::Tensor& grad_out,
                            bool need_hidden, const std::vector<bool>& need_param,
                            std::vector<layers::KeptAttention>* kept = nullptr,
-                           std::vector<layers::KeptGemms>* gemms = nullptr) {
+                           std::vector<layers::KeptGemms>* gemms = nullptr,
+                           layers::PreNormBoundary* boundary = nullptr) {
   const size_t P = st.params.size();
   variable_list result(1 + P);
   at::Tensor x = saved.detach();
   if (need_hidden) x.requires_grad_(true);
   std::vector<at::Tensor> aliases(P);
   for (size_t j = 0; j < P; ++j) aliases[j] = st.params[j].detach().requires_grad_(need_param[j]);
-  const layers::ReplayBackward rep = replay(st, x, aliases, grad_out, need_param, kept, gemms);
+  const layers::ReplayBackward rep = replay(st, x, aliases, grad_out, need_param, kept, gemms, boundary);
   variable_list targets;
   std::vector<size_t> target_slot;  // result index of each target
   if (need_hidden) {
@@ -198,13 +242,74 @@ variable_list replay_grads(const SegmentState& st, const at::Tensor& saved, cons
   return result;
 }
 
+// ---- the pre-norm boundary between segments (SegmentState::keeps_boundary / input_from) -----------------------
+
+// The last segment of this thread that keeps a boundary, until the next segment call: weak references (nothing
+// is held here), matched against the next segment's input.
+struct OfferedBoundary {
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> out;  // that segment's output
+  c10::weak_intrusive_ptr<SegmentState> state;
+  uint32_t version;                               // the output's version when it was returned
+};
+thread_local std::optional<OfferedBoundary> offered;
+
+std::atomic<bool> boundaries_enabled{true};
+
+void offer_boundary(const c10::intrusive_ptr<SegmentState>& st, const at::Tensor& out) {
+  offered.reset();
+  if (st->keeps_boundary && st->boundary.defined())
+    offered = OfferedBoundary{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(out.getIntrusivePtr()),
+                              c10::weak_intrusive_ptr<SegmentState>(st), out._version()};
+}
+
+// Takes the offered boundary as st's input when `hidden` is the offering segment's output, unchanged since.
+void adopt_boundary(SegmentState& st, const at::Tensor& hidden) {
+  std::optional<OfferedBoundary> o;
+  std::swap(o, offered);
+  if (!o) return;
+  const auto out = o->out.lock();
+  const auto from = o->state.lock();
+  if (!out || !from || out.get() != hidden.unsafeGetTensorImpl() || hidden._version() != o->version ||
+      !from->boundary.defined() || !from->boundary.pre_norm.sizes().equals(hidden.sizes()) ||
+      from->boundary.pre_norm.scalar_type() != hidden.scalar_type())
+    return;
+  SegmentState::InputBoundary in{from->boundary.pre_norm, from->specs.back(),
+                                 from->weights_of(from->specs.size() - 1, from->params), {},
+                                 hidden.unsafeGetTensorImpl()->version_counter(), hidden._version()};
+  for (const auto& w : in.weights) in.weight_versions.push_back(w.defined() ? w._version() : 0);
+  st.input_from = std::move(in);
+}
+
+// The segment's input, recomputed (no grad) from the boundary it took: the producing layer's last norm on its
+// pre-norm sum, bit-identical to that layer's output. Dropped from the state unless the graph is retained.
+at::Tensor input_from_boundary(SegmentState& st, bool keep_graph) {
+  const auto& in = *st.input_from;
+  TORCH_CHECK(in.version.current_version() == in.version_at_forward,
+              "ckpt_ext fused segment: its input (the previous fused segment's output) was modified in place "
+              "between forward and backward; the replay recomputes the input as it was. Modify a copy instead.");
+  for (size_t i = 0; i < in.weights.size(); ++i) {
+    TORCH_CHECK(!in.weights[i].defined() || in.weights[i]._version() == in.weight_versions[i],
+                "ckpt_ext fused segment: a parameter of the previous segment's last layer (shape ",
+                in.weights[i].sizes(), ") was modified in place between forward and backward (for example by "
+                "optimizer.step()); the replay would use the new values. Run backward before updating parameters.");
+  }
+  at::Tensor x;
+  {
+    RecomputingScope recomputing;
+    x = layers::output_from_pre_norm(in.spec, in.weights, in.pre_norm);
+  }
+  if (!keep_graph) st.input_from.reset();
+  return x;
+}
+
 struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
   // tensors = {hidden, params...}
   static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<SegmentState> st, at::TensorList tensors) {
     const at::Tensor& hidden = tensors[0];
     at::Tensor h = run_forward(*st, hidden);
     for (const auto& p : st->params) st->param_versions.push_back(p._version());
-    std::vector<at::Tensor> saved{hidden};
+    // The input recomputed from the previous segment's boundary is not kept (see SegmentState::input_from).
+    std::vector<at::Tensor> saved{st->input_from ? at::Tensor() : hidden};
     for (auto& k : st->kept) {  // keep-attention: held by autograd (freed after backward), not by the state
       for (auto& t : k.tensors()) saved.push_back(t);
       k.from_tensors(std::vector<at::Tensor>(layers::KeptAttention::kTensors).data());
@@ -243,8 +348,20 @@ struct SegmentFunction : public torch::autograd::Function<SegmentFunction> {
     std::vector<layers::KeptGemms> gemms = st->kept_gemms;
     const size_t gemms_at = 1 + kept.size() * layers::KeptAttention::kTensors;
     for (size_t l = 0; l < gemms.size(); ++l) gemms[l].from_tensors(&saved[gemms_at + l * layers::KeptGemms::kTensors]);
-    const variable_list grads = replay_grads(*st, saved[0], grad_out, need_hidden, need_param,
-                                             st->keep_attention ? &kept : nullptr, gemms.empty() ? nullptr : &gemms);
+    // The boundaries are used once and dropped, unless the graph is retained for another backward.
+    const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+    TORCH_CHECK(!st->boundaries_used, "ckpt_ext fused segment: trying to backward through the segment a second "
+                "time, after its kept boundaries were freed; specify retain_graph=True in the first backward");
+    st->boundaries_used = !keep_graph && (st->input_from || st->keeps_boundary);
+    const at::Tensor input = st->input_from ? input_from_boundary(*st, keep_graph) : saved[0];
+    layers::PreNormBoundary boundary;
+    if (st->keeps_boundary) {
+      boundary = st->boundary;
+      if (!keep_graph) st->boundary = layers::PreNormBoundary();
+    }
+    const variable_list grads = replay_grads(*st, input, grad_out, need_hidden, need_param,
+                                             st->keep_attention ? &kept : nullptr, gemms.empty() ? nullptr : &gemms,
+                                             st->keeps_boundary ? &boundary : nullptr);
     std::copy(grads.begin(), grads.end(), result.begin() + 1);
     return result;
   }
@@ -304,6 +421,15 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
                 "gradients are not computed); use ckpt_ext.checkpoint for that case");
   }
   auto st = make_state(specs, hidden, inputs, weights, training, nullptr);
+  // The boundaries serve a node autograd records (grad mode on, something requiring grad).
+  bool recorded = at::GradMode::is_enabled() && hidden.requires_grad();
+  for (const auto& p : st->params) recorded = recorded || (at::GradMode::is_enabled() && p.requires_grad());
+  if (recorded && boundaries_enabled.load()) {
+    st->keeps_boundary = layers::has_pre_norm_boundary(specs.back(), weights.back());
+    adopt_boundary(*st, hidden);
+  } else {
+    offered.reset();
+  }
   if (keep_attention) {
     st->keep_attention = true;
     st->kept.resize(specs.size());
@@ -321,6 +447,7 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
   all.push_back(hidden);
   all.insert(all.end(), st->params.begin(), st->params.end());
   at::Tensor out = SegmentFunction::apply(st, at::TensorList(all))[0];
+  if (recorded) offer_boundary(st, out);
   if (not_kept != nullptr) {
     not_kept->clear();
     for (const auto& k : st->kept) not_kept->push_back(k.not_kept);
@@ -448,6 +575,10 @@ std::vector<at::Tensor> fused_segment_backward_op(at::IntArrayRef specs, const a
 }
 
 }  // namespace
+
+bool pre_norm_boundaries(std::optional<bool> enable) {
+  return enable.has_value() ? boundaries_enabled.exchange(*enable) : boundaries_enabled.load();
+}
 
 int64_t register_spec(const layers::LayerSpec& spec) {
   spec.validate();

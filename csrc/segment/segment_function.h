@@ -14,10 +14,16 @@
 // layers' replay interface (layer.h: replay_forward / replay_backward), which lets a family skip its
 // last linear (GPT-2, Llama: its gradients come directly from the incoming gradient, saving one of
 // the layer's four large GEMMs). The segment knows no family.
+//
+// BERT/RoBERTa (layers::PreNormBoundary): a segment keeps its last layer's pre-norm sum and norm statistics
+// instead, its replay stops before that layer's output linear and norm, and the next segment, called on this
+// segment's unchanged output, keeps that sum rather than its input and recomputes the input from it
+// (pre_norm_boundaries below).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +47,13 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
                          bool training, bool keep_attention = false, std::vector<std::string>* not_kept = nullptr,
                          int gemm_level = 0, std::vector<int64_t>* gemm_bytes = nullptr,
                          std::vector<std::string>* gemm_not_kept = nullptr);
+
+// BERT's pre-norm boundary between eager segments (layers::PreNormBoundary): a segment whose last layer has one
+// keeps it (not its output) and replays without that layer's output linear and norm; a segment called on such
+// a segment's output (unchanged) keeps not its input but that boundary, recomputing the input in its replay.
+// The compiled operators below keep today's behaviour. On by default; `enable` sets it (tests compare both);
+// returns the setting before the call.
+bool pre_norm_boundaries(std::optional<bool> enable);
 
 // The operators ckpt_ext::fused_segment(specs, hidden, mask, cos, sin, weights, layout, training, seeds,
 // autocast_dtype) -> out and ckpt_ext::fused_segment_backward(..., needs) -> grads: the same segment as a
