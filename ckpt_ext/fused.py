@@ -371,7 +371,8 @@ def _check_segment_not_capturing():
 def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_attention: bool = False,
                 names: Optional[Sequence[str]] = None, report: Optional[Callable[[int, Optional[str]], None]] = None,
                 gemms: Optional[str] = None,
-                report_gemms: Optional[Callable[[int, int, Optional[str]], None]] = None):
+                report_gemms: Optional[Callable[[int, int, Optional[str]], None]] = None,
+                pre_norm_boundary: bool = True):
     """Runs consecutive fused layers as one C++ SegmentFunction (checkpointed: one autograd node that
     replays them in backward), calling them with the first layer's arguments as Hugging Face's stack
     does. Returns ``NotImplemented`` when the layers or the call do not allow it (not all fused layers of
@@ -390,7 +391,12 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
     GEMM output of each layer (the last layer's last linear excepted where its replay skips it), held by the node
     from forward to backward; the replay hands them back (bit-identical gradients). ``report_gemms(i, bytes,
     reason)`` is told, per layer, the bytes kept (reason: why none, LoRA adapters). Under torch.compile the
-    operator keeps only the segment's input: the caller falls back (stack.py)."""
+    operator keeps only the segment's input: the caller falls back (stack.py).
+
+    ``pre_norm_boundary`` (BERT/RoBERTa, eager): the segment keeps its last layer's pre-norm sum and row statistics
+    instead of replaying its output linear and norm, and the next such segment keeps that sum instead of its input
+    (csrc/layers/layer.h, PreNormBoundary; ``_C.pre_norm_boundaries()`` the process-wide switch). False: this call
+    keeps its input and replays in full, as the budget planner's accounting assumes (stack.py)."""
     first = layers[0] if layers else None
     if not isinstance(first, FusedTransformerLayer):
         return NotImplemented
@@ -411,6 +417,12 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
         return first._as_returned(compiled.fused_segment(layers, call.hidden, call.mask, call.cos, call.sin,
                                                          first.training))
     _check_segment_not_capturing()
+    if not pre_norm_boundary and _C.pre_norm_boundaries():
+        before = _C.pre_norm_boundaries(False)
+        try:
+            return run_segment(layers, args, kwargs, keep_attention, names, report, gemms, report_gemms)
+        finally:
+            _C.pre_norm_boundaries(before)
     specs, weights = zip(*(layer._call_args() for layer in layers))
     if not keep_attention and gemms is None:
         return first._as_returned(_C.segment_apply(list(specs), call.hidden, call.mask, call.cos, call.sin,

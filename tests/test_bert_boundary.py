@@ -12,6 +12,7 @@ too much for a test); what falls back (an adapter on the output linear, an input
 falls back correctly."""
 import contextlib
 import copy
+import re
 import warnings
 
 import pytest
@@ -353,6 +354,45 @@ def test_second_backward_without_retain_graph_is_refused():
         out.backward(g)
         with pytest.raises(RuntimeError, match="second time"):
             torch.autograd.backward(out, g)
+
+
+def test_explain_says_what_is_kept_and_budget_plans_keep_inputs():
+    """explain() names the pre-norm boundary where it is used (not "only its input"); a budget's planned groups run
+    without it (the planner's accounting keeps each group's input: held bytes as predicted, tests/test_keep_levels.py)
+    and the switch off gives the plain wording back."""
+    model = fuse(make_model("bert", dropout=0.1, layers=2)).train()
+    kw = inputs_for("bert", padding=True)
+    with boundaries(True):
+        ck = _ckpt(model, 1)
+        embeds_call(ck, "bert", kw)[1].sum().backward()
+        assert "pre-norm boundary" in ckpt_ext.explain(ck)
+        with boundaries(False):
+            assert "every group keeps only its input" in ckpt_ext.explain(ck)
+        planned = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt_ext.enable_checkpointing(planned, budget=1000, keep="boundaries")
+        with pytest.raises(ValueError, match="least achievable") as err:  # the minimum: every layer checkpointed
+            embeds_call(planned, "bert", kw)[1].sum().backward()
+        least = int(re.search(r"\((\d+) bytes\)", str(err.value)).group(1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt_ext.enable_checkpointing(planned, budget=least, keep="boundaries")
+        seen = []
+
+        class Spy(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(func)
+                return func(*args, **(kwargs or {}))
+
+        for _ in range(2):  # measures, plans; then runs the plan
+            _, out = embeds_call(planned, "bert", kw)
+            with Spy():
+                out.sum().backward()
+        text = ckpt_ext.explain(planned)
+        assert "pre-norm boundary" not in text and "checkpointed" in text, text
+        # no input recomputed from a kept sum (the boundary's replay starts with add_layer_norm on it)
+        assert torch.ops.ckpt_ext.add_layer_norm.default not in seen
 
 
 def test_gpt2_is_unchanged():

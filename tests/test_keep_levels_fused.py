@@ -28,10 +28,11 @@ from helpers.hf_models import DECODERS, embeds_call, inputs_for, layers_of, make
 
 FAMILIES = ["bert", "gpt2", "llama", "llama-gqa", "qwen2", "qwen3", "gemma"]
 NEW = ["attention_inputs", "gemms", "gemms_attention"]
-# GEMM sites per layer (q/k/v projection included; the last linear of GPT-2 and the decoders counts once per layer
-# but the replay of a segment's last layer skips it anyway)
+# GEMM sites per layer (q/k/v projection included; the last linear counts once per layer but the replay of a
+# segment's last layer skips it anyway: GPT-2 and the decoders stop before it, BERT replays from its pre-norm
+# boundary, which stops before its output linear too)
 SITES = {"bert": 4, "gpt2": 4}
-LAST_LINEAR = {"bert": False, "gpt2": True}
+LAST_LINEAR = {"bert": True, "gpt2": True}
 
 
 def _sites(family):
