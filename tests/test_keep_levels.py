@@ -18,28 +18,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckpt_ext
 from ckpt_ext.keep import GEMM_OPS, KEEP_VALUES, LEVELS, LSE_OPS, check_keep, fused_level
 from ckpt_ext.planner import ATTENTION, Level, LayerCost, _finish, plan_chain, segment_bytes
 from ckpt_ext.stack import _ATTR
 
+from helpers.fused import CountKernels  # noqa: E402
 from helpers.hf_models import inputs_for, layers_of, make_model  # noqa: E402  (skips without transformers)
 
 NEW = ["attention_inputs", "gemms", "gemms_attention"]
 ALL = ["boundaries", "attention"] + NEW
-
-
-class CountKernels(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.gemms = self.attention = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.gemms += func in GEMM_OPS
-        self.attention += func in LSE_OPS
-        return func(*args, **(kwargs or {}))
 
 
 def _grads(model, kw, seed=1, autocast=False):

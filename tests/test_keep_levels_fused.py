@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckpt_ext
 from ckpt_ext import _C, fuse
@@ -23,7 +22,7 @@ from ckpt_ext.fused import run_segment
 
 transformers = pytest.importorskip("transformers")
 from helpers.devices import requires_cuda  # noqa: E402
-from helpers.fused import _seed  # noqa: E402,F401  (an autouse fixture)
+from helpers.fused import CountKernels, _seed  # noqa: E402,F401  (_seed: an autouse fixture)
 from helpers.hf_models import DECODERS, embeds_call, inputs_for, layers_of, make_model  # noqa: E402
 
 FAMILIES = ["bert", "gpt2", "llama", "llama-gqa", "qwen2", "qwen3", "gemma"]
@@ -64,17 +63,6 @@ def _segments(model, every, keep):
         for later in group[1:]:
             later.forward = lambda hidden, *a, _layer=later, **kw: _layer._as_returned(hidden)
     return model
-
-
-class CountKernels(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.gemms = self.attention = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.gemms += func in GEMM_OPS
-        self.attention += func in LSE_OPS
-        return func(*args, **(kwargs or {}))
 
 
 def _step(model, family, kw, autocast, grad_seed=5):
