@@ -100,7 +100,24 @@ def _traced_forward(self: "FusedTransformerLayer", *args, **kwargs):
     if call.fallback is not None:
         return self._hf_forward(args, kwargs)
     self._check_compilable(call)
+    if self.training and torch.is_grad_enabled() and not self.gradient_checkpointing:
+        _compiled_not_checkpointed(self.layer_class)
     return self._as_returned(compiled.fused_segment([self], call.hidden, call.mask, call.cos, call.sin, self.training))
+
+
+def _compiled_not_checkpointed(layer_class: str) -> bool:
+    """Warns once that a fused layer traced by Dynamo outside a checkpointed group is a one-layer checkpoint there
+    (docs/compile.md). Dynamo calls it while tracing (a constant result, no graph break)."""
+    _warn_once(("compiled, not checkpointed", layer_class),
+               f"ckpt_ext: under torch.compile a fused {layer_class} that is not checkpointed runs as the "
+               "ckpt_ext::fused_segment operator, which keeps only the layer's input and replays the layer in "
+               "backward: the step and memory of fuse + checkpointing, not of fuse alone. Use "
+               "ckpt_ext.enable_checkpointing(model) with the compiled fused model (the same cost, said), or compile "
+               "without ckpt_ext.fuse, or run fuse eagerly (docs/compile.md).")
+    return True
+
+
+_compiled_not_checkpointed._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets
 
 
 class FusedTransformerLayer(nn.Module):
