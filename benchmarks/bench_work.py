@@ -666,7 +666,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                     help="instead of the times: the peak bytes of live tensors over a step (peak_live_bytes)")
     ap.add_argument("--mixed-residual", choices=("on", "off"), default="on",
                     help="autocast: the fused last linear's GEMM output read beside the float32 stream without casts "
-                         "(on, the default) or cast as before (off); _C.mixed_dtype_residual, docs/autocast.md")
+                         "(on, the default) or cast as before (off); _C.mixed_dtype_residual, docs/autocast.md. "
+                         "A --cache file holds the traces of the setting it was made with")
     args = ap.parse_args(argv)
     _C.mixed_dtype_residual(args.mixed_residual == "on")
     if args.peak:

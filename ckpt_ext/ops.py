@@ -75,6 +75,8 @@ def bias_dropout_add(
     """``residual + dropout(x + bias, p)`` with the Philox mask of ``(seed, offset)``.
 
     Kept values are scaled by ``1 / (1 - p)``. Differentiable in ``x``, ``bias`` and ``residual``.
+    ``x`` may be bfloat16 / float16 beside a float32 ``residual`` (autocast's float32 stream; ``bias`` then float32):
+    computed as for ``x.float()``, the result float32, x's gradient in x's dtype.
     """
     return _lib.bias_dropout_add.default(x, bias, residual, p, seed, offset)
 
