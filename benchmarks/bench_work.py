@@ -108,6 +108,10 @@ CONFIGS = {
     "gpt2-bf16": Config("gpt2-bf16", "gpt2", 24, 16, "bf16", BASE_VARIANTS, 0.1),
     "llama-bf16": Config("llama-bf16", "llama", 16, 4, "bf16",
                          ("none", "hf-gc", "torch-sac", "ckpt_ext", "ckpt_ext-keep", "fused", "fused+ckpt"), 0.0),
+    # Predicted only (no H200 row): the decoders under autocast, float32 master weights (docs/autocast.md).
+    "gpt2-autocast": Config("gpt2-autocast", "gpt2", 24, 16, "autocast", BASE_VARIANTS, 0.1),
+    "llama-autocast": Config("llama-autocast", "llama", 16, 4, "autocast",
+                             ("none", "hf-gc", "ckpt_ext", "fused", "fused+ckpt"), 0.0),
 }
 
 # ------------------------------------------------------------------------------------------------- the rates
@@ -660,7 +664,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                     "delete it after changing the code the traces run)")
     ap.add_argument("--peak", default=None, metavar="CONFIG:VARIANT[,VARIANT...]",
                     help="instead of the times: the peak bytes of live tensors over a step (peak_live_bytes)")
+    ap.add_argument("--mixed-residual", choices=("on", "off"), default="on",
+                    help="autocast: the fused last linear's GEMM output read beside the float32 stream without casts "
+                         "(on, the default) or cast as before (off); _C.mixed_dtype_residual, docs/autocast.md. "
+                         "A --cache file holds the traces of the setting it was made with")
     args = ap.parse_args(argv)
+    _C.mixed_dtype_residual(args.mixed_residual == "on")
     if args.peak:
         name, vs = args.peak.split(":")
         cfg = CONFIGS[name]

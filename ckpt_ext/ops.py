@@ -75,14 +75,19 @@ def bias_dropout_add(
     """``residual + dropout(x + bias, p)`` with the Philox mask of ``(seed, offset)``.
 
     Kept values are scaled by ``1 / (1 - p)``. Differentiable in ``x``, ``bias`` and ``residual``.
+    ``x`` may be bfloat16 / float16 beside a float32 ``residual`` (autocast's float32 stream; ``bias`` then float32):
+    computed as for ``x.float()``, the result float32, x's gradient in x's dtype.
     """
     return _lib.bias_dropout_add.default(x, bias, residual, p, seed, offset)
 
 
-def dropout(x: Tensor, p: float, seed: int, offset: int) -> Tensor:
+def dropout(x: Tensor, p: float, seed: int, offset: int, dtype: Optional[torch.dtype] = None) -> Tensor:
     """``x * mask / (1 - p)`` with the mask of ``(seed, offset)``: dropout without bias or residual, and
-    the backward of every ckpt_ext dropout drawn for ``(seed, offset)`` (same mask, linear map)."""
-    return _lib.dropout.default(x, p, seed, offset)
+    the backward of every ckpt_ext dropout drawn for ``(seed, offset)`` (same mask, linear map).
+
+    ``dtype``: the result's (default ``x.dtype``); a float32 ``x`` may give bfloat16 / float16, the bits of
+    ``dropout(x).to(dtype)`` in one pass (autocast: the residual stream's float32 gradient into the GEMMs' dtype)."""
+    return _lib.dropout.default(x, p, seed, offset, dtype)
 
 
 def dropout_mask(numel: int, p: float, seed: int, offset: int, device="cpu") -> Tensor:
@@ -262,16 +267,29 @@ def _(grad, x, bias, approximate, grad_bias=False):
     return _empty(x), x.new_empty(x.shape[-1:] if grad_bias else (0,))
 
 
+_LOWP = (torch.bfloat16, torch.float16)
+
+
 @torch.library.register_fake("ckpt_ext::bias_dropout_add")
 def _(x, bias, residual, p, seed, offset):
-    _like("bias_dropout_add", "x", x, bias=bias, residual=residual)
+    # x may be bfloat16/float16 beside a float32 residual (autocast's stream): bias and result are then float32.
+    if x.dtype in _LOWP and residual.dtype == torch.float32:
+        _like("bias_dropout_add", "residual", residual, bias=bias)
+        torch._check(x.device == residual.device,
+                     lambda: f"ckpt_ext::bias_dropout_add: residual must be on the device of x ({x.device}), "
+                             f"got {residual.device}")
+    else:
+        _like("bias_dropout_add", "x", x, bias=bias, residual=residual)
     torch._check(x.shape == residual.shape, lambda: "bias_dropout_add: residual must have the shape of x")
-    return _empty(x)
+    return _empty(residual)
 
 
 @torch.library.register_fake("ckpt_ext::dropout")
-def _(x, p, seed, offset):
-    return _empty(x)
+def _(x, p, seed, offset, dtype=None):
+    torch._check(dtype is None or dtype == x.dtype or (x.dtype == torch.float32 and dtype in _LOWP),
+                 lambda: f"ckpt_ext::dropout: dtype must be x's ({x.dtype}), or bfloat16 / float16 for a float32 x, "
+                         f"got {dtype}")
+    return _empty(x, dtype)
 
 
 @torch.library.register_fake("ckpt_ext::dropout_mask")

@@ -66,6 +66,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The fused layers' CPU GEMM layout policy (csrc/layers/gemm.cpp): "auto", "nt" or "off"; sets it when
   // given, returns the one before.
   m.def("cpu_gemm_layout", &L::cpu_gemm_layout, py::arg("set") = py::none());
+  // Autocast: the last linear's GEMM output read beside the float32 stream without casts (residual_linear.cpp);
+  // sets it when given, returns the one before.
+  m.def("mixed_dtype_residual", &L::mixed_dtype_residual, py::arg("set") = py::none());
   // The layers' GEMMs (family.h), bound for tests/test_gemm_layout.py.
   m.def("_gemm_linear", [](const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
     return L::gemm_linear(x, w, b.has_value() ? *b : at::Tensor());

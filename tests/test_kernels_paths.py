@@ -34,6 +34,9 @@ def compute(dtype: torch.dtype, rows: int, hidden: int) -> dict:
     out["bias_gelu_backward"] = ops.bias_gelu_backward(gr, x, b)
     out["bias_dropout_add"] = ops.bias_dropout_add(x, b, r, P, SEED, 0)
     out["dropout"] = ops.dropout(x, P, SEED, 5)
+    if dtype != torch.float32:  # autocast's float32 stream beside a bfloat16 x; its gradient dropped into bfloat16
+        out["bias_dropout_add_mixed"] = ops.bias_dropout_add(x, b.float(), r.float(), P, SEED, 0)
+        out["dropout_into_lowp"] = ops.dropout(r.float() * 3, P, SEED, 5, dtype=dtype)
     y, pre, mean, rstd, bits = ops.bias_dropout_add_layer_norm(x, b, r, w, lb, P, 1e-5, SEED, 0)
     out.update(bdaln=y, bdaln_pre=pre, bdaln_mean=mean, bdaln_rstd=rstd, bdaln_keep_bits=bits)
     for k, t in zip(("gx", "gr", "gw", "gb"), ops.bias_dropout_add_layer_norm_backward(gr, x, pre, w, mean, rstd,

@@ -44,6 +44,9 @@ def _opcheck_samples(device="cpu"):
         (L.bias_dropout_add.default, (x, b, r, 0.3, 5, 7)),
         (L.bias_dropout_add.default, (x, None, r, 0.0, 5, 7)),
         (L.dropout.default, (g, 0.3, 5, 7)),
+        # autocast's float32 stream beside a bfloat16 x / a dropout into bfloat16
+        (L.bias_dropout_add.default, (x.detach().bfloat16().requires_grad_(), b, r, 0.3, 5, 7)),
+        (L.dropout.default, (x, 0.3, 5, 7, torch.bfloat16)),
         (L.dropout_mask.default, (37, 0.3, 5, 7, torch.device(device))),
         (L.bias_dropout_add_layer_norm.default, (x, b, r, w, b, 0.2, 1e-5, 3, 4)),
         (L.bias_dropout_add_layer_norm.default, (x, None, r, w, None, 0.0, 1e-5, 3, 4)),

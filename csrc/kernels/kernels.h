@@ -3,8 +3,10 @@
 //
 // Contract (enforced by the op groups in csrc/ops/, the only callers, with ops/checks.h): every tensor
 // is on the same device, has the dtype of the op's main input (mean/rstd: float32, or float64 for
-// float64 inputs) and is contiguous, except rotary's x/out/grad, which need only a contiguous last dimension. Outputs are
-// allocated by the caller. An optional tensor that is absent is passed as an undefined at::Tensor.
+// float64 inputs) and is contiguous, except rotary's x/out/grad, which need only a contiguous last dimension, and the
+// two mixed-dtype cases of autocast's float32 residual stream: bias_dropout_add_forward's x and dropout's out may be
+// bfloat16 / float16 beside float32 (the rest). Outputs are allocated by the caller. An optional tensor that is
+// absent is passed as an undefined at::Tensor.
 // Row-wise kernels see their input as [rows, hidden] with hidden = size(-1).
 #pragma once
 

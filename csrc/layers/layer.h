@@ -267,5 +267,10 @@ Tensor gemm_bmm(const Tensor& a, const Tensor& b);
 // "off": ATen's calls as they are. Sets it when `set` is given; returns the setting before the call.
 std::string cpu_gemm_layout(const std::optional<std::string>& set);
 
+// Under autocast, whether the last linear's GEMM output joins the float32 residual stream as it is and its
+// backward's dropout writes the GEMMs' dtype (residual_linear.cpp; default on), or both go through casts as
+// before (off: A/B tests and benchmarks; the same bits). Sets it when `set` is given; returns the one before.
+bool mixed_dtype_residual(std::optional<bool> set);
+
 }  // namespace layers
 }  // namespace ckpt_ext

@@ -1,8 +1,15 @@
 // The last linear of a GPT-2/Llama layer with its residual: out = residual + dropout(x W + b), an
 // autograd node of its own (ResidualLinearFunction), so that the segment replay can compute its
 // gradients without running it (replay_backward calls residual_linear_backward directly).
+//
+// Under autocast (float32 parameters, bfloat16/float16 GEMMs) the GEMM's output joins the float32 stream
+// without a cast of its own: ops::bias_dropout_add reads the lower-precision x beside the float32 residual and
+// computes in float (the bits of casting first), and the backward's dropout writes its result in the GEMMs'
+// dtype (the bits of dropping, then casting). _C.mixed_dtype_residual(false) restores the casts (A/B tests).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+
+#include <atomic>
 
 #include "../ops/ops.h"
 #include "family.h"
@@ -12,9 +19,27 @@ namespace layers {
 
 namespace {
 
+std::atomic<bool>& mixed_residual() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
 // `t` in `dtype`: a no-op outside autocast. Under autocast the last linear's input is in the autocast
 // dtype (it comes from GEMMs) while its weight and the residual stream keep the parameters' dtype.
 Tensor in_dtype(const Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
+
+bool lowp(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+// Whether a GEMM output of dtype `y` joins a stream of dtype `stream` as it is (the ops read it beside the
+// float32 stream), rather than cast to the stream's dtype first.
+bool joins_as_is(at::ScalarType y, at::ScalarType stream) {
+  return y == stream || (lowp(y) && stream == at::kFloat && mixed_residual().load());
+}
+
+// The GEMM's output `y` as bias_dropout_add's x beside `stream`.
+Tensor join_stream(const Tensor& y, const Tensor& stream) {
+  return joins_as_is(y.scalar_type(), stream.scalar_type()) ? y : y.to(stream.scalar_type());
+}
 
 // x @ W^T (Linear) or x @ W (Conv1D) on the 2-D view of x, without bias (the bias is fused into the
 // dropout-residual kernel). Computed in x's dtype -- the autocast dtype under autocast, as autocast's
@@ -39,8 +64,8 @@ struct ResidualLinearFunction : torch::autograd::Function<ResidualLinearFunction
       record_gemm(KeptGemms::kLastLinear, y2d);  // a recompute level's forward keeps it
     }
     // The GEMM's output joins the residual stream in the stream's dtype (Hugging Face's residual add
-    // promotes the same way under autocast).
-    const Tensor y = in_dtype(y2d.view(residual.sizes()), residual.scalar_type());
+    // promotes the same way under autocast), read as it is by the op (join_stream).
+    const Tensor y = join_stream(y2d.view(residual.sizes()), residual);
     ctx->save_for_backward({x, weight});
     ctx->saved_data["conv1d"] = conv1d;
     ctx->saved_data["has_bias"] = lin.bias.defined();
@@ -90,13 +115,22 @@ ResidualLinearGrads residual_linear_backward(const Tensor& grad, const Tensor& x
                                              bool need_x, bool need_weight, bool need_bias) {
   ResidualLinearGrads r;
   if (!(need_x || need_weight || need_bias)) return r;
-  const Tensor g = lin.p > 0 ? ops::dropout(grad, lin.p, seed, lin.offset) : grad;
-  const Tensor g2d = g.reshape({-1, g.size(-1)});
   // The GEMMs run in x's dtype, as in forward (autocast: the weight cast down, its gradient cast back
   // to the parameter's dtype, as autograd does for Hugging Face's layer); the bias gradient is summed
-  // from the incoming gradient in the stream's dtype.
+  // from the incoming gradient in the stream's dtype. The dropout writes the GEMMs' dtype itself where
+  // the float values are not needed for the bias (one pass instead of a dropout and a cast).
   const auto cdt = x.scalar_type();
-  const Tensor gc = in_dtype(g2d, cdt);
+  const bool drop_into_cdt = lin.p > 0 && !need_bias && cdt != grad.scalar_type() &&
+                             joins_as_is(cdt, grad.scalar_type());
+  Tensor g2d, gc;
+  if (drop_into_cdt) {
+    gc = ops::dropout(grad, lin.p, seed, lin.offset, cdt);
+    gc = gc.reshape({-1, gc.size(-1)});
+  } else {
+    const Tensor g = lin.p > 0 ? ops::dropout(grad, lin.p, seed, lin.offset) : grad;
+    g2d = g.reshape({-1, g.size(-1)});
+    gc = in_dtype(g2d, cdt);
+  }
   if (need_x) {
     const Tensor w = in_dtype(lin.weight, cdt);
     r.x = (lin.conv1d ? gemm_mm(gc, w.t()) : gemm_mm(gc, w)).view(x.sizes());
@@ -124,7 +158,7 @@ LayerOutput last_linear_tail(const LayerSpec& s, const std::vector<Tensor>& w, c
   }
   // Under no_grad into out_slot, or with an adapter: the GEMM (and adapter term) then the fused
   // bias-dropout-residual op, differentiated by autograd when grad mode is on.
-  const Tensor y = like(plus_lora(matmul_2d(act, lin).view(h1.sizes()), lora), h1);
+  const Tensor y = join_stream(plus_lora(matmul_2d(act, lin).view(h1.sizes()), lora), h1);
   if (out_slot.defined()) {
     ops::bias_dropout_add_into(y, opt(lin.bias), h1, lin.p, rng.seed, lin.offset, out_slot);
     r.out = out_slot;
@@ -132,6 +166,10 @@ LayerOutput last_linear_tail(const LayerSpec& s, const std::vector<Tensor>& w, c
     r.out = ops::bias_dropout_add(y, opt(lin.bias), h1, lin.p, rng.seed, lin.offset);
   }
   return r;
+}
+
+bool mixed_dtype_residual(std::optional<bool> set) {
+  return set.has_value() ? mixed_residual().exchange(*set) : mixed_residual().load();
 }
 
 }  // namespace layers

@@ -107,6 +107,7 @@ struct BiasDropoutAddFunction : torch::autograd::Function<BiasDropoutAddFunction
     ctx->saved_data["p"] = p;
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["offset"] = offset;
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     store_edges(ctx, Edges::of({true, present(bias), true}), 3);
     return ops::bias_dropout_add(x, bias, residual, p, seed, offset);
   }
@@ -117,10 +118,16 @@ struct BiasDropoutAddFunction : torch::autograd::Function<BiasDropoutAddFunction
     const Tensor& grad = grads[0];
     if (!grad.defined()) return out;
     if (needs(ctx, e[0]) || needs(ctx, e[1])) {
+      // x in a lower precision than the (float32) stream: its gradient is the float one rounded once to x's dtype
+      // (what the cast of a float path's x would give), written by the dropout itself unless the bias's gradient
+      // needs the float values too.
+      const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data.at("x_dtype").toInt());
+      const bool mixed = x_dtype != grad.scalar_type();
       Tensor grad_x = ops::dropout(grad, ctx->saved_data.at("p").toDouble(), saved_symint(ctx, "seed"),
-                                            saved_symint(ctx, "offset"));
+                                   saved_symint(ctx, "offset"),
+                                   mixed && !needs(ctx, e[1]) ? std::optional<at::ScalarType>(x_dtype) : std::nullopt);
       if (needs(ctx, e[1])) out[1] = sum_rows(grad_x);
-      if (needs(ctx, e[0])) out[0] = grad_x;
+      if (needs(ctx, e[0])) out[0] = grad_x.scalar_type() == x_dtype ? grad_x : grad_x.to(x_dtype);
     }
     if (needs(ctx, e[2])) out[2] = grad;
     return out;
@@ -129,20 +136,27 @@ struct BiasDropoutAddFunction : torch::autograd::Function<BiasDropoutAddFunction
 
 // ---- dropout(x, p, seed, offset): linear in x, so its gradient is itself ---------------------------------------
 
+// With dtype (a float32 x, a lower-precision result): out = round(dropout(x)), whose gradient is the dropout of
+// the incoming gradient in float32.
 struct DropoutFunction : torch::autograd::Function<DropoutFunction> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset) {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset,
+                        std::optional<at::ScalarType> dtype) {
     at::AutoDispatchBelowADInplaceOrView below;
     ctx->saved_data["p"] = p;
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["offset"] = offset;
-    return ops::dropout(x, p, seed, offset);
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    return ops::dropout(x, p, seed, offset, dtype);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list out(4);
-    if (grads[0].defined() && ctx->needs_input_grad(0))
-      out[0] = ops::dropout(grads[0], ctx->saved_data.at("p").toDouble(), saved_symint(ctx, "seed"),
-                                     saved_symint(ctx, "offset"));
+    variable_list out(5);
+    if (grads[0].defined() && ctx->needs_input_grad(0)) {
+      const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data.at("x_dtype").toInt());
+      const Tensor g = grads[0].scalar_type() == x_dtype ? grads[0] : grads[0].to(x_dtype);
+      out[0] = ops::dropout(g, ctx->saved_data.at("p").toDouble(), saved_symint(ctx, "seed"),
+                            saved_symint(ctx, "offset"));
+    }
     return out;
   }
 };
@@ -340,8 +354,9 @@ Tensor bias_dropout_add_autograd(const Tensor& x, const OptTensor& bias, const T
   return BiasDropoutAddFunction::apply(x, bias, residual, p, seed, offset);
 }
 
-Tensor dropout_autograd(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset) {
-  return DropoutFunction::apply(x, p, seed, offset);
+Tensor dropout_autograd(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset,
+                        std::optional<at::ScalarType> dtype) {
+  return DropoutFunction::apply(x, p, seed, offset, dtype);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_autograd(

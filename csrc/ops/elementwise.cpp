@@ -53,18 +53,41 @@ std::tuple<Tensor, Tensor> bias_gelu_backward(const Tensor& grad, const Tensor& 
   return {grad_x, grad_bias};
 }
 
+bool lowp(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
 // `out`: where to write the result; undefined = allocate it.
+//
+// Autocast's residual stream: x may be bfloat16/float16 beside a float32 residual (the GEMM's output joining
+// the stream). The kernels read x and compute in float, as after a cast of x to float32 (exact), so the
+// result is the float path's without the cast's pass; bias and out then have the residual's dtype.
 Tensor bias_dropout_add_impl(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
                              int64_t offset, Tensor out) {
   const char* op = "bias_dropout_add";
   check_floating(op, "x", x);
   check_at_least_1d(op, "x", x);
-  check_same_shape(op, "residual", residual, "x", x);
+  const bool mixed = lowp(x.scalar_type()) && residual.scalar_type() == at::kFloat;
+  TORCH_CHECK(mixed || residual.scalar_type() == x.scalar_type(), "ckpt_ext::", op,
+              ": residual must have the dtype of x (", x.scalar_type(), "), or be float32 with x in bfloat16 or "
+              "float16 (autocast's float32 residual stream), got ", residual.scalar_type(), "; cast it with .to(x.dtype)");
+  // The stream's tensor: what the bias and the output are like.
+  const Tensor& stream = mixed ? residual : x;
+  const char* stream_name = mixed ? "residual" : "x";
+  if (mixed) {
+    TORCH_CHECK(residual.device() == x.device(), "ckpt_ext::", op, ": residual must be on the device of x (", x.device(),
+                "), got ", residual.device());
+    TORCH_CHECK(residual.sizes() == x.sizes(), "ckpt_ext::", op, ": residual must have the shape of x ", x.sizes(),
+                ", got ", residual.sizes());
+  } else {
+    check_same_shape(op, "residual", residual, "x", x);
+  }
   check_p(op, p);
-  if (present(bias)) check_vector(op, "bias", *bias, x.size(-1), "x", x);
-  if (out.defined()) check_out(op, out, x);
+  if (present(bias)) check_vector(op, "bias", *bias, x.size(-1), stream_name, stream);
+  if (out.defined()) {
+    check_same_shape(op, "out", out, stream_name, stream);
+    TORCH_CHECK(out.is_contiguous(), "ckpt_ext::", op, ": out must be contiguous");
+  }
   const Tensor xc = x.contiguous(), rc = residual.contiguous(), bc = contiguous_or_undefined(bias);
-  if (!out.defined()) out = at::empty_like(xc);
+  if (!out.defined()) out = at::empty_like(rc);
   if (xc.numel() > 0)
     CKPT_EXT_LAUNCH(x.device(), bias_dropout_add_forward, xc, bc, rc, DropoutArgs{p, seed, offset}, out);
   return out;
@@ -77,12 +100,19 @@ Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& re
 
 // x * mask / (1 - p): the forward of a dropout without bias or residual, and the backward of every
 // dropout of (seed, offset) (the mask is the same, and the map is linear).
-Tensor dropout(const Tensor& x, double p, int64_t seed, int64_t offset) {
+//
+// dtype: the result's; a float32 x may give bfloat16/float16 (autocast: a float32 gradient of the residual
+// stream dropped into the GEMMs' dtype), each element rounded once from the float result -- the bits of
+// dropout then .to(dtype), in one pass.
+Tensor dropout(const Tensor& x, double p, int64_t seed, int64_t offset, std::optional<at::ScalarType> dtype) {
   const char* op = "dropout";
   check_floating(op, "x", x);
   check_p(op, p);
+  const at::ScalarType out_dtype = dtype.value_or(x.scalar_type());
+  TORCH_CHECK(out_dtype == x.scalar_type() || (x.scalar_type() == at::kFloat && lowp(out_dtype)), "ckpt_ext::", op,
+              ": dtype must be x's (", x.scalar_type(), "), or bfloat16 / float16 for a float32 x, got ", out_dtype);
   const Tensor xc = x.contiguous();
-  Tensor out = at::empty_like(xc);
+  Tensor out = at::empty(xc.sizes(), xc.options().dtype(out_dtype));
   if (xc.numel() > 0) CKPT_EXT_LAUNCH(x.device(), dropout, xc, DropoutArgs{p, seed, offset}, out);
   return out;
 }

@@ -30,10 +30,14 @@ Tensor bias_gelu(const Tensor& x, const OptTensor& bias, c10::string_view approx
 // empty).
 std::tuple<Tensor, Tensor> bias_gelu_backward(const Tensor& grad, const Tensor& x, const OptTensor& bias,
                                               c10::string_view approximate, bool grad_bias = false);
+// x may be bfloat16/float16 beside a float32 residual (autocast's residual stream; the bias then float32 too):
+// computed in float as for a float32 x, the result float32.
 Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, c10::SymInt seed,
                         c10::SymInt offset);
 // x * mask / (1 - p) with the mask of (seed, offset): forward dropout, and the backward of any dropout.
-Tensor dropout(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset);
+// dtype: the result's (default x's); a float32 x may give bfloat16/float16, rounded once from the float result.
+Tensor dropout(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset,
+               std::optional<at::ScalarType> dtype = std::nullopt);
 // (out, pre_norm, mean, rstd, keep_bits): keep_bits is the dropout mask, one bit per element, stored by the
 // CPU kernel when p > 0 for the backward to read (uint8 [*rows, ceil(hidden / 8)]); elsewhere empty ([0]).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(
@@ -64,8 +68,8 @@ std::tuple<Tensor, Tensor> geglu_backward(const Tensor& grad, const Tensor& gate
 Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin);
 Tensor rotary_backward(const Tensor& grad, const Tensor& cos, const Tensor& sin);
 
-// No autograd: bias_dropout_add with its result written into `out` (contiguous, x's shape, dtype and
-// device).
+// No autograd: bias_dropout_add with its result written into `out` (contiguous, x's shape and device, the
+// residual's dtype).
 void bias_dropout_add_into(const Tensor& x, const OptTensor& bias, const Tensor& residual, double p, int64_t seed,
                            int64_t offset, const Tensor& out);
 // No autograd: bias_dropout_add_layer_norm with `out` written into the given tensor (contiguous, x's

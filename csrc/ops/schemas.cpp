@@ -16,7 +16,7 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "bias_gelu_backward(Tensor grad, Tensor x, Tensor? bias, str approximate, bool grad_bias=False) "
       "-> (Tensor grad_x, Tensor grad_bias)");
   m.def("bias_dropout_add(Tensor x, Tensor? bias, Tensor residual, float p, SymInt seed, SymInt offset) -> Tensor");
-  m.def("dropout(Tensor x, float p, SymInt seed, SymInt offset) -> Tensor");
+  m.def("dropout(Tensor x, float p, SymInt seed, SymInt offset, ScalarType? dtype=None) -> Tensor");
   m.def("dropout_mask(SymInt numel, float p, SymInt seed, SymInt offset, Device device) -> Tensor");
   m.def(
       "bias_dropout_add_layer_norm(Tensor x, Tensor? bias, Tensor residual, Tensor weight, Tensor? ln_bias, "
@@ -84,8 +84,9 @@ Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& re
                 Tensor(const Tensor&, const OptTensor&, const Tensor&, double, c10::SymInt, c10::SymInt), x, bias,
                 residual, p, seed, offset);
 }
-Tensor dropout(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset) {
-  CKPT_EXT_CALL("dropout", Tensor(const Tensor&, double, c10::SymInt, c10::SymInt), x, p, seed, offset);
+Tensor dropout(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset, std::optional<at::ScalarType> dtype) {
+  CKPT_EXT_CALL("dropout", Tensor(const Tensor&, double, c10::SymInt, c10::SymInt, std::optional<at::ScalarType>), x,
+                p, seed, offset, dtype);
 }
 T5 bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight,
                                const OptTensor& ln_bias, double p, double eps, c10::SymInt seed, c10::SymInt offset) {

@@ -180,8 +180,91 @@ void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::T
   });
 }
 
+namespace {
+
+// The portable loops of bias_dropout_add (X: x's type, S: the stream's -- bias, residual, out; X = S, or a
+// bfloat16 / float16 x beside a float32 stream under autocast) and of dropout (O: the result's type).
+template <typename X, typename S>
+void bias_dropout_add_loop(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+                           const DropoutArgs& dropout, const at::Tensor& out) {
+  using A = at::opmath_type<S>;
+  const X* xp = x.const_data_ptr<X>();
+  const S* bp = ptr_or_null<S>(bias);
+  const S* rp = residual.const_data_ptr<S>();
+  S* op = out.mutable_data_ptr<S>();
+  const int64_t hidden = x.size(-1);
+  const bool drop = dropout.enabled();
+  const A scale = dropout_scale<A>(dropout);
+  const philox::Dropout ph = dropout.philox();
+  at::parallel_for(0, x.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+    DropoutWords mask(ph);
+    int64_t col = begin % hidden;
+    for (int64_t b0 = begin; b0 < end; b0 += DropoutWords::kBlock) {
+      const int64_t b1 = std::min(end, b0 + DropoutWords::kBlock);
+      const uint32_t* words = drop ? mask.fill(b0, b1 - b0) : nullptr;
+      for (int64_t i = b0; i < b1; ++i) {
+        A v = static_cast<A>(xp[i]) + (bp ? static_cast<A>(bp[col]) : A(0));
+        if (drop) v = mask.keep(words[i - b0]) ? v * scale : A(0);
+        op[i] = static_cast<S>(static_cast<A>(rp[i]) + v);
+        if (++col == hidden) col = 0;
+      }
+    }
+  });
+}
+
+template <typename T, typename O>
+void dropout_loop(const at::Tensor& x, const DropoutArgs& dropout, const at::Tensor& out) {
+  using A = at::opmath_type<T>;
+  const T* gp = x.const_data_ptr<T>();
+  O* dp = out.mutable_data_ptr<O>();
+  const A scale = dropout_scale<A>(dropout);
+  const philox::Dropout ph = dropout.philox();
+  at::parallel_for(0, x.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
+    DropoutWords mask(ph);
+    for (int64_t b0 = begin; b0 < end; b0 += DropoutWords::kBlock) {
+      const int64_t b1 = std::min(end, b0 + DropoutWords::kBlock);
+      const uint32_t* words = mask.fill(b0, b1 - b0);
+      for (int64_t i = b0; i < b1; ++i)
+        dp[i] = mask.keep(words[i - b0]) ? static_cast<O>(static_cast<A>(gp[i]) * scale) : O(0);
+    }
+  });
+}
+
+// body(tag) with tag a value of c10::BFloat16 or c10::Half: the lower-precision side of a mixed call.
+template <typename F>
+void with_lowp(at::ScalarType t, const char* name, const F& body) {
+  if (t == at::kBFloat16) return body(c10::BFloat16());
+  TORCH_CHECK(t == at::kHalf, name, ": unexpected dtype ", t, " (ops/elementwise.cpp checks it)");
+  body(c10::Half());
+}
+
+// The SIMD kernels of the mixed calls, by the lower-precision type.
+auto mixed_x_kernel(const VecKernels<float>& k, c10::BFloat16) { return k.bias_dropout_add_x_bf16; }
+auto mixed_x_kernel(const VecKernels<float>& k, c10::Half) { return k.bias_dropout_add_x_half; }
+auto mixed_out_kernel(const VecKernels<float>& k, c10::BFloat16) { return k.dropout_to_bf16; }
+auto mixed_out_kernel(const VecKernels<float>& k, c10::Half) { return k.dropout_to_half; }
+
+}  // namespace
+
 void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
                               const DropoutArgs& dropout, const at::Tensor& out) {
+  if (x.scalar_type() != residual.scalar_type()) {  // autocast: a bfloat16 / float16 x, a float32 stream
+    with_lowp(x.scalar_type(), "ckpt_ext::bias_dropout_add", [&](auto tag) {
+      using X = decltype(tag);
+      const VecKernels<float>* k = vec_kernels<float>();
+      if (!k) return bias_dropout_add_loop<X, float>(x, bias, residual, dropout, out);
+      const auto fn = mixed_x_kernel(*k, tag);
+      const X* xp = x.const_data_ptr<X>();
+      const float* bp = ptr_or_null<float>(bias);
+      const float* rp = residual.const_data_ptr<float>();
+      float* op = out.mutable_data_ptr<float>();
+      const float scale = dropout_scale<float>(dropout);
+      for_segments(x.numel(), x.size(-1), dropout.philox(), [&](int64_t i, int64_t n, int64_t col, DropoutWords& mask) {
+        fn(xp + i, bp ? bp + col : nullptr, rp + i, op + i, n, vec_dropout(mask, dropout.enabled(), scale, i, n));
+      });
+    });
+    return;
+  }
   if (with_vec(x.scalar_type(), [&](const auto& k) {
         using T = typename std::decay_t<decltype(k)>::Scalar;
         const T* xp = x.const_data_ptr<T>();
@@ -197,34 +280,32 @@ void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const
       }))
     return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::bias_dropout_add", [&] {
-    using A = at::opmath_type<scalar_t>;
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    const scalar_t* bp = ptr_or_null<scalar_t>(bias);
-    const scalar_t* rp = residual.const_data_ptr<scalar_t>();
-    scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    const int64_t hidden = x.size(-1);
-    const bool drop = dropout.enabled();
-    const A scale = dropout_scale<A>(dropout);
-    const philox::Dropout ph = dropout.philox();
-    at::parallel_for(0, x.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
-      DropoutWords mask(ph);
-      int64_t col = begin % hidden;
-      for (int64_t b0 = begin; b0 < end; b0 += DropoutWords::kBlock) {
-        const int64_t b1 = std::min(end, b0 + DropoutWords::kBlock);
-        const uint32_t* words = drop ? mask.fill(b0, b1 - b0) : nullptr;
-        for (int64_t i = b0; i < b1; ++i) {
-          A v = static_cast<A>(xp[i]) + (bp ? static_cast<A>(bp[col]) : A(0));
-          if (drop) v = mask.keep(words[i - b0]) ? v * scale : A(0);
-          op[i] = static_cast<scalar_t>(static_cast<A>(rp[i]) + v);
-          if (++col == hidden) col = 0;
-        }
-      }
-    });
+    bias_dropout_add_loop<scalar_t, scalar_t>(x, bias, residual, dropout, out);
   });
 }
 
 void dropout(const at::Tensor& x, const DropoutArgs& dropout, const at::Tensor& out) {
-  if (dropout.enabled() && with_vec(x.scalar_type(), [&](const auto& k) {
+  if (!dropout.enabled()) {  // a copy, or the one cast to the result's dtype
+    at::Tensor o = out;
+    o.copy_(x);
+    return;
+  }
+  if (out.scalar_type() != x.scalar_type()) {  // autocast: a float32 x dropped into bfloat16 / float16
+    with_lowp(out.scalar_type(), "ckpt_ext::dropout", [&](auto tag) {
+      using O = decltype(tag);
+      const VecKernels<float>* k = vec_kernels<float>();
+      if (!k) return dropout_loop<float, O>(x, dropout, out);
+      const auto fn = mixed_out_kernel(*k, tag);
+      const float* xp = x.const_data_ptr<float>();
+      O* op = out.mutable_data_ptr<O>();
+      const float scale = dropout_scale<float>(dropout);
+      for_segments(x.numel(), x.numel(), dropout.philox(), [&](int64_t i, int64_t n, int64_t, DropoutWords& mask) {
+        fn(xp + i, op + i, n, vec_dropout(mask, true, scale, i, n));
+      });
+    });
+    return;
+  }
+  if (with_vec(x.scalar_type(), [&](const auto& k) {
         using T = typename std::decay_t<decltype(k)>::Scalar;
         const T* xp = x.const_data_ptr<T>();
         T* op = out.mutable_data_ptr<T>();
@@ -234,27 +315,8 @@ void dropout(const at::Tensor& x, const DropoutArgs& dropout, const at::Tensor& 
         });
       }))
     return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::dropout", [&] {
-    using A = at::opmath_type<scalar_t>;
-    const scalar_t* gp = x.const_data_ptr<scalar_t>();
-    scalar_t* dp = out.mutable_data_ptr<scalar_t>();
-    const bool drop = dropout.enabled();
-    const A scale = dropout_scale<A>(dropout);
-    const philox::Dropout ph = dropout.philox();
-    at::parallel_for(0, x.numel(), kElementGrain, [&](int64_t begin, int64_t end) {
-      if (!drop) {
-        std::copy(gp + begin, gp + end, dp + begin);
-        return;
-      }
-      DropoutWords mask(ph);
-      for (int64_t b0 = begin; b0 < end; b0 += DropoutWords::kBlock) {
-        const int64_t b1 = std::min(end, b0 + DropoutWords::kBlock);
-        const uint32_t* words = mask.fill(b0, b1 - b0);
-        for (int64_t i = b0; i < b1; ++i)
-          dp[i] = mask.keep(words[i - b0]) ? static_cast<scalar_t>(static_cast<A>(gp[i]) * scale) : scalar_t(0);
-      }
-    });
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::dropout",
+                                  [&] { dropout_loop<scalar_t, scalar_t>(x, dropout, out); });
 }
 
 void dropout_mask(const DropoutArgs& dropout, const at::Tensor& mask) {

@@ -66,6 +66,14 @@ struct VecKernels {
   void (*layer_norm_backward)(NormRow<T>& row);
   void (*rms_norm_forward)(NormRow<T>& row);
   void (*rms_norm_backward)(NormRow<T>& row);
+  // Autocast's float32 residual stream (T = float only; nullptr for the other T): bias_dropout_add with x in
+  // bfloat16 / float16, and dropout writing bfloat16 / float16.
+  void (*bias_dropout_add_x_bf16)(const c10::BFloat16* x, const T* bias, const T* residual, T* out, int64_t n,
+                                  VecDropout d);
+  void (*bias_dropout_add_x_half)(const c10::Half* x, const T* bias, const T* residual, T* out, int64_t n,
+                                  VecDropout d);
+  void (*dropout_to_bf16)(const T* x, c10::BFloat16* out, int64_t n, VecDropout d);
+  void (*dropout_to_half)(const T* x, c10::Half* out, int64_t n, VecDropout d);
 };
 
 // The kernels for this CPU, or nullptr (then the portable loops run).

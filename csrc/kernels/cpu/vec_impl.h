@@ -318,11 +318,12 @@ void bias_gelu_backward(const T* grad, const T* x, const T* bias, T* grad_x, int
   (tanh ? bias_gelu_backward_loop<T, true> : bias_gelu_backward_loop<T, false>)(grad, x, bias, grad_x, n);
 }
 
-template <typename T>
-void bias_dropout_add(const T* x, const T* bias, const T* residual, T* out, int64_t n, VecDropout d) {
+// X: x's type, T: the others' (a bfloat16 / float16 x beside a float32 stream under autocast; X = T otherwise).
+template <typename X, typename T>
+void bias_dropout_add(const X* x, const T* bias, const T* residual, T* out, int64_t n, VecDropout d) {
   for_steps(n, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec a, b;
-    IO<T>::load(x + i, c, a, b);
+    IO<X>::load(x + i, c, a, b);
     add_opt(bias ? bias + i : nullptr, c, a, b);
     if (d.words) apply_dropout(d, d.words + i, c, a, b);
     add_opt(residual + i, c, a, b);
@@ -330,14 +331,29 @@ void bias_dropout_add(const T* x, const T* bias, const T* residual, T* out, int6
   });
 }
 
-template <typename T>
-void dropout(const T* x, T* out, int64_t n, VecDropout d) {
+// O: the result's type (bfloat16 / float16 for a float32 x under autocast; O = T otherwise).
+template <typename T, typename O>
+void dropout(const T* x, O* out, int64_t n, VecDropout d) {
   for_steps(n, [&](int64_t i, int64_t c) CKPT_EXT_VEC_LAMBDA {
     fVec a, b;
     IO<T>::load(x + i, c, a, b);
     apply_dropout(d, d.words + i, c, a, b);
-    IO<T>::store(out + i, c, a, b);
+    IO<O>::store(out + i, c, a, b);
   });
+}
+
+// The mixed-dtype entries of table<T>(): instantiated for T = float only, nullptr for the other T.
+template <typename X, typename T>
+constexpr auto mixed_bias_dropout_add() {
+  using Fn = void (*)(const X*, const T*, const T*, T*, int64_t, VecDropout);
+  if constexpr (std::is_same<T, float>::value) return static_cast<Fn>(&bias_dropout_add<X, T>);
+  else return static_cast<Fn>(nullptr);
+}
+template <typename T, typename O>
+constexpr auto mixed_dropout() {
+  using Fn = void (*)(const T*, O*, int64_t, VecDropout);
+  if constexpr (std::is_same<T, float>::value) return static_cast<Fn>(&dropout<T, O>);
+  else return static_cast<Fn>(nullptr);
 }
 
 template <typename T>
@@ -614,11 +630,13 @@ void rms_norm_backward(NormRow<T>& row) {
 
 template <typename T>
 const VecKernels<T>* table() {
-  static const VecKernels<T> k{&bias_gelu<T>,         &bias_gelu_backward<T>, &bias_dropout_add<T>,
-                               &dropout<T>,           &swiglu<T>,             &swiglu_backward<T>,     &geglu<T>,
+  static const VecKernels<T> k{&bias_gelu<T>,         &bias_gelu_backward<T>, &bias_dropout_add<T, T>,
+                               &dropout<T, T>,        &swiglu<T>,             &swiglu_backward<T>,     &geglu<T>,
                                &geglu_backward<T>,    &rotary<T>,
                                &layer_norm_forward<T>, &layer_norm_backward<T>, &rms_norm_forward<T>,
-                               &rms_norm_backward<T>};
+                               &rms_norm_backward<T>,
+                               mixed_bias_dropout_add<c10::BFloat16, T>(), mixed_bias_dropout_add<c10::Half, T>(),
+                               mixed_dropout<T, c10::BFloat16>(), mixed_dropout<T, c10::Half>()};
   return &k;
 }
 

@@ -2,7 +2,9 @@
 //
 // Each thread owns groups of four consecutive elements (grid-stride loop): one vector load/store per
 // tensor when the pointers allow it, and one Philox call for the four dropout flags (the mask of element
-// i is keep4(i / 4)[i % 4], the same stream the CPU kernels walk). All arithmetic is float.
+// i is keep4(i / 4)[i % 4], the same stream the CPU kernels walk). All arithmetic is float. Autocast's
+// float32 residual stream: bias_dropout_add reads a bfloat16/float16 x beside it (MixedPtrs2), dropout
+// writes a bfloat16/float16 result of a float32 input; each pointer keeps its own vector loads/stores.
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -11,6 +13,10 @@
 #include "../math.h"
 #include "common.cuh"
 
+// The lower-precision side of the mixed-dtype calls (autocast's float32 residual stream beside the GEMMs' dtype).
+#define CKPT_EXT_DISPATCH_CUDA_LOWP(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
 namespace ckpt_ext {
 namespace kernels {
 namespace cuda {
@@ -18,14 +24,49 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// The kernels' inputs / outputs: kN pointers, loaded / stored four elements at a time as float (load4 /
+// store4). One dtype for all (ConstPtrs, MutPtrs), or MixedPtrs2's two (x in a lower precision beside
+// autocast's float32 residual); the unrolled loops over i / o pick the pointer at compile time.
 template <typename T, int N>
 struct ConstPtrs {
+  static constexpr int kN = N;
   const T* p[N];
+  __device__ __forceinline__ void load(int i, int64_t base, int count, bool vec, float (&out)[4]) const {
+    load4(p[i], base, count, vec, out);
+  }
+  bool aligned() const {
+    for (int i = 0; i < N; ++i)
+      if (!pack4_aligned<T>(p[i])) return false;
+    return true;
+  }
+};
+
+template <typename X, typename T>
+struct MixedPtrs2 {
+  static constexpr int kN = 2;
+  const X* x;
+  const T* r;
+  __device__ __forceinline__ void load(int i, int64_t base, int count, bool vec, float (&out)[4]) const {
+    if (i == 0)
+      load4(x, base, count, vec, out);
+    else
+      load4(r, base, count, vec, out);
+  }
+  bool aligned() const { return pack4_aligned<X>(x) && pack4_aligned<T>(r); }
 };
 
 template <typename T, int N>
 struct MutPtrs {
+  static constexpr int kN = N;
   T* p[N];
+  __device__ __forceinline__ void store(int o, int64_t base, int count, bool vec, const float (&in)[4]) const {
+    store4(p[o], base, count, vec, in);
+  }
+  bool aligned() const {
+    for (int o = 0; o < N; ++o)
+      if (!pack4_aligned<T>(p[o])) return false;
+    return true;
+  }
 };
 
 // Groups of four a thread loads before it computes and stores any: the grid is capped at a full machine
@@ -37,8 +78,9 @@ struct MutPtrs {
 constexpr int kGroupsInFlight = 2;
 
 // in[i] / out[o]: four values of input i / output o for elements base .. base+count-1.
-template <typename T, int NIn, int NOut, typename Op>
-__global__ void elementwise4_kernel(ConstPtrs<T, NIn> in, MutPtrs<T, NOut> out, int64_t n, bool vec, Op op) {
+template <typename In, typename Out, typename Op>
+__global__ void elementwise4_kernel(In in, Out out, int64_t n, bool vec, Op op) {
+  constexpr int NIn = In::kN, NOut = Out::kN;
   const int64_t groups = (n + 3) / 4;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t g0 = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g0 < groups;
@@ -52,7 +94,7 @@ __global__ void elementwise4_kernel(ConstPtrs<T, NIn> in, MutPtrs<T, NOut> out, 
       const int64_t base = g * 4;
       const int count = static_cast<int>(min(static_cast<int64_t>(4), n - base));
 #pragma unroll
-      for (int i = 0; i < NIn; ++i) load4(in.p[i], base, count, vec, a[u][i]);
+      for (int i = 0; i < NIn; ++i) in.load(i, base, count, vec, a[u][i]);
     }
 #pragma unroll
     for (int u = 0; u < kGroupsInFlight; ++u) {
@@ -62,22 +104,19 @@ __global__ void elementwise4_kernel(ConstPtrs<T, NIn> in, MutPtrs<T, NOut> out, 
       const int count = static_cast<int>(min(static_cast<int64_t>(4), n - base));
       op(g, base, count, a[u], b[u]);
 #pragma unroll
-      for (int o = 0; o < NOut; ++o) store4(out.p[o], base, count, vec, b[u][o]);
+      for (int o = 0; o < NOut; ++o) out.store(o, base, count, vec, b[u][o]);
     }
   }
 }
 
-template <typename T, int NIn, int NOut, typename Op>
-void launch_elementwise4(c10::Device device, const ConstPtrs<T, NIn>& in, const MutPtrs<T, NOut>& out, int64_t n,
-                         const Op& op) {
-  bool vec = true;
-  for (int i = 0; i < NIn; ++i) vec = vec && pack4_aligned<T>(in.p[i]);
-  for (int o = 0; o < NOut; ++o) vec = vec && pack4_aligned<T>(out.p[o]);
+template <typename In, typename Out, typename Op>
+void launch_elementwise4(c10::Device device, const In& in, const Out& out, int64_t n, const Op& op) {
+  const bool vec = in.aligned() && out.aligned();
   const int64_t groups = (n + 3) / 4;
   // Once per instantiation (the grid's size changes no result, only how well the SMs are filled).
-  static const int resident = resident_blocks_per_sm(elementwise4_kernel<T, NIn, NOut, Op>, kThreads);
-  elementwise4_kernel<T, NIn, NOut, Op><<<grid_for(groups, kThreads, std::min(resident, 8)), kThreads, 0,
-                                          current_stream(device)>>>(in, out, n, vec, op);
+  static const int resident = resident_blocks_per_sm(elementwise4_kernel<In, Out, Op>, kThreads);
+  elementwise4_kernel<In, Out, Op><<<grid_for(groups, kThreads, std::min(resident, 8)), kThreads, 0,
+                                     current_stream(device)>>>(in, out, n, vec, op);
   CKPT_EXT_CUDA_LAUNCH_CHECK();
 }
 
@@ -347,6 +386,15 @@ void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::T
 void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
                               const DropoutArgs& dropout, const at::Tensor& out) {
   const c10::DeviceGuard guard(x.device());
+  if (x.scalar_type() != residual.scalar_type()) {  // autocast: a bfloat16 / float16 x, a float32 stream
+    CKPT_EXT_DISPATCH_CUDA_LOWP(x.scalar_type(), "ckpt_ext::bias_dropout_add", [&] {
+      launch_elementwise4(
+          x.device(), MixedPtrs2<scalar_t, float>{x.const_data_ptr<scalar_t>(), residual.const_data_ptr<float>()},
+          MutPtrs<float, 1>{{out.mutable_data_ptr<float>()}}, x.numel(),
+          BiasDropoutAdd<float>{row_bias<float>(bias, x.size(-1)), dropout.philox(), dropout.enabled()});
+    });
+    return;
+  }
   CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_dropout_add", [&] {
     launch_elementwise4(
         x.device(),
@@ -358,8 +406,17 @@ void bias_dropout_add_forward(const at::Tensor& x, const at::Tensor& bias, const
 
 void dropout(const at::Tensor& x, const DropoutArgs& dropout, const at::Tensor& out) {
   const c10::DeviceGuard guard(x.device());
-  if (!dropout.enabled()) {
-    out.copy_(x);
+  if (!dropout.enabled()) {  // a copy, or the one cast to the result's dtype
+    at::Tensor o = out;
+    o.copy_(x);
+    return;
+  }
+  if (out.scalar_type() != x.scalar_type()) {  // autocast: a float32 x dropped into bfloat16 / float16
+    CKPT_EXT_DISPATCH_CUDA_LOWP(out.scalar_type(), "ckpt_ext::dropout", [&] {
+      launch_elementwise4(x.device(), ConstPtrs<float, 1>{{x.const_data_ptr<float>()}},
+                          MutPtrs<scalar_t, 1>{{out.mutable_data_ptr<scalar_t>()}}, x.numel(),
+                          DropoutScale{dropout.philox()});
+    });
     return;
   }
   CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::dropout", [&] {
