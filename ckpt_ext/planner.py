@@ -234,9 +234,13 @@ class Plan:
                 held, replay, rc = per_segment[k][:3] if per_segment else (0, 0, 0.0)
                 what = _LEVEL_WORDS[how][1] if how in _LEVEL_WORDS else "keeping only its input"
                 if per_segment and per_segment[k][4]:
-                    what = what.replace("keeping only its input", "keeping no input").replace(
-                        "its input", "no input") + (" (its input recomputed from the segment before's pre-norm sum "
-                                                    "with one add_layer_norm)")
+                    taken = ("not its input (recomputed in its replay from the segment before's pre-norm sum with one "
+                             "add_layer_norm)")
+                    if what == "keeping only its input":
+                        what = f"keeping no input ({taken[len('not its input ('):]}"
+                    else:
+                        rest = what.split("its input", 1)[1].lstrip(" ,")
+                        what = f"keeping {rest[4:] if rest.startswith('and ') else rest}, {taken}"
                 if per_segment and per_segment[k][3]:
                     what += (", and its last layer's norm input and row statistics (BERT's pre-norm boundary: the "
                              "replay skips that layer's output linear and norm)")

@@ -117,7 +117,7 @@ class _Group:
 
     def __init__(self, layers: List[nn.Module], index: int, planner: Optional[StackPlanner] = None,
                  kept: bool = False, keep: str = "boundaries", stack: str = "", boundary: Optional[bool] = None,
-                 takes: bool = False):
+                 takes: bool = False, passes: bool = False):
         self.layers = layers
         self.index = index  # position of the first layer in its stack
         self.planner = planner
@@ -128,6 +128,7 @@ class _Group:
         # the group before's pre-norm sum as its input (explain)
         self.boundary = planner is None if boundary is None else boundary
         self.takes = takes
+        self.passes = passes  # planned: the group after takes this group's pre-norm sum as its input
         self.names = [_layer_name(stack, index + k, layer) for k, layer in enumerate(layers)]
         self.running = 0  # the layer of the group running now (keep="attention" names it in messages)
         # keep="attention" (and the levels keeping attention): per layer, what its attention kept in the last forward
@@ -152,6 +153,7 @@ class _Group:
         self.__dict__.update(state)
         self.__dict__.setdefault("boundary", self.planner is None)  # (pickled before the per-call boundary)
         self.__dict__.setdefault("takes", False)
+        self.__dict__.setdefault("passes", False)
         self.running = 0
         self.attention = [None] * len(self.layers)
         self.gemm_bytes = [0] * len(self.layers)
@@ -256,15 +258,17 @@ class _Group:
             boundary = ("its last norm's input and row statistics (BERT's pre-norm boundary, unless a LoRA adapter is "
                         "on its output linear: the replay skips the output linear and norm; " +
                         ("the next fused group keeps that, not its input)" if self.planner is None else
-                         "the next group keeps that, not its input, where the plan says it takes it)"))
+                         "the next group keeps that, not its input)" if self.passes else
+                         "no group after it takes that as its input)"))
         if self.keep == "boundaries":
             if takes and k == 0:
                 head = ("no input of its own (its input is recomputed in its replay from the pre-norm sum the group "
                         "before keeps, with one add_layer_norm)")
                 return f"{head}, and {boundary}" if boundary else head
             if boundary:
-                return f"{boundary[:-1]}; not its output)" if self.planner is not None else \
-                    boundary.replace("statistics (", "statistics instead of its output (", 1)
+                boundary = boundary.replace("statistics (", "statistics instead of its output (", 1)
+                # a group of one layer that takes no sum keeps its input too (the first of a chain)
+                return f"its input and {boundary}" if k == 0 and self.planner is not None else boundary
             if takes:
                 return "no input of its own (its group's input is recomputed from the group before's pre-norm sum)"
             return "only its group's input" if len(self.layers) > 1 else "only its input"
@@ -401,7 +405,7 @@ def _attach_planned(planner: StackPlanner, segments: List[Tuple[int, int, Union[
         if how:
             keep = "boundaries" if how is True else how  # "attention", "attention_inputs", "gemms", ...
             groups.append(_Group(planner.layers[s:e], s, planner, keep=keep, stack=planner.name,
-                                 boundary=s in boundaries, takes=s in takes))
+                                 boundary=s in boundaries, takes=s in takes, passes=e in takes))
         else:
             groups.extend(_Group([planner.layers[i]], i, planner, kept=True, stack=planner.name)
                           for i in range(s, e))
