@@ -193,8 +193,9 @@ class StackPlanner:
             boundary = -(-boundary // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
         extra = tuple(Level(name, v[0], v[1], v[2], v[4], v[5] if len(v) > 5 else 0) for name, v in levels.items()
                       if name != "attention")
-        pre_norm, self.cpu_pre_norm[i] = _pre_norm(layer, args, kwargs, hidden, device, sync) if fused else \
-            (None, (0.0, 0.0))
+        # (the levels keeping GEMM outputs run without BERT's pre-norm boundary: planner.BOUNDARY_HOWS)
+        pre_norm, self.cpu_pre_norm[i] = _pre_norm(layer, args, kwargs, hidden, device, sync) \
+            if fused and self.keep in ("auto", "boundaries", "attention") else (None, (0.0, 0.0))
         self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0,
                                   extra, pre_norm)
         # the same runs' process CPU time (the benchmarks compare it on a shared machine)
