@@ -72,7 +72,7 @@ def held_by_stack(model, layers, call):
     weight's transpose -- and the last layer's output, which the model goes on with, excepted) and those the stack
     received (the first layer's arguments: its input, a mask, rotary tables), plus the pool slots the stack took
     (fused segments' outputs, their kept attention). tests/test_planner.py uses it too."""
-    created, received, window, last = _Created(), [], [], []
+    created, received, window, last, inputs = _Created(), [], [], [], []
 
     def pre(module, args, kwargs):
         received.extend(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
@@ -83,6 +83,11 @@ def held_by_stack(model, layers, call):
         created.on = False
         window.append(ckpt_ext.pool_stats("cpu")["in_use_bytes"])
         last.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        # The last layer's pooled input is still referenced by the stack's loop here; the stack holds it from forward
+        # to backward only where something saved it (not where BERT's pre-norm boundary recomputes it): counted
+        # below only if it outlives the forward.
+        inputs.extend((weakref.ref(t), -(-t.untyped_storage().nbytes() // 256) * 256)
+                      for t in tree_leaves(args) if isinstance(t, torch.Tensor) and ckpt_ext.is_pooled(t))
 
     hooks = [layers[0].register_forward_pre_hook(pre, with_kwargs=True), layers[-1].register_forward_hook(post)]
     try:
@@ -97,6 +102,9 @@ def held_by_stack(model, layers, call):
         if t is not None and not ckpt_ext.is_pooled(t) and t.untyped_storage().data_ptr() not in params:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     pooled = window[-1] - window[0]
+    for ref, slot in inputs:
+        if ref() is None:  # (an input that is also the output is taken off below)
+            pooled -= slot
     for t in last:
         storages.pop(t.untyped_storage().data_ptr(), None)
         if ckpt_ext.is_pooled(t):  # a slot of 256-byte multiples

@@ -412,8 +412,9 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
 
     ``pre_norm_boundary`` (BERT/RoBERTa, eager): the segment keeps its last layer's pre-norm sum and row statistics
     instead of replaying its output linear and norm, and the next such segment keeps that sum instead of its input
-    (csrc/layers/layer.h, PreNormBoundary; ``_C.pre_norm_boundaries()`` the process-wide switch). False: this call
-    keeps its input and replays in full, as the budget planner's accounting assumes (stack.py)."""
+    (csrc/layers/layer.h, PreNormBoundary; ``_C.pre_norm_boundaries()`` the process-wide switch, which this argument
+    is ANDed with and never changes). False: this call keeps its input and replays in full, and takes no boundary
+    from the segment before (the budget planner's groups where its plan has no boundary: stack.py)."""
     first = layers[0] if layers else None
     if not isinstance(first, FusedTransformerLayer):
         return NotImplemented
@@ -434,20 +435,15 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
         return first._as_returned(compiled.fused_segment(layers, call.hidden, call.mask, call.cos, call.sin,
                                                          first.training))
     _check_segment_not_capturing()
-    if not pre_norm_boundary and _C.pre_norm_boundaries():
-        before = _C.pre_norm_boundaries(False)
-        try:
-            return run_segment(layers, args, kwargs, keep_attention, names, report, gemms, report_gemms)
-        finally:
-            _C.pre_norm_boundaries(before)
     specs, weights = zip(*(layer._call_args() for layer in layers))
+    boundary = bool(pre_norm_boundary)
     if not keep_attention and gemms is None:
         return first._as_returned(_C.segment_apply(list(specs), call.hidden, call.mask, call.cos, call.sin,
-                                                    list(weights), first.training))
+                                                    list(weights), first.training, pre_norm_boundary=boundary))
     if gemms is not None:
         out, not_kept, gemm_bytes, gemm_why = _C.segment_apply_levels(
             list(specs), call.hidden, call.mask, call.cos, call.sin, list(weights), first.training, keep_attention,
-            _GEMM_LEVELS[gemms])
+            _GEMM_LEVELS[gemms], pre_norm_boundary=boundary)
         if report_gemms is not None:
             for i, (n, why) in enumerate(zip(gemm_bytes, gemm_why)):
                 report_gemms(i, n, why or None)
@@ -455,7 +451,7 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
             return first._as_returned(out)
     else:
         out, not_kept = _C.segment_apply_keeping_attention(list(specs), call.hidden, call.mask, call.cos, call.sin,
-                                                            list(weights), first.training)
+                                                            list(weights), first.training, pre_norm_boundary=boundary)
     for i, why in enumerate(not_kept):
         if report is not None:
             report(i, why or None)

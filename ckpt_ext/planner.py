@@ -30,6 +30,14 @@ of least recompute whose need fits the budget (within 1%, certified; exact on sm
 a dynamic program over (layers, recompute units) inside a branch and bound over the largest replay,
 explained below), in well under a second for 128 layers (seconds with every keep level: one option per level per segment); `sqrt_plan` is Chen et al.'s sqrt(n)
 schedule. Both are pure functions of the costs, tested against brute force.
+
+BERT's pre-norm boundary (issue 32; LayerCost.pre_norm, measured for fused BERT/RoBERTa layers): a segment
+checkpointed boundary-only or keeping attention may run with it (Plan.boundaries, a choice per segment). Ending at a
+layer that has one, it then also holds that layer's second norm's input and row statistics (PreNorm.kept_bytes) and
+its replay skips the layer's output linear and norm (PreNorm.skipped); called on the output of a segment that holds
+one (the layer chained), it holds no input of its own (the sum is held already) and its replay recomputes the input
+(PreNorm.input_compute of the layer before). A chain of k such segments holds its first input, k sums and k
+statistics instead of k inputs. The search tracks whether the plan so far ends with a segment holding a sum.
 """
 import math
 import re
@@ -37,7 +45,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
 
-__all__ = ["LayerCost", "Plan", "plan_chain", "sqrt_plan", "parse_bytes"]
+__all__ = ["LayerCost", "PreNorm", "Plan", "plan_chain", "sqrt_plan", "parse_bytes"]
 
 
 ATTENTION = "attention"  # a plan segment's `how`: checkpointed keeping attention
@@ -45,6 +53,9 @@ ATTENTION = "attention"  # a plan segment's `how`: checkpointed keeping attentio
 # the attention output + LSE and the GEMM outputs before it (the q/k/v projections); all GEMM outputs; both.
 LEVELS = (ATTENTION, "attention_inputs", "gemms", "gemms_attention")
 _WITH_ATTENTION = (ATTENTION, "attention_inputs", "gemms_attention")
+# The ways of checkpointing a segment that may run with BERT's pre-norm boundary (the levels keeping GEMM outputs run
+# without it: their kept output GEMM and the boundary's skipped one are not accounted together)
+BOUNDARY_HOWS = (True, ATTENTION)
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,20 @@ class Level:
 
 
 @dataclass(frozen=True)
+class PreNorm:
+    """A fused BERT/RoBERTa layer's pre-norm boundary (csrc/layers/layer.h, PreNormBoundary). A segment run with the
+    boundary and ending at the layer keeps kept_bytes (the layer's second norm's input and row statistics) and its
+    replay skips `skipped` (that layer's output linear and norm); a segment run with it, called on the output of such
+    a segment, keeps no input (the sum is held already) and its replay adds input_compute (the norm recomputing the
+    input from the sum). keeps: False where the layer keeps no boundary as a segment's last (an adapter on its output
+    linear); it still takes one as its input."""
+    kept_bytes: int
+    skipped: float
+    input_compute: float
+    keeps: bool = True
+
+
+@dataclass(frozen=True)
 class LayerCost:
     act_bytes: int
     boundary_bytes: int
@@ -71,6 +96,7 @@ class LayerCost:
     attn_bytes: Optional[int] = None  # None: the layer cannot keep its attention
     attn_compute: float = 0.0
     levels: Tuple[Level, ...] = ()  # the levels beyond "attention" it can be checkpointed at (measured)
+    pre_norm: Optional[PreNorm] = None  # a fused BERT/RoBERTa layer's pre-norm boundary (None: the layer has none)
 
     @property
     def keeps_attention(self) -> bool:
@@ -112,6 +138,38 @@ def segment_bytes(costs: Sequence[LayerCost], s: int, e: int, how) -> Tuple[int,
             sum(p[1] for p in parts))
 
 
+def segment_costs(costs: Sequence[LayerCost], segments, boundaries=frozenset(),
+                  chained: Optional[Sequence[bool]] = None) -> List[Tuple[int, int, float, bool, bool]]:
+    """Per segment of a plan: (held bytes, replay bytes, recompute, whether it keeps a pre-norm boundary, whether it
+    takes the one before as its input instead of keeping its input). boundaries: the starts of the segments run with
+    the pre-norm boundary (Plan.boundaries)."""
+    out = []
+    before = False  # the segment before keeps a pre-norm boundary
+    for s, e, how in segments:
+        if not how:
+            out.append((sum(c.act_bytes for c in costs[s:e]), 0, 0.0, False, False))
+            before = False
+            continue
+        held, replay = segment_bytes(costs, s, e, how)
+        rc = sum(c.recompute(how) for c in costs[s:e])
+        keeps = takes = False
+        if s in boundaries:
+            if how not in BOUNDARY_HOWS or any(c.pre_norm is None for c in costs[s:e]):
+                raise ValueError(f"segment {s}-{e - 1} ({how!r}) cannot run with the pre-norm boundary")
+            last = costs[e - 1].pre_norm
+            keeps = last.keeps
+            takes = before and s > 0 and (chained is None or chained[s])
+            if keeps:
+                held += last.kept_bytes
+                rc = max(0.0, rc - last.skipped)
+            if takes:
+                held -= costs[s].boundary_bytes
+                rc += costs[s - 1].pre_norm.input_compute
+        out.append((held, replay, rc, keeps, takes))
+        before = keeps
+    return out
+
+
 @dataclass
 class Plan:
     segments: List[Tuple[int, int, Union[bool, str]]]  # (start, end exclusive, False | True | a level name)
@@ -124,6 +182,9 @@ class Plan:
     # seconds the layers' forward and backward took without checkpointing, when measured (explain's step time)
     base_time: Optional[float] = None
     shared_bytes: int = 0  # of held_bytes: tensors every layer receives (a mask, rotary tables), counted once
+    # the starts of the segments run with BERT's pre-norm boundary (LayerCost.pre_norm), and the chain's `chained`
+    boundaries: frozenset = frozenset()
+    chained: Optional[List[bool]] = field(default=None, repr=False)
 
     @property
     def need_bytes(self) -> int:
@@ -153,6 +214,7 @@ class Plan:
                          f"{self.base_time * 1e3:.1f} ms, so {self.base_time * 1e3:.1f} -> "
                          f"{(self.base_time + self.recompute) * 1e3:.1f} ms (+{self.recompute / self.base_time:.1%})")
         lines.append(overhead)
+        per_segment = segment_costs(self.costs, self.segments, self.boundaries, self.chained) if self.costs else None
         levels = ", ".join(f"{k} {_LEVEL_WORDS[lv][0]}" for lv, k in per_level.items() if k)
         if replayed:
             rest = "" if not levels or sum(per_level.values()) == replayed else ", the others only their input"
@@ -160,12 +222,28 @@ class Plan:
                          f"{n - replayed} kept whole")
         else:
             lines.append(f"0 of {n} layers replayed, {n} kept whole")
-        for s, e, how in self.segments:
+        chains = sum(1 for k, (s, *_) in enumerate(self.segments)
+                     if s in self.boundaries and per_segment and not per_segment[k][4])
+        if self.boundaries:
+            lines.append(f"{len(self.boundaries)} segments run with BERT's pre-norm boundary ({chains} chain(s) of "
+                         "them: each segment keeps its last layer's norm input and row statistics instead of the next "
+                         "one's input, and replays without that layer's output linear and norm)")
+        for k, (s, e, how) in enumerate(self.segments):
             name = f"layers {s}-{e - 1}" if e - s > 1 else f"layer {s}"
             if how:
-                held, replay = segment_bytes(self.costs, s, e, how) if self.costs else (0, 0)
-                rc = sum(c.recompute(how) for c in self.costs[s:e]) if self.costs else 0.0
+                held, replay, rc = per_segment[k][:3] if per_segment else (0, 0, 0.0)
                 what = _LEVEL_WORDS[how][1] if how in _LEVEL_WORDS else "keeping only its input"
+                if per_segment and per_segment[k][4]:
+                    taken = ("not its input (recomputed in its replay from the segment before's pre-norm sum with one "
+                             "add_layer_norm)")
+                    if what == "keeping only its input":
+                        what = f"keeping no input ({taken[len('not its input ('):]}"
+                    else:
+                        rest = what.split("its input", 1)[1].lstrip(" ,")
+                        what = f"keeping {rest[4:] if rest.startswith('and ') else rest}, {taken}"
+                if per_segment and per_segment[k][3]:
+                    what += (", and its last layer's norm input and row statistics (BERT's pre-norm boundary: the "
+                             "replay skips that layer's output linear and norm)")
                 lines.append(f"  {name}: checkpointed as one segment, {what} (holds {fmt_bytes(held)}; replay "
                              f"{fmt_bytes(replay)}, {rc * 1e3:.1f} ms)")
             else:
@@ -230,22 +308,17 @@ def _check_costs(costs: Sequence[LayerCost]):
                 (c.attn_bytes is not None and c.attn_bytes < 0) or \
                 any(lv.kept_bytes < 0 or lv.saved_kept_bytes < 0 or lv.skipped < 0 or lv.name not in LEVELS[1:] or
                     not 0 <= lv.tail_bytes <= lv.kept_bytes
-                    for lv in c.levels):
+                    for lv in c.levels) or \
+                (c.pre_norm is not None and (c.pre_norm.kept_bytes < 0 or c.pre_norm.skipped < 0 or
+                                             c.pre_norm.input_compute < 0)):
             raise ValueError(f"layer costs must be non-negative, got {c}")
 
 
-def _finish(costs, segments, budget) -> Plan:
-    held = replay = 0
-    recompute = 0.0
-    for s, e, ckpt in segments:
-        if ckpt:
-            h, r = segment_bytes(costs, s, e, ckpt)
-            held += h
-            replay = max(replay, r)
-            recompute += sum(c.recompute(ckpt) for c in costs[s:e])
-        else:
-            held += sum(c.act_bytes for c in costs[s:e])
-    return Plan(list(segments), held, replay, recompute, sum(c.compute for c in costs), budget, list(costs))
+def _finish(costs, segments, budget, boundaries=frozenset(), chained=None) -> Plan:
+    per = segment_costs(costs, segments, boundaries, chained)
+    return Plan(list(segments), sum(p[0] for p in per), max((p[1] for p in per), default=0), sum(p[2] for p in per),
+                sum(c.compute for c in costs), budget, list(costs), boundaries=frozenset(boundaries),
+                chained=None if chained is None else list(chained))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -274,6 +347,7 @@ _CERTIFIED = 1.01    # the plan's recompute is at most this times the least poss
 _COARSE_UNITS = 20   # units per layer in the first pass (which only finds the scale)
 _RESOLUTION = 1e-12  # the finest unit, relative to the total compute (float sums resolve no finer)
 _INF = 1 << 62
+_ANY = -1  # an option's source state: the plan before it may end either way (else 0, or 1: a segment keeping a sum)
 
 
 class _Chain:
@@ -281,6 +355,7 @@ class _Chain:
                  hows: Sequence = (True, ATTENTION)):
         self.costs = list(costs)
         self.n = len(costs)
+        self.chained = None if chained is None else list(chained)
         # first[j]: the first layer a segment ending before layer j may start at -- a segment (one
         # checkpointed call running its layers in turn) only spans layers each called on the output of the
         # one before (chained[k]: layer k is; None: every layer is)
@@ -314,6 +389,38 @@ class _Chain:
                 paid.append(paid[-1] + (rc != 0))
                 bad.append(bad[-1] + (got is None))
             self.pw[how], self.pk[how], self.pc[how], self.paid[how], self.bad[how] = pw, pk, pc, paid, bad
+        # BERT's pre-norm boundary: the ways of checkpointing that may run with it, where any layer has one
+        self.pre_norm = [c.pre_norm for c in costs]
+        self.boundary_hows = [h for h in self.hows if h in BOUNDARY_HOWS] if any(self.pre_norm) else []
+
+    def variants(self, j: int):
+        """Every way of checkpointing a segment ending before layer j: (how, runs with the pre-norm boundary, state
+        after it (1: it keeps a sum the next segment may take), monotone (its recomputes grow as the start falls),
+        its options as options() yields them, each with its source state (_ANY, 0 or 1) appended)."""
+        for how in self.hows:
+            yield how, False, 0, True, (o + (_ANY,) for o in self.options(j, how))
+            if how in self.boundary_hows and self.pre_norm[j - 1] is not None:
+                keeps = self.pre_norm[j - 1].keeps
+                if keeps:
+                    yield how, True, 1, True, self.boundary_options(j, how, False)
+                yield how, True, int(keeps), False, self.boundary_options(j, how, True)
+
+    def boundary_options(self, j: int, how, takes: bool):
+        """options(j, how) run with the pre-norm boundary (every layer has one), not taking the sum before as the
+        input (source state 0 where the segment would take it, else _ANY) or, with `takes`, taking it (source 1)."""
+        last = self.pre_norm[j - 1]
+        kept, skipped = (last.kept_bytes, last.skipped) if last.keeps else (0, 0.0)
+        for i, work, held, rc, free in self.options(j, how):
+            if self.pre_norm[i] is None:
+                return
+            before = self.pre_norm[i - 1] if i > 0 and (self.chained is None or self.chained[i]) else None
+            can = before is not None and before.keeps
+            rc = max(0.0, rc - skipped)
+            if not takes:
+                yield i, work, held + kept, rc, free, 0 if can else _ANY
+            elif can:
+                yield (i, work, held + kept - self.bnd[i], rc + before.input_compute,
+                       free and before.input_compute == 0, 1)
 
     def options(self, j: int, how):
         """The segments [i, j) checkpointed `how`, nearest start first: (i, replay bytes, held bytes, recompute,
@@ -336,16 +443,16 @@ class _Chain:
         """Least bytes held by a plan whose segments each replay <= b (and, with free_only, have no
         compute), recompute unlimited."""
         act = self.act
-        h = [0] * (self.n + 1)
+        h = [(0, _INF)] + [None] * self.n  # per state: the plan so far ends without / with a kept sum
         for j in range(1, self.n + 1):
-            v = h[j - 1] + act[j - 1]
-            for how in self.hows:
-                for i, work, held, _, free in self.options(j, how):
+            v = [min(h[j - 1]) + act[j - 1], _INF]
+            for _, _, dst, _, opts in self.variants(j):
+                for i, work, held, _, free, src in opts:
                     if work > b or (free_only and not free):
                         break
-                    v = min(v, h[i] + held)
-            h[j] = v
-        return h[-1]
+                    v[dst] = min(v[dst], (min(h[i]) if src == _ANY else h[i][src]) + held)
+            h[j] = tuple(v)
+        return min(h[-1])
 
     def least_need(self, free_only: bool = False) -> int:
         """The least need of any plan (with free_only: of any plan without recompute): min over b of
@@ -377,50 +484,73 @@ class _UnitsDP:
         self.segments = []
         for j in range(chain.n + 1):
             per_how = []
-            for how in chain.hows:
+            for how, boundary, dst, monotone, opts in (chain.variants(j) if j else ()):
                 segs = []
-                for i, work, held, c, free in (chain.options(j, how) if j else ()):
+                for i, work, held, c, free, src in opts:
                     w = (0 if free else length) if delta is None else int(c // delta)
-                    if w >= length:  # longer segments cost even more units
-                        break
-                    segs.append((i, w, work, held))
-                per_how.append((how, segs))
+                    if w >= length:  # longer segments cost even more units (where monotone)
+                        if monotone:
+                            break
+                        continue
+                    segs.append((i, w, work, held, src))
+                per_how.append((how, boundary, dst, monotone, segs))
             self.segments.append(per_how)
 
     def run(self, b: int, length: int, keep: bool = False):
-        """rows[j][u]: least held of the first j layers with at most u units (u < length). Returns the
-        last row, or every row when `keep` (to trace the plan back)."""
+        """rows[j][u]: least held of the first j layers with at most u units (u < length); states[j][s][u] the same
+        for plans ending in state s (1: with a segment keeping a pre-norm sum; rows = their minimum). Returns the
+        last row, or (rows, states) when `keep` (to trace the plan back)."""
         import numpy as np
         act = self.chain.act
         rows = [np.zeros(length, dtype=np.int64)]
+        none = np.full(length, _INF, dtype=np.int64)
+        states = [(rows[0], none)]
         for j in range(1, self.chain.n + 1):
-            row = rows[j - 1] + act[j - 1]
-            for _, segs in self.segments[j]:
-                for i, w, work, held in segs:
-                    if work > b or w >= length:
+            row = [rows[j - 1] + act[j - 1], None]
+            for _, _, dst, monotone, segs in self.segments[j]:
+                for i, w, work, held, src in segs:
+                    if work > b or (w >= length and monotone):
                         break
-                    np.minimum(row[w:], rows[i][:length - w] + held, out=row[w:])
-            np.minimum(row, _INF, out=row)
-            rows.append(row)
-        return rows if keep else rows[-1]
+                    if w >= length:
+                        continue
+                    if row[dst] is None:
+                        row[dst] = none.copy()
+                    source = rows[i] if src == _ANY else states[i][src]
+                    np.minimum(row[dst][w:], source[:length - w] + held, out=row[dst][w:])
+            for r in row:
+                if r is not None:
+                    np.minimum(r, _INF, out=r)
+            if row[1] is None:
+                row[1] = none
+                rows.append(row[0])
+            else:
+                rows.append(np.minimum(row[0], row[1]))
+            states.append(tuple(row))
+        return (rows, states) if keep else rows[-1]
 
-    def trace(self, b: int, u: int) -> List[Tuple[int, int, Union[bool, str]]]:
+    def trace(self, b: int, u: int):
+        """The plan the last run took: (segments, the starts of those run with the pre-norm boundary)."""
         act = self.chain.act
-        rows = self.run(b, u + 1, keep=True)
+        rows, states = self.run(b, u + 1, keep=True)
         segs: List[Tuple[int, int, Union[bool, str]]] = []
-        j = self.chain.n
+        boundaries = set()
+        j, state = self.chain.n, _ANY
         while j > 0:
-            v = int(rows[j][u])
-            if int(rows[j - 1][u]) + act[j - 1] == v:
+            v = int(rows[j][u] if state == _ANY else states[j][state][u])
+            if state in (_ANY, 0) and int(states[j][0][u]) == v and int(rows[j - 1][u]) + act[j - 1] == v:
                 segs.append((j - 1, j, False))
-                j -= 1
+                j, state = j - 1, _ANY
                 continue
             # the DP took v from one of these segments
-            how, i, w = next((how, i, w) for how, per in self.segments[j] for i, w, work, held in per
-                             if work <= b and w <= u and int(rows[i][u - w]) + held == v)
+            how, boundary, i, w, src = next(
+                (how, boundary, i, w, src) for how, boundary, dst, _, per in self.segments[j] for i, w, work, held, src in per
+                if work <= b and w <= u and (state == _ANY or dst == state) and int(states[j][dst][u]) == v and
+                int(rows[i][u - w] if src == _ANY else states[i][src][u - w]) + held == v)
             segs.append((i, j, how))
-            j, u = i, u - w
-        return segs[::-1]
+            if boundary:
+                boundaries.add(i)
+            j, u, state = i, u - w, src
+        return segs[::-1], boundaries
 
 
 def _least_units(dp: _UnitsDP, bounds: List[int], budget: int, length: int):
@@ -466,7 +596,8 @@ def _plan_with(chain: _Chain, bounds: List[int], budget: int, delta: Optional[fl
     if found is None:
         return None, 0
     units, _, b = found
-    return _finish(chain.costs, _merge_kept(dp.trace(b, units)), budget), units
+    segs, boundaries = dp.trace(b, units)
+    return _finish(chain.costs, _merge_kept(segs), budget, boundaries, chain.chained), units
 
 
 def _plan_within(chain: _Chain, budget: int) -> Plan:
@@ -475,8 +606,11 @@ def _plan_within(chain: _Chain, budget: int) -> Plan:
     bounds = chain.bounds(budget)
     if chain.least_need(free_only=True) <= budget:  # no recompute needed: the least need of those plans
         return _plan_with(chain, bounds, budget, None, 1)[0]
-    n, total = chain.n, max(pc[-1] for pc in chain.pc.values())
-    if all(float(c).is_integer() for pc in chain.pc.values() for c in pc) and total <= 100 * n:
+    # (a segment taking a pre-norm sum as its input recomputes the input: more than the layers' compute)
+    extra = [(p.skipped, p.input_compute) for p in chain.pre_norm if p is not None] if chain.boundary_hows else []
+    n, total = chain.n, max(pc[-1] for pc in chain.pc.values()) + sum(x[1] for x in extra)
+    if all(float(c).is_integer() for pc in chain.pc.values() for c in pc) and \
+            all(float(x).is_integer() for pair in extra for x in pair) and total <= 100 * n:
         return _plan_with(chain, bounds, budget, 1.0, int(total) + 1)[0]  # exact
     floor = max(_RESOLUTION * total, sys.float_info.min)  # no unit finer (and none subnormal: 1 / it overflows)
     scale, delta = total, max(total / (_COARSE_UNITS * n), floor)

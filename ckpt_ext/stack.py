@@ -25,7 +25,7 @@ from .hf.cache import drop_cache, remember_signature
 from .hf.layers import attention_implementation
 from .hf.trainer import (hf_checkpointing_host, ride_hf_checkpointing, rides_hf, rides_hf_keep, double_checkpointing_error,
                          install_take_over, layer_hf_checkpointed, refuse_hf_checkpointing_on, remove_take_over)
-from .planner import fmt_bytes, parse_bytes
+from .planner import fmt_bytes, parse_bytes, segment_costs
 from .pool import is_pooled, pool_stats
 from .stack_plan import _POOL_ALIGNMENT, StackPlanner
 
@@ -116,12 +116,19 @@ class _Group:
     its input ("boundaries": nothing; "attention": its attention kernels' outputs and log-sum-exps)."""
 
     def __init__(self, layers: List[nn.Module], index: int, planner: Optional[StackPlanner] = None,
-                 kept: bool = False, keep: str = "boundaries", stack: str = ""):
+                 kept: bool = False, keep: str = "boundaries", stack: str = "", boundary: Optional[bool] = None,
+                 takes: bool = False, passes: bool = False):
         self.layers = layers
         self.index = index  # position of the first layer in its stack
         self.planner = planner
         self.kept = kept
         self.keep = "boundaries" if kept else keep
+        # BERT's pre-norm boundary (fused layers): whether the group runs with it (without a planner always; a
+        # planned group where the plan accounts for it: Plan.boundaries) and, planned, whether the plan has it take
+        # the group before's pre-norm sum as its input (explain)
+        self.boundary = planner is None if boundary is None else boundary
+        self.takes = takes
+        self.passes = passes  # planned: the group after takes this group's pre-norm sum as its input
         self.names = [_layer_name(stack, index + k, layer) for k, layer in enumerate(layers)]
         self.running = 0  # the layer of the group running now (keep="attention" names it in messages)
         # keep="attention" (and the levels keeping attention): per layer, what its attention kept in the last forward
@@ -144,6 +151,9 @@ class _Group:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("boundary", self.planner is None)  # (pickled before the per-call boundary)
+        self.__dict__.setdefault("takes", False)
+        self.__dict__.setdefault("passes", False)
         self.running = 0
         self.attention = [None] * len(self.layers)
         self.gemm_bytes = [0] * len(self.layers)
@@ -200,8 +210,8 @@ class _Group:
                 keep, gemms = False, None
         hidden = layer_args[0] if layer_args and isinstance(layer_args[0], torch.Tensor) else None
         # BERT's pre-norm boundary moves a boundary from a segment's input to its output (one more at the end of a
-        # chain): not in the planner's accounting yet, so planned groups keep their inputs (held bytes as predicted).
-        boundary = self.planner is None
+        # chain): planned groups run with it where the plan accounts for it (Plan.boundaries; held bytes as predicted)
+        boundary = self.boundary
         if (not keep and gemms is None) or layers is not self.layers or torch.compiler.is_compiling() or \
                 hidden is None or not is_fused_layer(layers[0]):
             return run_segment(layers, layer_args, layer_kwargs, keep_attention=keep, gemms=gemms,
@@ -239,14 +249,34 @@ class _Group:
         group's pool slots besides its output, shared out evenly."""
         if self.kept:
             return "everything it saves (not checkpointed)"
+        bert = self.boundary and is_fused_layer(self.layers[k]) and \
+            getattr(self.layers[k], "family", None) == BERT and _C.pre_norm_boundaries()
+        # a planned group taking the group before's pre-norm sum keeps no input of its own
+        takes = bert and self.takes and self.planner is not None
+        boundary = ""
+        if bert and k == len(self.layers) - 1:
+            boundary = ("its last norm's input and row statistics (BERT's pre-norm boundary, unless a LoRA adapter is "
+                        "on its output linear: the replay skips the output linear and norm; " +
+                        ("the next fused group keeps that, not its input)" if self.planner is None else
+                         "the next group keeps that, not its input)" if self.passes else
+                         "no group after it takes that as its input)"))
         if self.keep == "boundaries":
-            if self.planner is None and k == len(self.layers) - 1 and is_fused_layer(self.layers[k]) and \
-                    getattr(self.layers[k], "family", None) == BERT and _C.pre_norm_boundaries():
-                return ("its last norm's input and row statistics instead of its output (BERT's pre-norm boundary, "
-                        "unless a LoRA adapter is on its output linear: the replay skips the output linear and norm; "
-                        "the next fused group keeps that, not its input)")
+            if takes and k == 0:
+                head = ("no input of its own (its input is recomputed in its replay from the pre-norm sum the group "
+                        "before keeps, with one add_layer_norm)")
+                return f"{head}, and {boundary}" if boundary else head
+            if boundary:
+                boundary = boundary.replace("statistics (", "statistics instead of its output (", 1)
+                # a group of one layer that takes no sum keeps its input too (the first of a chain)
+                return f"its input and {boundary}" if k == 0 and self.planner is not None else boundary
+            if takes:
+                return "no input of its own (its group's input is recomputed from the group before's pre-norm sum)"
             return "only its group's input" if len(self.layers) > 1 else "only its input"
         head = "its group's input" if len(self.layers) > 1 else "its input"
+        if takes:
+            head = "no input of its own (recomputed from the group before's pre-norm sum)"
+        if boundary:
+            head = f"{head}, {boundary}"
         level = fused_level(self.keep) if is_fused_layer(self.layers[k]) else self.keep
         if level != self.keep:
             prefix = (f"(keep={self.keep!r} falls back to {level!r}: fused layers keep no GEMM outputs, only their "
@@ -366,10 +396,16 @@ def _attach_planned(planner: StackPlanner, segments: List[Tuple[int, int, Union[
     """Installs a planner's groups: a checkpointed segment is one group (keeping attention when the plan says
     so), a kept layer a group of its own."""
     groups = []
+    plan = planner.plan
+    # BERT's pre-norm boundary where the plan accounts for it (the measuring step's groups run without)
+    boundaries = plan.boundaries if plan is not None and plan.segments == list(segments) else frozenset()
+    takes = {s for (s, *_), p in zip(segments, segment_costs(plan.costs, segments, boundaries, plan.chained)) if p[4]} \
+        if boundaries else set()
     for s, e, how in segments:
         if how:
             keep = "boundaries" if how is True else how  # "attention", "attention_inputs", "gemms", ...
-            groups.append(_Group(planner.layers[s:e], s, planner, keep=keep, stack=planner.name))
+            groups.append(_Group(planner.layers[s:e], s, planner, keep=keep, stack=planner.name,
+                                 boundary=s in boundaries, takes=s in takes, passes=e in takes))
         else:
             groups.extend(_Group([planner.layers[i]], i, planner, kept=True, stack=planner.name)
                           for i in range(s, e))
@@ -767,7 +803,7 @@ def explain(model: nn.Module) -> Explanation:
         sizes = sorted({len(g.layers) for g in groups})
         text = (f"ckpt_ext checkpoints {sum(len(g.layers) for g in groups)} layers in {len(groups)} groups of "
                 f"{'/'.join(map(str, sizes))} layer(s)")
-        bert = any(g.planner is None and g.layers and is_fused_layer(g.layers[-1]) and
+        bert = any(g.boundary and g.layers and is_fused_layer(g.layers[-1]) and
                    getattr(g.layers[-1], "family", None) == BERT for g in groups) and _C.pre_norm_boundaries()
         if all(g.keep == "boundaries" for g in groups) and not bert:
             text += "; every group keeps only its input from forward to backward."

@@ -10,9 +10,11 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .fused import FusedTransformerLayer
+from ._layout import BERT, FAMILIES
+from .fused import _C, FusedTransformerLayer
+from .hf.layers import LORA_PROJECTIONS
 from .keep import LevelProbe, keeps_gemms
-from .planner import Level, LayerCost, Plan, plan_chain
+from .planner import Level, LayerCost, Plan, PreNorm, plan_chain, segment_costs
 from .pool import is_pooled
 
 __all__ = ["StackPlanner"]
@@ -40,6 +42,8 @@ class StackPlanner:
         self.shared: Dict[int, int] = {}  # while measuring: storages the layers receive besides the hidden state
         # (forward CPU seconds, {level: CPU seconds its replay skips})
         self.cpu_costs: List[Tuple[float, Dict[str, float]]] = [(0.0, {})] * len(layers)
+        # fused BERT layers: (CPU seconds the pre-norm boundary's replay skips, CPU seconds recomputing an input)
+        self.cpu_pre_norm: List[Tuple[float, float]] = [(0.0, 0.0)] * len(layers)
         self.backward: List[Optional[float]] = [None] * len(layers)  # measuring: each layer's replay + backward
         self.chained: List[bool] = [True] * len(layers)  # layer i is called on layer i-1's output
         self.outputs: List[Optional[weakref.ref]] = [None] * len(layers)  # while measuring: what each passed on
@@ -189,8 +193,11 @@ class StackPlanner:
             boundary = -(-boundary // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
         extra = tuple(Level(name, v[0], v[1], v[2], v[4], v[5] if len(v) > 5 else 0) for name, v in levels.items()
                       if name != "attention")
+        # (the levels keeping GEMM outputs run without BERT's pre-norm boundary: planner.BOUNDARY_HOWS)
+        pre_norm, self.cpu_pre_norm[i] = _pre_norm(layer, args, kwargs, hidden, device, sync) \
+            if fused and self.keep in ("auto", "boundaries", "attention") else (None, (0.0, 0.0))
         self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0,
-                                  extra)
+                                  extra, pre_norm)
         # the same runs' process CPU time (the benchmarks compare it on a shared machine)
         skipped = {name: v[3] for name, v in levels.items()}
         skipped["attention"] = probe.cpu_seconds if attn_bytes is not None else 0.0
@@ -218,13 +225,17 @@ class StackPlanner:
 def recompute_cpu_seconds(planner: "StackPlanner", plan: Plan) -> float:
     """The recompute of `plan` in process CPU seconds, from the planner's measurements (the benchmarks)."""
     total = 0.0
-    for s, e, how in plan.segments:
+    per = segment_costs(plan.costs, plan.segments, plan.boundaries, plan.chained)
+    for (s, e, how), (_, _, _, keeps, takes) in zip(plan.segments, per):
         if how:
             for k in range(s, e):
                 forward, skipped = planner.cpu_costs[k]
                 # as LayerCost.level: a level the layer lacks falls back to "attention" or to the boundary only
                 fallback = "attention" if how in ("attention_inputs", "gemms_attention") else None
                 total += forward - (skipped.get(how, skipped.get(fallback, 0.0)) if how is not True else 0.0)
+            # BERT's pre-norm boundary (planner.segment_costs)
+            total += (planner.cpu_pre_norm[s - 1][1] if takes else 0.0) - \
+                (planner.cpu_pre_norm[e - 1][0] if keeps else 0.0)
     return total
 
 
@@ -248,6 +259,7 @@ class _FusedGemms(TorchDispatchMode):
         super().__init__()
         self.sync = sync or (lambda: None)
         self.calls: List[Tuple[torch.UntypedStorage, float, float]] = []
+        self.numels: List[int] = []  # per call, its output's elements
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in self._OPS:
@@ -257,7 +269,56 @@ class _FusedGemms(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.sync()
         self.calls.append((out.untyped_storage(), time.perf_counter() - start, time.process_time() - cpu))
+        self.numels.append(out.numel())
         return out
+
+
+def _pre_norm(layer: FusedTransformerLayer, args: Tuple, kwargs: Dict, hidden: Optional[torch.Tensor],
+              device: torch.device, sync) -> Tuple[Optional[PreNorm], Tuple[float, float]]:
+    """A fused BERT/RoBERTa layer's pre-norm boundary (planner.PreNorm; csrc/layers/bert.cpp) and its CPU seconds
+    (skipped, recomputing an input): the bytes of the second norm's input (the layer's output's shape and dtype) and
+    row statistics (2 float32 a row; float64 in float64); the seconds of the output linear's GEMM (the layer's last
+    GEMM giving an output of the hidden state's size, caught by a dispatch mode as _fused_levels does) and of the norm,
+    timed as one add_layer_norm on the hidden state with the layer's second norm's weights -- what recomputing the
+    next segment's input runs, and taken for the forward's bias_dropout_add_layer_norm the replay skips (the same
+    pass over a row). The faster of two runs each. (None, zeros) for other families, with
+    _C.pre_norm_boundaries() off or without a hidden state."""
+    if layer.family != BERT or hidden is None or not _C.pre_norm_boundaries():
+        return None, (0.0, 0.0)
+    from . import ops
+    key, extra = layer._adapter_terms()
+    out = LORA_PROJECTIONS[BERT].index("output.dense")
+    keeps = key is None or extra[2 * out] is None
+    rows = hidden.numel() // max(1, hidden.shape[-1])
+    kept = hidden.numel() * hidden.element_size() + 2 * rows * (8 if hidden.dtype == torch.float64 else 4)
+    gemm = None
+    for _ in range(_PROBE_RUNS):
+        spy = _FusedGemms(sync)
+        _measure(layer, args, kwargs, device, sync, spy)
+        found = [(sec, cpu) for (_, sec, cpu), n in zip(spy.calls, spy.numels) if n == hidden.numel()]
+        spy.calls.clear()
+        if found and (gemm is None or found[-1][0] < gemm[0]):
+            gemm = found[-1]
+    gemm = gemm or (0.0, 0.0)
+    slots = FAMILIES["bert"][1]
+    weights = layer.fused_weights()
+    w, b = weights[slots.index("ln2_weight")], weights[slots.index("ln2_bias")]
+    norm = None
+    with torch.no_grad():
+        x = hidden.detach()
+        for _ in range(_PROBE_RUNS + 1):  # (the first pays one-time costs)
+            if sync is not None:
+                sync()
+            start, cpu = time.perf_counter(), time.process_time()
+            r = ops.add_layer_norm(x, None, w, b, 1e-12)
+            if sync is not None:
+                sync()
+            seconds = (time.perf_counter() - start, time.process_time() - cpu)
+            del r
+            if norm is None or seconds[0] < norm[0]:
+                norm = seconds
+    pre_norm = PreNorm(kept if keeps else 0, gemm[0] + norm[0] if keeps else 0.0, norm[0], keeps)
+    return pre_norm, ((gemm[1] + norm[1]) if keeps else 0.0, norm[1])
 
 
 def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, probe: LevelProbe,

@@ -166,35 +166,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "segment_apply",
       [](const std::vector<L::LayerSpec>& specs, const at::Tensor& hidden, const OptTensor& mask,
          const OptTensor& cos, const OptTensor& sin, const std::vector<std::vector<OptTensor>>& weights,
-         bool training, bool keep_attention) {
+         bool training, bool keep_attention, bool pre_norm_boundary) {
         std::vector<std::vector<at::Tensor>> w;
         w.reserve(weights.size());
         for (const auto& l : weights) w.push_back(undefined_if_absent(l));
-        return ckpt_ext::segment_apply(specs, hidden, layer_inputs(mask, cos, sin), w, training, keep_attention);
+        return ckpt_ext::segment_apply(specs, hidden, layer_inputs(mask, cos, sin), w, training, keep_attention,
+                                       nullptr, 0, nullptr, nullptr, pre_norm_boundary);
       },
       py::arg("specs"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
-      py::arg("training"), py::arg("keep_attention") = false);
+      py::arg("training"), py::arg("keep_attention") = false, py::arg("pre_norm_boundary") = true,
+      "pre_norm_boundary: this call may keep / take BERT's pre-norm boundary (and pre_norm_boundaries() is on)");
   m.def(
       "segment_apply_keeping_attention",
       [](const std::vector<L::LayerSpec>& specs, const at::Tensor& hidden, const OptTensor& mask,
          const OptTensor& cos, const OptTensor& sin, const std::vector<std::vector<OptTensor>>& weights,
-         bool training) {
+         bool training, bool pre_norm_boundary) {
         std::vector<std::vector<at::Tensor>> w;
         w.reserve(weights.size());
         for (const auto& l : weights) w.push_back(undefined_if_absent(l));
         std::vector<std::string> not_kept;
         at::Tensor out = ckpt_ext::segment_apply(specs, hidden, layer_inputs(mask, cos, sin), w, training,
-                                                 /*keep_attention=*/true, &not_kept);
+                                                 /*keep_attention=*/true, &not_kept, 0, nullptr, nullptr,
+                                                 pre_norm_boundary);
         return std::make_pair(out, not_kept);
       },
       py::arg("specs"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
-      py::arg("training"),
+      py::arg("training"), py::arg("pre_norm_boundary") = true,
       "segment_apply keeping attention; returns (output, per layer why its attention kept nothing, '' if kept)");
   m.def(
       "segment_apply_levels",
       [](const std::vector<L::LayerSpec>& specs, const at::Tensor& hidden, const OptTensor& mask,
          const OptTensor& cos, const OptTensor& sin, const std::vector<std::vector<OptTensor>>& weights,
-         bool training, bool keep_attention, int64_t gemm_level) {
+         bool training, bool keep_attention, int64_t gemm_level, bool pre_norm_boundary) {
         std::vector<std::vector<at::Tensor>> w;
         w.reserve(weights.size());
         for (const auto& l : weights) w.push_back(undefined_if_absent(l));
@@ -202,11 +205,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         std::vector<int64_t> gemm_bytes;
         at::Tensor out = ckpt_ext::segment_apply(specs, hidden, layer_inputs(mask, cos, sin), w, training,
                                                  keep_attention, &not_kept, static_cast<int>(gemm_level),
-                                                 &gemm_bytes, &gemm_not_kept);
+                                                 &gemm_bytes, &gemm_not_kept, pre_norm_boundary);
         return py::make_tuple(out, not_kept, gemm_bytes, gemm_not_kept);
       },
       py::arg("specs"), py::arg("hidden"), py::arg("mask"), py::arg("cos"), py::arg("sin"), py::arg("weights"),
-      py::arg("training"), py::arg("keep_attention"), py::arg("gemm_level"),
+      py::arg("training"), py::arg("keep_attention"), py::arg("gemm_level"), py::arg("pre_norm_boundary") = true,
       "segment_apply at a recompute level (gemm_level 0: no GEMM output kept, 1: the q/k/v projections, 2: every "
       "GEMM); returns (output, per layer why its attention kept nothing, per layer the GEMM bytes kept, per layer why "
       "it kept no GEMM output)");

@@ -356,11 +356,12 @@ def test_second_backward_without_retain_graph_is_refused():
             torch.autograd.backward(out, g)
 
 
-def test_explain_says_what_is_kept_and_budget_plans_keep_inputs():
+def test_explain_says_what_is_kept_and_budget_plans_use_it_where_planned():
     """explain() names the pre-norm boundary where it is used (not "only its input"); a budget's planned groups run
-    without it (the planner's accounting keeps each group's input: held bytes as predicted, tests/test_keep_levels.py)
-    and the switch off gives the plain wording back."""
-    model = fuse(make_model("bert", dropout=0.1, layers=2)).train()
+    with it only where the plan accounts for it (Plan.boundaries; held bytes as predicted: tests/test_plan_boundary.py),
+    and explain() says so for them too; the switch off gives the plain wording back."""
+    from ckpt_ext.planner import plan_chain, segment_costs
+    model = fuse(make_model("bert", dropout=0.1, layers=3)).train()
     kw = inputs_for("bert", padding=True)
     with boundaries(True):
         ck = _ckpt(model, 1)
@@ -375,9 +376,6 @@ def test_explain_says_what_is_kept_and_budget_plans_keep_inputs():
         with pytest.raises(ValueError, match="least achievable") as err:  # the minimum: every layer checkpointed
             embeds_call(planned, "bert", kw)[1].sum().backward()
         least = int(re.search(r"\((\d+) bytes\)", str(err.value)).group(1))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ckpt_ext.enable_checkpointing(planned, budget=least, keep="boundaries")
         seen = []
 
         class Spy(TorchDispatchMode):
@@ -385,14 +383,32 @@ def test_explain_says_what_is_kept_and_budget_plans_keep_inputs():
                 seen.append(func)
                 return func(*args, **(kwargs or {}))
 
-        for _ in range(2):  # measures, plans; then runs the plan
-            _, out = embeds_call(planned, "bert", kw)
-            with Spy():
-                out.sum().backward()
-        text = ckpt_ext.explain(planned)
-        assert "pre-norm boundary" not in text and "checkpointed" in text, text
-        # no input recomputed from a kept sum (the boundary's replay starts with add_layer_norm on it)
-        assert torch.ops.ckpt_ext.add_layer_norm.default not in seen
+        def plan_for(budget):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ckpt_ext.enable_checkpointing(planned, budget=budget, keep="boundaries")
+            for _ in range(2):  # measures, plans; then runs the plan
+                _, out = embeds_call(planned, "bert", kw)
+                seen.clear()
+                with Spy():
+                    out.sum().backward()
+            p = layers_of(planned)[0].__dict__["_ckpt_ext_group"].planner
+            return p, p.plan, ckpt_ext.explain(planned)
+
+        p, plan, text = plan_for(least)
+        assert ("pre-norm boundary" in text) == bool(plan.boundaries), text
+        # a budget whose plan has a segment take the sum before as its input
+        shared = sum(p.shared.values())
+        top = sum(c.act_bytes for c in p.costs) + shared
+        budget = next(b for b in range(least, top, max(1, (top - least) // 100))
+                      if any(x[4] for x in segment_costs(p.costs, *(lambda q: (q.segments, q.boundaries, q.chained))(
+                          plan_chain(p.costs, b, p.chained, "boundaries", shared)))))
+        p, plan, text = plan_for(budget)
+        takes = [x[4] for x in segment_costs(plan.costs, plan.segments, plan.boundaries, plan.chained)]
+        assert any(takes), plan
+        assert "pre-norm boundary" in text and "no input of its own" in text, text
+        # the inputs recomputed from kept sums (the boundary's replay starts with add_layer_norm on it)
+        assert seen.count(torch.ops.ckpt_ext.add_layer_norm.default) == sum(takes)
 
 
 def test_gpt2_is_unchanged():

@@ -412,7 +412,8 @@ c10::intrusive_ptr<SegmentState> make_state(const std::vector<layers::LayerSpec>
 at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
                          const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
                          bool training, bool keep_attention, std::vector<std::string>* not_kept, int gemm_level,
-                         std::vector<int64_t>* gemm_bytes, std::vector<std::string>* gemm_not_kept) {
+                         std::vector<int64_t>* gemm_bytes, std::vector<std::string>* gemm_not_kept,
+                         bool pre_norm_boundary) {
   TORCH_CHECK(gemm_level >= 0 && gemm_level <= 2, "ckpt_ext fused segment: gemm_level must be 0 (none), 1 (the q/k/v "
               "projections) or 2 (every GEMM), got ", gemm_level);
   for (const at::Tensor* t : {&inputs.mask, &inputs.cos, &inputs.sin}) {
@@ -424,7 +425,7 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
   // The boundaries serve a node autograd records (grad mode on, something requiring grad).
   bool recorded = at::GradMode::is_enabled() && hidden.requires_grad();
   for (const auto& p : st->params) recorded = recorded || (at::GradMode::is_enabled() && p.requires_grad());
-  if (recorded && boundaries_enabled.load()) {
+  if (recorded && pre_norm_boundary && boundaries_enabled.load()) {
     st->keeps_boundary = layers::has_pre_norm_boundary(specs.back(), weights.back());
     adopt_boundary(*st, hidden);
   } else {

@@ -42,11 +42,13 @@ namespace ckpt_ext {
 // every GEMM's (the last layer's last linear excepted: its replay skips it anyway); the replay hands them back
 // (bit-identical gradients). `gemm_bytes` / `gemm_not_kept` (when given) receive, per layer, the bytes kept and why
 // nothing was ("" otherwise: LoRA adapters).
+// `pre_norm_boundary` (this call; ANDed with the process-wide pre_norm_boundaries()): false, the segment neither
+// keeps a pre-norm boundary nor takes the one before as its input (it keeps its input and replays in full).
 at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::Tensor& hidden,
                          const layers::LayerInputs& inputs, const std::vector<std::vector<at::Tensor>>& weights,
                          bool training, bool keep_attention = false, std::vector<std::string>* not_kept = nullptr,
                          int gemm_level = 0, std::vector<int64_t>* gemm_bytes = nullptr,
-                         std::vector<std::string>* gemm_not_kept = nullptr);
+                         std::vector<std::string>* gemm_not_kept = nullptr, bool pre_norm_boundary = true);
 
 // BERT's pre-norm boundary between eager segments (layers::PreNormBoundary): a segment whose last layer has one
 // keeps it (not its output) and replays without that layer's output linear and norm; a segment called on such
