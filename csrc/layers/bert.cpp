@@ -67,9 +67,10 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/false, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
   const Tensor h1 = std::get<0>(ops::bias_dropout_add_layer_norm(
-      norm_input(plus_lora(gemm_linear(ctx, w[kAttnOutW], Tensor(), kSiteAttnOut), lora_delta(s, w, kLoraAttnOut, ctx, rng)), x),
-                                                                 opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]),
-                                                                 hidden_p, s.eps, rng.seed, kAttnOut));
+      norm_input(plus_lora(gemm_linear(ctx, w[kAttnOutW], Tensor(), kSiteAttnOut),
+                           lora_delta(s, w, kLoraAttnOut, ctx, rng)),
+                 x),
+      opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]), hidden_p, s.eps, rng.seed, kAttnOut));
   const Tensor i = plus_lora(gemm_linear(h1, w[kInterW], Tensor(), kSiteInter), lora_delta(s, w, kLoraInter, h1, rng));
   const Tensor inter = ops::bias_gelu(i, opt_like(w[kInterB], i), s.gelu_tanh ? "tanh" : "none");
   if (stop && !has_out_adapter(s, w)) {
@@ -78,8 +79,8 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
     r.residual = h1;
     return r;
   }
-  const Tensor o =
-      norm_input(plus_lora(gemm_linear(inter, w[kOutW], Tensor(), kSiteOut), lora_delta(s, w, kLoraOut, inter, rng)), h1);
+  const Tensor o = norm_input(
+      plus_lora(gemm_linear(inter, w[kOutW], Tensor(), kSiteOut), lora_delta(s, w, kLoraOut, inter, rng)), h1);
   LayerOutput r;
   if (out_slot.defined()) {
     // The pre-norm boundary (layer.h) comes with it; the segment keeps it or drops it.

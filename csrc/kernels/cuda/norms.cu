@@ -136,8 +136,15 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
   const c10::DeviceGuard guard(x.device());
   const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
   const auto dtype = pre_norm.scalar_type();  // the stream's; x may be a narrower one (rowwise::LayerNormForwardArgs)
-  if (x.scalar_type() != dtype && hidden > rowwise::kMaxRegisterHidden) {
-    // The multi-pass kernels read one dtype: x converted first (a correct, slower path for the widest rows).
+  if (x.scalar_type() != dtype &&
+      (hidden > rowwise::kMaxRegisterHidden ||
+       !vector_ok<float>(hidden, {x.const_data_ptr(), bias.defined() ? bias.const_data_ptr() : nullptr,
+                                  residual.defined() ? residual.const_data_ptr() : nullptr, weight.const_data_ptr(),
+                                  ln_bias.defined() ? ln_bias.const_data_ptr() : nullptr, out.const_data_ptr(),
+                                  pre_norm.const_data_ptr()}))) {
+    // The multi-pass kernels read one dtype, and the register kernels read a narrower x only with 16-byte
+    // accesses (the element-by-element instantiations would spill on sm_90): x converted first (a correct,
+    // slower path for the widest rows and for unaligned ones).
     layer_norm_forward(x.to(dtype), bias, residual, dropout, weight, ln_bias, eps, out, pre_norm, mean, rstd,
                        keep_bits);
     return;
@@ -157,11 +164,15 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
       a.vec = vector_ok<T>(hidden, {a.x, a.bias, a.residual, a.weight, a.ln_bias, a.out, a.pre_norm});
       const bool fits = with_row_shape<T, rowwise::ForwardLimits>(hidden, a.vec, [&](auto shape) {
         using S = decltype(shape);
-        const auto kernel = rowwise::layer_norm_forward_kernel<T, S::iters, S::warps, S::vec, TX>;
-        const int threads = rowwise::cta_threads(S::warps);
-        const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
-        kernel<<<grid, threads, 0, stream>>>(a);
-        CKPT_EXT_CUDA_LAUNCH_CHECK();
+        if constexpr (std::is_same_v<TX, T> || S::vec) {  // a narrower x: aligned rows only (above)
+          const auto kernel = rowwise::layer_norm_forward_kernel<T, S::iters, S::warps, S::vec, TX>;
+          const int threads = rowwise::cta_threads(S::warps);
+          const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
+          kernel<<<grid, threads, 0, stream>>>(a);
+          CKPT_EXT_CUDA_LAUNCH_CHECK();
+        } else {
+          TORCH_INTERNAL_ASSERT(false, "ckpt_ext: an unaligned mixed-dtype row in the register kernels");
+        }
       });
       if constexpr (std::is_same_v<TX, T>) {
         if (!fits) multipass::layer_norm_forward<T>(a, stream);
@@ -184,15 +195,20 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
   const int64_t hidden = weight.numel(), rows = pre_norm.numel() / hidden;
   const auto dtype = pre_norm.scalar_type();
   if (grad_x.defined() && grad_x.scalar_type() != dtype) {
-    // A narrower grad_x (rowwise::LayerNormBackwardArgs' TX) is written by the register kernels when they also
-    // sum the bias's gradient where it is asked for; otherwise (the widest rows: multi-pass kernels, or a bias
-    // sum the BIAS kernels do not hold) a float grad_x is rounded into it after (a correct, slower path), so
-    // that the sum adds the float values.
+    // A narrower grad_x (rowwise::LayerNormBackwardArgs' TX) is written by the register kernels with 16-byte
+    // accesses when they also sum the bias's gradient where it is asked for; otherwise (the widest rows:
+    // multi-pass kernels; a bias sum the BIAS kernels do not hold; unaligned rows, whose element-by-element
+    // instantiations would spill) a float grad_x is rounded into it after (a correct, slower path), so that the
+    // sum adds the float values.
     bool direct = false;
     with_row_shape<float, rowwise::BackwardLimits>(hidden, false, [&](auto shape) {
       using S = decltype(shape);
       direct = !bias_sums || S::iters * rowwise::kVec<float> <= rowwise::BackwardLimits::kElemsPerThread;
     });
+    direct = direct && vector_ok<float>(hidden, {grad_out.const_data_ptr(),
+                                                 grad_pre_norm.defined() ? grad_pre_norm.const_data_ptr() : nullptr,
+                                                 pre_norm.const_data_ptr(), weight.const_data_ptr(),
+                                                 grad_pre.const_data_ptr(), grad_x.const_data_ptr()});
     if (!direct) {
       const at::Tensor grad_x_float = at::empty_like(grad_x, grad_x.options().dtype(dtype));
       layer_norm_backward(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, dropout, keep_bits, grad_pre,
@@ -236,13 +252,18 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         const int threads = rowwise::cta_threads(S::warps), rpc = rowwise::rows_per_cta(S::warps);
         // The bias's column sums hold one more float per element: only within the default budget's slots
         // (BackwardLimits' comment: at 32 elements a thread spills already).
-        if constexpr (S::iters * rowwise::kVec<T> <= rowwise::BackwardLimits::kElemsPerThread) {
-          if (bias_sums) {
-            launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec, true, TX>, threads, rpc, true);
-            return;
+        if constexpr (!std::is_same_v<TX, T> && !S::vec) {  // a narrower grad_x: aligned rows only (above)
+          TORCH_INTERNAL_ASSERT(false, "ckpt_ext: an unaligned mixed-dtype row in the register kernels");
+        } else {
+          if constexpr (S::iters * rowwise::kVec<T> <= rowwise::BackwardLimits::kElemsPerThread) {
+            if (bias_sums) {
+              launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec, true, TX>, threads, rpc,
+                     true);
+              return;
+            }
           }
+          launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec, false, TX>, threads, rpc, false);
         }
-        launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec, false, TX>, threads, rpc, false);
       });
       if constexpr (std::is_same_v<TX, T>) {
         if (!fits) {
@@ -251,7 +272,8 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
           multipass::layer_norm_backward<T>(a, grid, stream);
         }
       } else {
-        TORCH_INTERNAL_ASSERT(fits && (bias_summed || !bias_sums), "ckpt_ext: a mixed-dtype row the kernels do not take");
+        TORCH_INTERNAL_ASSERT(fits && (bias_summed || !bias_sums),
+                              "ckpt_ext: a mixed-dtype row the kernels do not take");
       }
       launch_column_sum<T>(partial_w, partial_b, grad_weight, grad_ln_bias, stream);
       if (bias_summed) launch_column_sum<T>(partial_x, at::Tensor(), grad_bias, at::Tensor(), stream);
