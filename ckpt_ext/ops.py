@@ -118,6 +118,11 @@ def bias_dropout_add_layer_norm(
     backward reads instead of regenerating the mask; elsewhere (CUDA, ``p == 0``) an empty ``uint8``
     tensor and the backward regenerates the mask from ``(seed, offset)``. Differentiable in ``x``,
     ``bias``, ``residual``, ``weight`` and ``ln_bias`` (``mean``, ``rstd`` and ``keep_bits`` are not).
+
+    ``x`` has ``residual``'s dtype or, beside a float32 ``residual`` (autocast: a GEMM's output joining the
+    float32 stream), bfloat16 or float16: it is read as float (exact), so the results are those of
+    ``x.float()`` bit for bit, ``out`` and ``pre_norm`` are float32, and ``x``'s gradient comes in ``x``'s
+    dtype, rounded once from the float gradient (CPU kernels read it directly; CUDA converts it first).
     """
     return _lib.bias_dropout_add_layer_norm.default(x, bias, residual, weight, ln_bias, p, eps, seed, offset)
 
@@ -134,6 +139,7 @@ def bias_dropout_add_layer_norm_backward(
     offset: int,
     keep_bits: Optional[Tensor] = None,
     grad_bias: bool = False,
+    x_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, ...]:
     """Backward of :func:`bias_dropout_add_layer_norm`: ``(grad_x, grad_residual, grad_weight, grad_ln_bias)``,
     and ``grad_bias`` fifth when asked for.
@@ -143,10 +149,12 @@ def bias_dropout_add_layer_norm_backward(
     ``grad_bias=True`` the kernel sums it in the same pass (in float, of ``grad_x``'s stored values, in a
     fixed order: the same bits run to run on one device). ``keep_bits``: the forward's, as returned (the
     mask is read from it; empty: regenerated), or None (regenerated from ``(seed, offset)``); both give the
-    same gradients bit for bit.
+    same gradients bit for bit. ``x_dtype``: ``grad_x``'s dtype, the forward's ``x``'s (None: ``pre_norm``'s;
+    bfloat16 or float16 beside a float32 ``pre_norm``: rounded once from the float gradient, while
+    ``grad_bias`` sums the float values).
     """
     r = _lib.bias_dropout_add_layer_norm_backward.default(
-        grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias
+        grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias, x_dtype
     )
     return tuple(r) if grad_bias else tuple(r[:4])
 
@@ -304,16 +312,32 @@ def _keep_bits(x: Tensor, p: float) -> Tensor:
     return x.new_empty((0,), dtype=torch.uint8)
 
 
+def _lowp_beside_float(x: torch.dtype, stream: torch.dtype) -> bool:
+    """ops/checks.h's is_lowp_beside_float: a norm's x in bfloat16/float16 beside a float32 stream."""
+    return stream == torch.float32 and x in (torch.bfloat16, torch.float16)
+
+
 @torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm")
 def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset):
-    _like("bias_dropout_add_layer_norm", "x", x, bias=bias, residual=residual, weight=weight, ln_bias=ln_bias)
-    return _empty(x), _empty(x), _row_stats(x), _row_stats(x), _keep_bits(x, p)
+    op = "bias_dropout_add_layer_norm"
+    if _lowp_beside_float(x.dtype, residual.dtype):  # a mixed x: the rest is checked against the stream
+        torch._check(residual.device == x.device,
+                     lambda: f"ckpt_ext::{op}: residual must be on the device of x ({x.device}), got {residual.device}")
+        _like(op, "residual", residual, bias=bias, weight=weight, ln_bias=ln_bias)
+    else:
+        _like(op, "x", x, bias=bias, residual=residual, weight=weight, ln_bias=ln_bias)
+    torch._check(x.shape == residual.shape, lambda: f"ckpt_ext::{op}: residual must have the shape of x")
+    return _empty(residual), _empty(residual), _row_stats(residual), _row_stats(residual), _keep_bits(x, p)
 
 
 @torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm_backward")
-def _(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits=None, grad_bias=False):
+def _(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits=None, grad_bias=False,
+      x_dtype=None):
+    torch._check(x_dtype in (None, pre_norm.dtype) or _lowp_beside_float(x_dtype, pre_norm.dtype),
+                 lambda: f"ckpt_ext::bias_dropout_add_layer_norm_backward: x_dtype must be the pre-norm tensor's "
+                         f"dtype ({pre_norm.dtype}) or, beside a float32 stream, bfloat16 or float16; got {x_dtype}")
     bias = pre_norm.new_empty(pre_norm.shape[-1:] if grad_bias else (0,))
-    return _empty(pre_norm), _empty(pre_norm), _empty(weight), _empty(weight), bias
+    return _empty(pre_norm, x_dtype), _empty(pre_norm), _empty(weight), _empty(weight), bias
 
 
 @torch.library.register_fake("ckpt_ext::add_layer_norm")
@@ -329,7 +353,17 @@ def _(grad_out, grad_sum, sum, weight, mean, rstd):
 
 @torch.library.register_fake("ckpt_ext::add_rms_norm")
 def _(x, residual, weight, eps):
-    _like("add_rms_norm", "x", x, residual=residual, weight=weight)
+    op = "add_rms_norm"
+    stream = residual if residual is not None else weight
+    if _lowp_beside_float(x.dtype, stream.dtype):  # a mixed x: the rest is checked against the stream
+        torch._check(stream.device == x.device, lambda: f"ckpt_ext::{op}: "
+                     f"{'residual' if residual is not None else 'weight'} must be on the device of x ({x.device}), "
+                     f"got {stream.device}")
+        if residual is not None:
+            _like(op, "residual", residual, weight=weight)
+            torch._check(x.shape == residual.shape, lambda: f"ckpt_ext::{op}: residual must have the shape of x")
+        return _empty(x, stream.dtype), _empty(x, stream.dtype), _row_stats(stream)
+    _like(op, "x", x, residual=residual, weight=weight)
     return _empty(x), _empty(x), _row_stats(x)
 
 

@@ -69,6 +69,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Autocast: the last linear's GEMM output read beside the float32 stream without casts (residual_linear.cpp);
   // sets it when given, returns the one before.
   m.def("mixed_dtype_residual", &L::mixed_dtype_residual, py::arg("set") = py::none());
+  m.def("mixed_dtype_norms", &L::set_mixed_dtype_norms, py::arg("enable") = py::none(),
+        "Autocast: the fused layers' norm ops read a GEMM's bfloat16/float16 output beside the float32 stream "
+        "(issue 32); off: it is cast to float32 first. On/off (None: unchanged); returns the setting before");
   // The layers' GEMMs (family.h), bound for tests/test_gemm_layout.py.
   m.def("_gemm_linear", [](const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
     return L::gemm_linear(x, w, b.has_value() ? *b : at::Tensor());

@@ -67,9 +67,10 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/false, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
   const Tensor h1 = std::get<0>(ops::bias_dropout_add_layer_norm(
-      like(plus_lora(gemm_linear(ctx, w[kAttnOutW], Tensor(), kSiteAttnOut), lora_delta(s, w, kLoraAttnOut, ctx, rng)), x),
-                                                                 opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]),
-                                                                 hidden_p, s.eps, rng.seed, kAttnOut));
+      norm_input(plus_lora(gemm_linear(ctx, w[kAttnOutW], Tensor(), kSiteAttnOut),
+                           lora_delta(s, w, kLoraAttnOut, ctx, rng)),
+                 x),
+      opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]), hidden_p, s.eps, rng.seed, kAttnOut));
   const Tensor i = plus_lora(gemm_linear(h1, w[kInterW], Tensor(), kSiteInter), lora_delta(s, w, kLoraInter, h1, rng));
   const Tensor inter = ops::bias_gelu(i, opt_like(w[kInterB], i), s.gelu_tanh ? "tanh" : "none");
   if (stop && !has_out_adapter(s, w)) {
@@ -78,7 +79,8 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
     r.residual = h1;
     return r;
   }
-  const Tensor o = like(plus_lora(gemm_linear(inter, w[kOutW], Tensor(), kSiteOut), lora_delta(s, w, kLoraOut, inter, rng)), h1);
+  const Tensor o = norm_input(
+      plus_lora(gemm_linear(inter, w[kOutW], Tensor(), kSiteOut), lora_delta(s, w, kLoraOut, inter, rng)), h1);
   LayerOutput r;
   if (out_slot.defined()) {
     // The pre-norm boundary (layer.h) comes with it; the segment keeps it or drops it.
@@ -107,26 +109,27 @@ Tensor bert_output_from_pre_norm(const LayerSpec& s, const std::vector<Tensor>& 
 
 namespace {
 
-// The end of a BERT layer replayed from its boundary, out = LN2(h1 + dropout(o + b)), o = like(inter W^T, h1), as
+// The end of a BERT layer replayed from its boundary, out = LN2(h1 + dropout(o + b)), o = norm_input(inter W^T, h1), as
 // two autograd nodes that compute nothing in forward (their outputs are broadcast zeros, only roots and edges).
 // Two, as the layer run whole has them, so that autograd frees the boundary after the norm's backward and
 // before the output linear's GEMMs, and dX after bias_gelu's backward.
 Tensor nothing_like(const Tensor& t) { return at::zeros({}, t.options()).expand(t.sizes()); }
 
-// o = inter W^T in the residual stream's dtype (of h1). Backward: the output linear's gradients as autograd
+// o = inter W^T in the dtype the layer run whole hands the norm (norm_input: the GEMM's under autocast with
+// mixed_dtype_norms, else the residual stream's, of h1). Backward: the output linear's gradients as autograd
 // computes them in the un-checkpointed layer (gemm_linear_grads; autocast: the gradient cast to the GEMM's dtype as
-// like()'s cast does, W as autocast cast it, W's gradient cast back).
+// like()'s cast does where the norm's gradient is float32, W as autocast cast it, W's gradient cast back).
 struct OutLinearTailFunction : torch::autograd::Function<OutLinearTailFunction> {
-  // h1: only its shape and dtype (a detached alias: no edge).
+  // h1: only its shape (a detached alias: no edge); o's dtype: inter's when `mixed`, else h1's.
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& inter, const Tensor& W,
-                        const Tensor& h1) {
+                        const Tensor& h1, bool mixed) {
     ctx->save_for_backward({inter, W});
-    return nothing_like(h1);
+    return mixed ? at::zeros({}, inter.options()).expand(h1.sizes()) : nothing_like(h1);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    torch::autograd::variable_list out(3);
+    torch::autograd::variable_list out(4);
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
     if (!grads[0].defined() || !(need_x || need_w)) return out;
     const auto saved = ctx->get_saved_variables();
@@ -149,6 +152,7 @@ struct NormTailFunction : torch::autograd::Function<NormTailFunction> {
                         const Tensor& ln_w, const Tensor& ln_b, const Tensor& pre_norm, const Tensor& mean,
                         const Tensor& rstd, double p, int64_t seed) {
     ctx->save_for_backward({ln_w, pre_norm, mean, rstd});
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(o.scalar_type());  // o's gradient in o's dtype
     ctx->saved_data["p"] = p;
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["has_out_b"] = out_b.defined();
@@ -163,7 +167,8 @@ struct NormTailFunction : torch::autograd::Function<NormTailFunction> {
     const bool need_b = ctx->saved_data.at("has_out_b").toBool() && ctx->needs_input_grad(2);
     auto [grad_o, grad_h1, grad_ln_w, grad_ln_b, grad_bias] = ops::bias_dropout_add_layer_norm_backward(
         grads[0], std::nullopt, saved[1], saved[0], saved[2], saved[3], ctx->saved_data.at("p").toDouble(),
-        ctx->saved_data.at("seed").toInt(), kMlpOut, std::nullopt, need_b);
+        ctx->saved_data.at("seed").toInt(), kMlpOut, std::nullopt, need_b,
+        static_cast<at::ScalarType>(ctx->saved_data.at("x_dtype").toInt()));
     if (ctx->needs_input_grad(0)) out[0] = grad_o;
     if (ctx->needs_input_grad(1)) out[1] = grad_h1;
     if (need_b) out[2] = grad_bias;
@@ -182,7 +187,9 @@ ReplayBackward bert_pre_norm_backward(const LayerSpec& s, const std::vector<Tens
               "ckpt_ext: the BERT boundary replay needs the kept pre-norm sum and a replay stopped before the "
               "output linear");
   ReplayBackward r;
-  const Tensor o = OutLinearTailFunction::apply(replayed.last_input, w[kOutW], replayed.residual.detach());
+  const Tensor& inter = replayed.last_input;
+  const Tensor o = OutLinearTailFunction::apply(inter, w[kOutW], replayed.residual.detach(),
+                                                mixed_norm_input(inter, replayed.residual));
   r.outputs.push_back(NormTailFunction::apply(o, replayed.residual, w[kOutB], w[kLn2W], w[kLn2B], b.pre_norm, b.mean,
                                               b.rstd, effective(s.hidden_p, rng), rng.seed));
   r.grads.push_back(grad_out);

@@ -60,6 +60,17 @@ inline Tensor like(const Tensor& t, const Tensor& ref) {
 }
 inline OptTensor opt_like(const Tensor& t, const Tensor& ref) { return opt(like(t, ref)); }
 
+// Autocast (issue 32): a GEMM's output `t` joining the float32 stream at a norm op (bias_dropout_add_layer_norm,
+// add_rms_norm) is handed to the op as it is, bfloat16/float16, where mixed_dtype_norms() (layer.h) is on: the
+// op reads it as float (the same bits as like()'s cast, without its pass over [T, H] and its backward's).
+inline bool mixed_norm_input(const Tensor& t, const Tensor& stream) {
+  const auto dt = t.scalar_type();
+  return mixed_dtype_norms() && stream.scalar_type() == at::kFloat && (dt == at::kBFloat16 || dt == at::kHalf);
+}
+inline Tensor norm_input(const Tensor& t, const Tensor& stream) {
+  return mixed_norm_input(t, stream) ? t : like(t, stream);
+}
+
 // a @ b as Tensor::mm (2-D or 3-D), recording no autograd (for use inside autograd functions), in the
 // layout gemm_linear's policy picks (layer.h).
 Tensor gemm_mm(const Tensor& a, const Tensor& b);

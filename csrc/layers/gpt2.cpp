@@ -48,7 +48,7 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
   auto [ln2, h1, mean, rstd, keep_bits] =
-      ops::bias_dropout_add_layer_norm(like(plus_lora(conv1d_nobias(ctx, w[kAttnProjW], kSiteAttnProj),
+      ops::bias_dropout_add_layer_norm(norm_input(plus_lora(conv1d_nobias(ctx, w[kAttnProjW], kSiteAttnProj),
                                                  lora_delta(s, w, kLoraAttnProj, ctx, rng)),
                                        x), opt(w[kAttnProjB]), x, w[kLn2W],
                                        opt(w[kLn2B]), effective(s.hidden_p, rng), s.eps, rng.seed, kAttnOut);

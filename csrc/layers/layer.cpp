@@ -5,6 +5,7 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <atomic>
 #include <sstream>
 #include <utility>
 
@@ -82,6 +83,14 @@ KeptGemms* gemms_for(const LayerSpec& spec, const std::vector<Tensor>& weights, 
 }
 
 }  // namespace
+
+static std::atomic<bool> mixed_norms{true};  // mixed_dtype_norms (layer.h)
+
+bool mixed_dtype_norms() { return mixed_norms.load(std::memory_order_relaxed); }
+
+bool set_mixed_dtype_norms(std::optional<bool> set) {
+  return set.has_value() ? mixed_norms.exchange(*set) : mixed_norms.load();
+}
 
 const FamilyInfo& family_info(Family f) { return family(f).info; }
 

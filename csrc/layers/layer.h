@@ -266,6 +266,12 @@ Tensor gemm_bmm(const Tensor& a, const Tensor& b);
 // oneDNN bfloat16); "nt": every floating-point CPU product (tests use it to reach the path on any CPU);
 // "off": ATen's calls as they are. Sets it when `set` is given; returns the setting before the call.
 std::string cpu_gemm_layout(const std::optional<std::string>& set);
+// Under autocast, the norm ops take a GEMM's bfloat16/float16 output beside the float32 residual stream
+// (family.h's norm_input; issue 32); off: the output is cast to float32 first (like(), the reference of the
+// A/B tests). On by default; `set` sets it (before a step: a replay must see the forward's setting); returns
+// the setting before. _C.mixed_dtype_norms.
+bool mixed_dtype_norms();
+bool set_mixed_dtype_norms(std::optional<bool> set);
 
 // Under autocast, whether the last linear's GEMM output joins the float32 residual stream as it is and its
 // backward's dropout writes the GEMMs' dtype (residual_linear.cpp; default on), or both go through casts as

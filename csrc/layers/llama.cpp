@@ -80,7 +80,7 @@ Tensor norm_weight(const Decoder& d, const Tensor& w) { return d.unit_offset ? w
 // float32, which the rotary embedding (float32 tables) and SDPA (autocast) take; the op runs in the
 // weight's dtype for the same dtypes downstream.
 Tensor head_rms_norm(const LayerSpec& s, const Tensor& t, const Tensor& weight) {
-  return std::get<0>(ops::add_rms_norm(like(t, weight), std::nullopt, weight, s.eps));
+  return std::get<0>(ops::add_rms_norm(norm_input(t, weight), std::nullopt, weight, s.eps));
 }
 
 LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const LayerInputs& in,
@@ -106,7 +106,7 @@ LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
   auto [n2, h1, rstd] = ops::add_rms_norm(
-      like(plus_lora(gemm_linear(ctx, w[kOW], w[kOB], kSiteO), lora_delta(s, w, kLoraO, ctx, rng)), x), x,
+      norm_input(plus_lora(gemm_linear(ctx, w[kOW], w[kOB], kSiteO), lora_delta(s, w, kLoraO, ctx, rng)), x), x,
       norm_weight(d, w[kLn2W]), s.eps);
   // Two GEMMs rather than one over [gate; up]: the gated activation reads contiguous halves without a copy.
   const Tensor gate = plus_lora(gemm_linear(n2, w[kGateW], w[kGateB], kSiteGate), lora_delta(s, w, kLoraGate, n2, rng));

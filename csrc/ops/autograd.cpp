@@ -173,6 +173,8 @@ struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAd
     ctx->saved_data["p"] = p;
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["offset"] = offset;
+    // x may be in a lower-precision dtype than the stream (ops.h): its gradient is written in x's dtype.
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     store_edges(ctx, Edges::of({true, present(bias), true, true, present(ln_bias)}), 5);
     // keep_bits: the CPU kernel's mask, 1 bit per element (empty elsewhere): the backward reads it instead
     // of running Philox again.
@@ -193,7 +195,8 @@ struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAd
     // The dense bias's gradient comes from the kernel's own pass over grad_x (column partials).
     auto [grad_x, grad_residual, grad_weight, grad_ln_bias, grad_bias] = ops::bias_dropout_add_layer_norm_backward(
         grad_out, grad_pre, pre_norm, saved[1], saved[2], saved[3], ctx->saved_data.at("p").toDouble(),
-        saved_symint(ctx, "seed"), saved_symint(ctx, "offset"), saved[4], needs(ctx, e[1]));
+        saved_symint(ctx, "seed"), saved_symint(ctx, "offset"), saved[4], needs(ctx, e[1]),
+        static_cast<at::ScalarType>(ctx->saved_data.at("x_dtype").toInt()));
     if (needs(ctx, e[1])) out[1] = grad_bias;
     if (needs(ctx, e[0])) out[0] = grad_x;
     if (needs(ctx, e[2])) out[2] = grad_residual;
@@ -242,6 +245,8 @@ struct AddRmsNormFunction : torch::autograd::Function<AddRmsNormFunction> {
                                double eps) {
     at::AutoDispatchBelowADInplaceOrView below;
     auto [out, sum, rstd] = ops::add_rms_norm(x, residual, weight, eps);
+    // x may be in a lower-precision dtype than the stream (ops.h): its gradient is returned in x's dtype.
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     store_edges(ctx, Edges::of({true, present(residual), true}), 3);
     ctx->save_for_backward({sum, weight, rstd});
     ctx->mark_non_differentiable({rstd});
@@ -258,7 +263,9 @@ struct AddRmsNormFunction : torch::autograd::Function<AddRmsNormFunction> {
     const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(sum);
     const OptTensor grad_sum = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
     auto [grad_input, grad_weight] = ops::add_rms_norm_backward(grad_out, grad_sum, sum, saved[1], saved[2]);
-    if (needs(ctx, e[0])) out[0] = grad_input;
+    const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data.at("x_dtype").toInt());
+    // A mixed x: its gradient rounded once from the float one (a cast pass, as autograd's ToCopyBackward).
+    if (needs(ctx, e[0])) out[0] = x_dtype == grad_input.scalar_type() ? grad_input : grad_input.to(x_dtype);
     if (needs(ctx, e[1])) out[1] = grad_input;
     if (needs(ctx, e[2])) out[2] = grad_weight;
     return out;

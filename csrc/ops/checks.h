@@ -7,6 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/string_view.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,39 @@ inline void check_same_shape(const char* op, const char* name, const Tensor& t, 
   check_like(op, name, t, ref_name, ref);
   TORCH_CHECK(t.sizes() == ref.sizes(), "ckpt_ext::", op, ": ", name, " must have the shape of ", ref_name, " ",
               ref.sizes(), ", got ", t.sizes());
+}
+
+// A norm op's x in a lower-precision dtype than the float32 stream it joins (autocast: a GEMM's bfloat16 /
+// float16 output beside a float32 residual stream, issue 32): the kernels read it as the float it converts to
+// exactly. Anything else must match the stream's dtype.
+inline bool is_lowp_beside_float(at::ScalarType x, at::ScalarType stream) {
+  return stream == at::kFloat && (x == at::kBFloat16 || x == at::kHalf);
+}
+
+// x (the norm's input) against the stream tensor `ref` (its residual): the same device and shape, and the same
+// dtype or a lower-precision one (is_lowp_beside_float). Returns whether x's dtype differs (a mixed x).
+inline bool check_norm_x(const char* op, const Tensor& x, const char* ref_name, const Tensor& ref) {
+  if (!is_lowp_beside_float(x.scalar_type(), ref.scalar_type())) {
+    check_same_shape(op, ref_name, ref, "x", x);
+    return false;
+  }
+  TORCH_CHECK(ref.device() == x.device(), "ckpt_ext::", op, ": ", ref_name, " must be on the device of x (",
+              x.device(), "), got ", ref.device());
+  TORCH_CHECK(ref.sizes() == x.sizes(), "ckpt_ext::", op, ": ", ref_name, " must have the shape of x ", x.sizes(),
+              ", got ", ref.sizes());
+  return true;
+}
+
+// The dtype of grad_x a norm's backward writes: x_dtype when given (the pre-norm stream's dtype, or a
+// lower-precision one beside float32: is_lowp_beside_float), else the stream's.
+inline at::ScalarType check_grad_x_dtype(const char* op, const std::optional<at::ScalarType>& x_dtype,
+                                         const Tensor& pre) {
+  const auto stream = pre.scalar_type();
+  if (!x_dtype.has_value() || *x_dtype == stream) return stream;
+  TORCH_CHECK(is_lowp_beside_float(*x_dtype, stream), "ckpt_ext::", op,
+              ": x_dtype must be the pre-norm tensor's dtype (", stream,
+              ") or, beside a float32 stream, bfloat16 or float16; got ", *x_dtype);
+  return *x_dtype;
 }
 
 // A per-feature vector (bias, weight) of length `hidden`, like `ref`.

@@ -22,24 +22,30 @@ using namespace ops::detail;
 
 // `out`: where to write the normalised output; undefined = allocate it (and, where the kernel stores them,
 // the keep bits: the *_into calls run without autograd, so nothing would read them).
+// x may be in a lower-precision dtype than the float32 stream (residual, weights: check_norm_x): out and
+// pre_norm are in the stream's dtype, and the kernels read x as float (exact; CUDA rows wider than its register
+// kernels convert it first).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_impl(
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
     double p, double eps, int64_t seed, int64_t offset, Tensor out) {
   const char* op = "bias_dropout_add_layer_norm";
   check_floating(op, "x", x);
   check_hidden(op, "x", x);
-  check_same_shape(op, "residual", residual, "x", x);
+  const bool mixed = check_norm_x(op, x, "residual", residual);
+  // The stream's dtype: every other tensor is checked against it (x itself when not mixed, as the messages say).
+  const Tensor& ref = mixed ? residual : x;
+  const char* ref_name = mixed ? "residual" : "x";
   const int64_t hidden = x.size(-1);
-  check_vector(op, "weight", weight, hidden, "x", x);
-  if (present(bias)) check_vector(op, "bias", *bias, hidden, "x", x);
-  if (present(ln_bias)) check_vector(op, "ln_bias", *ln_bias, hidden, "x", x);
+  check_vector(op, "weight", weight, hidden, ref_name, ref);
+  if (present(bias)) check_vector(op, "bias", *bias, hidden, ref_name, ref);
+  if (present(ln_bias)) check_vector(op, "ln_bias", *ln_bias, hidden, ref_name, ref);
   check_p(op, p);
   TORCH_CHECK(eps >= 0, "ckpt_ext::", op, ": eps must be >= 0, got ", eps);
   const bool into = out.defined();
-  if (into) check_out(op, out, x);
+  if (into) check_out(op, out, ref);
   const Tensor xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
-  if (!into) out = at::empty_like(xc);
-  Tensor pre_norm = at::empty_like(xc), mean = empty_row_stats(xc), rstd = empty_row_stats(xc);
+  if (!into) out = at::empty_like(rc);
+  Tensor pre_norm = at::empty_like(rc), mean = empty_row_stats(rc), rstd = empty_row_stats(rc);
   const bool store_bits = !into && stores_keep_bits(xc, p);
   Tensor keep_bits = empty_keep_bits(xc, store_bits);
   if (xc.numel() > 0)
@@ -60,7 +66,8 @@ void layer_norm_backward_checked(const char* op, const char* pre_name, const Ten
                                  const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
                                  const Tensor& mean, const Tensor& rstd, const DropoutArgs& dropout,
                                  const OptTensor& keep_bits, Tensor& grad_pre, Tensor* grad_x, Tensor& grad_weight,
-                                 Tensor& grad_ln_bias, Tensor* grad_bias = nullptr) {
+                                 Tensor& grad_ln_bias, Tensor* grad_bias = nullptr,
+                                 const std::optional<at::ScalarType>& x_dtype = std::nullopt) {
   check_floating(op, pre_name, pre_norm);
   check_hidden(op, pre_name, pre_norm);
   check_same_shape(op, "grad_out", grad_out, pre_name, pre_norm);
@@ -69,9 +76,11 @@ void layer_norm_backward_checked(const char* op, const char* pre_name, const Ten
   check_row_stats(op, "mean", mean, pre_norm);
   check_row_stats(op, "rstd", rstd, pre_norm);
   const bool read_bits = check_keep_bits(op, keep_bits, pre_norm, dropout.p);
+  // grad_x in x's dtype: the kernels round it once from the float value, which the bias gradient sums.
+  const auto gx_dtype = check_grad_x_dtype(op, x_dtype, pre_norm);
   const Tensor pc = pre_norm.contiguous();
   grad_pre = at::empty_like(pc);
-  if (grad_x) *grad_x = at::empty_like(pc);
+  if (grad_x) *grad_x = at::empty_like(pc, pc.options().dtype(gx_dtype));
   grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
   grad_ln_bias = at::empty_like(weight, at::MemoryFormat::Contiguous);
   // The dense bias has the weight's length and, in the layers, the input's dtype.
@@ -91,13 +100,13 @@ void layer_norm_backward_checked(const char* op, const char* pre_name, const Ten
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
     const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
     const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset, const OptTensor& keep_bits,
-    bool want_grad_bias) {
+    bool want_grad_bias, std::optional<at::ScalarType> x_dtype) {
   const char* op = "bias_dropout_add_layer_norm_backward";
   check_p(op, p);
   Tensor grad_residual, grad_x, grad_weight, grad_ln_bias, grad_bias;
   layer_norm_backward_checked(op, "pre_norm", grad_out, grad_pre_norm, pre_norm, weight, mean, rstd,
                               DropoutArgs{p, seed, offset}, keep_bits, grad_residual, &grad_x, grad_weight,
-                              grad_ln_bias, want_grad_bias ? &grad_bias : nullptr);
+                              grad_ln_bias, want_grad_bias ? &grad_bias : nullptr, x_dtype);
   if (!want_grad_bias) grad_bias = at::empty({0}, pre_norm.options());
   return {grad_x, grad_residual, grad_weight, grad_ln_bias, grad_bias};
 }
@@ -129,16 +138,28 @@ std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_ou
   return {grad_input, grad_weight, grad_bias};
 }
 
+// x may be in a lower-precision dtype than the float32 stream (residual, or weight without one: autocast's GEMM
+// output joining the stream, or Qwen3's per-head norm of a projection), read as float as in
+// bias_dropout_add_layer_norm; out and sum are in the stream's dtype. The CPU kernel reads it row by row; on
+// CUDA the op converts it first (a correct, slower path: the CUDA RMSNorm kernels read one dtype).
 std::tuple<Tensor, Tensor, Tensor> add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
                                                 double eps) {
   const char* op = "add_rms_norm";
   check_floating(op, "x", x);
   check_hidden(op, "x", x);
-  if (present(residual)) check_same_shape(op, "residual", *residual, "x", x);
-  check_vector(op, "weight", weight, x.size(-1), "x", x);
+  const bool mixed = present(residual) ? check_norm_x(op, x, "residual", *residual)
+                                       : is_lowp_beside_float(x.scalar_type(), weight.scalar_type());
+  const Tensor& ref = !mixed ? x : present(residual) ? *residual : weight;
+  const char* ref_name = !mixed ? "x" : present(residual) ? "residual" : "weight";
+  if (mixed && !present(residual))
+    TORCH_CHECK(weight.device() == x.device(), "ckpt_ext::", op, ": weight must be on the device of x (", x.device(),
+                "), got ", weight.device());
+  check_vector(op, "weight", weight, x.size(-1), ref_name, ref);
   TORCH_CHECK(eps >= 0, "ckpt_ext::", op, ": eps must be >= 0, got ", eps);
-  const Tensor xc = x.contiguous();
-  Tensor out = at::empty_like(xc), sum = at::empty_like(xc), rstd = empty_row_stats(xc);
+  const auto stream = ref.scalar_type();
+  const Tensor xc = mixed && x.is_cuda() ? x.to(stream).contiguous() : x.contiguous();
+  const auto opts = xc.options().dtype(stream);
+  Tensor out = at::empty_like(xc, opts), sum = at::empty_like(xc, opts), rstd = empty_row_stats(sum);
   if (xc.numel() > 0)
     CKPT_EXT_LAUNCH(x.device(), rms_norm_forward, xc, contiguous_or_undefined(residual), weight.contiguous(), eps, out,
                     sum, rstd);

@@ -38,23 +38,29 @@ Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& re
 // dtype: the result's (default x's); a float32 x may give bfloat16/float16, rounded once from the float result.
 Tensor dropout(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset,
                std::optional<at::ScalarType> dtype = std::nullopt);
-// (out, pre_norm, mean, rstd, keep_bits): keep_bits is the dropout mask, one bit per element, stored by the
+// (out, pre_norm, mean, rstd, keep_bits): x in residual's dtype or, beside a float32 residual (autocast: a
+// GEMM's output joining the stream), bfloat16/float16, read as float; out and pre_norm in residual's dtype.
+// keep_bits is the dropout mask, one bit per element, stored by the
 // CPU kernel when p > 0 for the backward to read (uint8 [*rows, ceil(hidden / 8)]); elsewhere empty ([0]).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
     double p, double eps, c10::SymInt seed, c10::SymInt offset);
 // keep_bits: the forward's (read instead of regenerating the mask), or absent/empty (regenerated).
 // grad_bias: also return the dense bias's gradient (grad_x summed over rows, in the kernel's pass; else the
-// fifth output is empty).
+// fifth output is empty). x_dtype: grad_x's dtype, x's in the forward (absent: pre_norm's; a lower-precision
+// one beside a float32 pre_norm: rounded once from the float gradient, the bias gradient summed in float).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
     const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
     const Tensor& mean, const Tensor& rstd, double p, c10::SymInt seed, c10::SymInt offset,
-    const OptTensor& keep_bits = std::nullopt, bool grad_bias = false);
+    const OptTensor& keep_bits = std::nullopt, bool grad_bias = false,
+    std::optional<at::ScalarType> x_dtype = std::nullopt);
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
                                                           const Tensor& weight, const OptTensor& bias, double eps);
 std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum,
                                                            const Tensor& sum, const Tensor& weight,
                                                            const Tensor& mean, const Tensor& rstd);
+// x in the stream's dtype (residual's, else weight's) or, beside a float32 stream, bfloat16/float16, read as
+// float; out and sum in the stream's dtype, x's gradient (autograd) in x's.
 std::tuple<Tensor, Tensor, Tensor> add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
                                                 double eps);
 std::tuple<Tensor, Tensor> add_rms_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum, const Tensor& sum,

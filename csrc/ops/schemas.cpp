@@ -24,7 +24,8 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "-> (Tensor out, Tensor pre_norm, Tensor mean, Tensor rstd, Tensor keep_bits)");
   m.def(
       "bias_dropout_add_layer_norm_backward(Tensor grad_out, Tensor? grad_pre_norm, Tensor pre_norm, Tensor weight, "
-      "Tensor mean, Tensor rstd, float p, SymInt seed, SymInt offset, Tensor? keep_bits=None, bool grad_bias=False) "
+      "Tensor mean, Tensor rstd, float p, SymInt seed, SymInt offset, Tensor? keep_bits=None, bool grad_bias=False, "
+      "ScalarType? x_dtype=None) "
       "-> (Tensor grad_x, Tensor grad_residual, Tensor grad_weight, Tensor grad_ln_bias, Tensor grad_bias)");
   m.def(
       "add_layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps) "
@@ -98,11 +99,11 @@ T5 bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias, const Ten
 T5 bias_dropout_add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm,
                                         const Tensor& weight, const Tensor& mean, const Tensor& rstd, double p,
                                         c10::SymInt seed, c10::SymInt offset, const OptTensor& keep_bits,
-                                        bool grad_bias) {
+                                        bool grad_bias, std::optional<at::ScalarType> x_dtype) {
   CKPT_EXT_CALL("bias_dropout_add_layer_norm_backward",
                 T5(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                   c10::SymInt, c10::SymInt, const OptTensor&, bool),
-                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias);
+                   c10::SymInt, c10::SymInt, const OptTensor&, bool, std::optional<at::ScalarType>),
+                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias, x_dtype);
 }
 T4 add_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
                   double eps) {

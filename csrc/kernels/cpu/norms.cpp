@@ -97,6 +97,48 @@ class KeepBits {
   int64_t hidden_;
 };
 
+// x (forward) or grad_x (backward) of a LayerNorm in a lower-precision dtype (bfloat16 / float16) than
+// the stream's T = float (ops/checks.h: is_lowp_beside_float; issue 32): rows are converted into a T row
+// (exact) before the kernel of T reads them, and the kernel's T row of grad_x is rounded once (to nearest
+// even, as Tensor.to) into it. Inert (mixed() false) when the tensor has the stream's dtype.
+template <typename T>
+class LowpRows {
+ public:
+  LowpRows(const at::Tensor& t, at::ScalarType stream)
+      : data_(t.defined() && t.scalar_type() != stream ? t.data_ptr() : nullptr), dtype_(t.scalar_type()) {
+    TORCH_INTERNAL_ASSERT(!data_ || dtype_ == at::kBFloat16 || dtype_ == at::kHalf,
+                          "ckpt_ext: a mixed-dtype norm row must be bfloat16 or float16");
+  }
+
+  bool mixed() const { return data_ != nullptr; }
+
+  // the row at element `base` in T, written to dst[0, n)
+  const T* load(int64_t base, int64_t n, T* dst) const {
+    if (dtype_ == at::kBFloat16)
+      convert(static_cast<const c10::BFloat16*>(data_) + base, dst, n);
+    else
+      convert(static_cast<const c10::Half*>(data_) + base, dst, n);
+    return dst;
+  }
+
+  // src[0, n) rounded into the row at element `base`
+  void store(int64_t base, int64_t n, const T* src) const {
+    if (dtype_ == at::kBFloat16)
+      convert(src, static_cast<c10::BFloat16*>(data_) + base, n);
+    else
+      convert(src, static_cast<c10::Half*>(data_) + base, n);
+  }
+
+ private:
+  template <typename A, typename B>
+  static void convert(const A* src, B* dst, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<B>(static_cast<float>(src[j]));
+  }
+
+  void* data_;
+  at::ScalarType dtype_;
+};
+
 }  // namespace
 
 void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
@@ -104,10 +146,13 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
                         const at::Tensor& out, const at::Tensor& pre_norm, const at::Tensor& mean,
                         const at::Tensor& rstd, const at::Tensor& keep_bits) {
   const KeepBits kb(keep_bits, dropout, weight.numel());
-  if (with_vec(x.scalar_type(), [&](const auto& k) {
+  // The stream's dtype (pre_norm's); x may be a lower-precision one (LowpRows).
+  const auto stream = pre_norm.scalar_type();
+  if (with_vec(stream, [&](const auto& k) {
         using T = typename std::decay_t<decltype(k)>::Scalar;
         const int64_t hidden = weight.numel();
-        const T* xp = x.const_data_ptr<T>();
+        const LowpRows<T> lowp_x(x, stream);
+        const T* xp = lowp_x.mixed() ? nullptr : x.const_data_ptr<T>();
         const T* bp = ptr_or_null<T>(bias);
         const T* rp = ptr_or_null<T>(residual);
         T* op = out.mutable_data_ptr<T>();
@@ -118,6 +163,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
         const FloatParams params(weight, ln_bias);
         at::parallel_for(0, x.numel() / hidden, row_grain(hidden), [&](int64_t begin, int64_t end) {
           std::vector<float> scratch(hidden);
+          std::vector<T> x_row(lowp_x.mixed() ? hidden : 0);
           DropoutWords mask(dropout.philox());
           NormRow<T> row{};
           row.bias = bp;
@@ -128,7 +174,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
           row.eps = eps;
           for (int64_t r = begin; r < end; ++r) {
             const int64_t base = r * hidden;
-            row.x = xp + base;
+            row.x = lowp_x.mixed() ? lowp_x.load(base, hidden, x_row.data()) : xp + base;
             row.residual = rp ? rp + base : nullptr;
             row.out = op + base;
             row.pre = pp + base;
@@ -141,11 +187,12 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
         });
       }))
     return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::layer_norm_forward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, stream, "ckpt_ext::layer_norm_forward", [&] {
     using A = at::opmath_type<scalar_t>;
     const int64_t hidden = weight.numel();
     const int64_t rows = x.numel() / hidden;
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const LowpRows<scalar_t> lowp_x(x, stream);
+    const scalar_t* xp = lowp_x.mixed() ? nullptr : x.const_data_ptr<scalar_t>();
     const scalar_t* bp = ptr_or_null<scalar_t>(bias);
     const scalar_t* rp = ptr_or_null<scalar_t>(residual);
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
@@ -159,14 +206,16 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
     const philox::Dropout ph = dropout.philox();
     at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
       std::vector<A> v(hidden);
+      std::vector<scalar_t> x_buf(lowp_x.mixed() ? hidden : 0);
       DropoutWords mask(ph);
       for (int64_t r = begin; r < end; ++r) {
         const int64_t base = r * hidden;
         const uint32_t* words = drop ? mask.fill(base, hidden) : nullptr;
         kb.store(r, words, mask.threshold());
+        const scalar_t* x_row = lowp_x.mixed() ? lowp_x.load(base, hidden, x_buf.data()) : xp + base;
         RowSum sum = 0;
         for (int64_t j = 0; j < hidden; ++j) {
-          A val = static_cast<A>(xp[base + j]) + (bp ? static_cast<A>(bp[j]) : A(0));
+          A val = static_cast<A>(x_row[j]) + (bp ? static_cast<A>(bp[j]) : A(0));
           if (drop) val = mask.keep(words[j]) ? val * scale : A(0);
           if (rp) val += static_cast<A>(rp[base + j]);
           const scalar_t stored = static_cast<scalar_t>(val);
@@ -197,6 +246,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
                          const at::Tensor& grad_bias) {
   const KeepBits kb(keep_bits, dropout, weight.numel());
   const bool bias_sums = grad_bias.defined() && grad_x.defined();
+  const bool want_dx = grad_x.defined();
   if (with_vec(pre_norm.scalar_type(), [&](const auto& k) {
         using T = typename std::decay_t<decltype(k)>::Scalar;
         const int64_t hidden = weight.numel();
@@ -207,7 +257,9 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         const float* mp = mean.const_data_ptr<float>();
         const float* sp = rstd.const_data_ptr<float>();
         T* dpre = grad_pre.mutable_data_ptr<T>();
-        T* dx = grad_x.defined() ? grad_x.mutable_data_ptr<T>() : nullptr;
+        // grad_x in a lower-precision dtype: the kernel writes a T row, rounded into it (LowpRows)
+        const LowpRows<T> lowp_dx(grad_x, pre_norm.scalar_type());
+        T* dx = want_dx && !lowp_dx.mixed() ? grad_x.mutable_data_ptr<T>() : nullptr;
         const float scale = dropout_scale<float>(dropout);
         const RowChunks chunks(rows);
         std::vector<float> partial_w(chunks.count * hidden, 0.f), partial_b(chunks.count * hidden, 0.f);
@@ -215,6 +267,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         const FloatParams params(weight, at::Tensor());
         at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
           DropoutWords mask(dropout.philox());
+          std::vector<T> dx_row(lowp_dx.mixed() ? hidden : 0);
           NormRow<T> row{};
           row.weight = params.weight;
           row.hidden = hidden;
@@ -229,12 +282,13 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
               row.grad_pre = gsp ? gsp + base : nullptr;
               row.x = vp + base;
               row.out = dpre + base;
-              row.pre = dx ? dx + base : nullptr;
+              row.pre = lowp_dx.mixed() ? dx_row.data() : dx ? dx + base : nullptr;
               row.mean = mp[r];
               row.rstd = sp[r];
-              row.drop = kb.stored() ? VecDropout{dx ? kb.words(mask, r) : nullptr, mask.threshold(), scale}
-                                     : vec_dropout(mask, dropout.enabled() && dx, scale, base, hidden);
+              row.drop = kb.stored() ? VecDropout{want_dx ? kb.words(mask, r) : nullptr, mask.threshold(), scale}
+                                     : vec_dropout(mask, dropout.enabled() && want_dx, scale, base, hidden);
               k.layer_norm_backward(row);
+              if (lowp_dx.mixed()) lowp_dx.store(base, hidden, dx_row.data());
             }
           }
         });
@@ -255,7 +309,8 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
     const A* mp = mean.const_data_ptr<A>();
     const A* sp = rstd.const_data_ptr<A>();
     scalar_t* dpre = grad_pre.mutable_data_ptr<scalar_t>();
-    scalar_t* dx = grad_x.defined() ? grad_x.mutable_data_ptr<scalar_t>() : nullptr;
+    const LowpRows<scalar_t> lowp_dx(grad_x, dtype);
+    scalar_t* dx = want_dx && !lowp_dx.mixed() ? grad_x.mutable_data_ptr<scalar_t>() : nullptr;
     const bool drop = dropout.enabled();
     const A scale = dropout_scale<A>(dropout);
     const philox::Dropout ph = dropout.philox();
@@ -264,6 +319,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
     std::vector<A> partial_x(bias_sums ? chunks.count * hidden : 0, A(0));
     at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
       DropoutWords mask(ph);
+      std::vector<scalar_t> dx_buf(lowp_dx.mixed() ? hidden : 0);
       for (int64_t c = c0; c < c1; ++c) {
         A* pw = partial_w.data() + c * hidden;
         A* pb = partial_b.data() + c * hidden;
@@ -283,17 +339,20 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
             pb[j] += g;
           }
           const A c_mean = static_cast<A>(sum_dy / hidden), c_xhat = static_cast<A>(sum_dy_xhat / hidden);
-          const uint32_t* words = !(drop && dx) ? nullptr : kb.stored() ? kb.words(mask, r) : mask.fill(base, hidden);
+          const uint32_t* words =
+              !(drop && want_dx) ? nullptr : kb.stored() ? kb.words(mask, r) : mask.fill(base, hidden);
+          scalar_t* dx_row = lowp_dx.mixed() ? dx_buf.data() : dx ? dx + base : nullptr;
           for (int64_t j = 0; j < hidden; ++j) {
             const A xhat = (static_cast<A>(vp[base + j]) - mu) * rs;
             A d = rs * (static_cast<A>(gp[base + j]) * static_cast<A>(wp[j]) - c_mean - xhat * c_xhat);
             if (gsp) d += static_cast<A>(gsp[base + j]);
             dpre[base + j] = static_cast<scalar_t>(d);
-            if (dx) {
-              dx[base + j] = static_cast<scalar_t>(!drop ? d : mask.keep(words[j]) ? d * scale : A(0));
-              if (px) px[j] += static_cast<A>(dx[base + j]);  // the bias gradient, of the values stored
+            if (dx_row) {
+              dx_row[j] = static_cast<scalar_t>(!drop ? d : mask.keep(words[j]) ? d * scale : A(0));
+              if (px) px[j] += static_cast<A>(dx_row[j]);  // the bias gradient, of the stream's values
             }
           }
+          if (lowp_dx.mixed()) lowp_dx.store(base, hidden, dx_buf.data());
         }
       }
     });
@@ -305,23 +364,26 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
 
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
                       const at::Tensor& out, const at::Tensor& sum, const at::Tensor& rstd) {
-  if (with_vec(x.scalar_type(), [&](const auto& k) {
+  const auto stream = sum.scalar_type();  // x may be a lower-precision dtype (LowpRows)
+  if (with_vec(stream, [&](const auto& k) {
         using T = typename std::decay_t<decltype(k)>::Scalar;
         const int64_t hidden = weight.numel();
-        const T* xp = x.const_data_ptr<T>();
+        const LowpRows<T> lowp_x(x, stream);
+        const T* xp = lowp_x.mixed() ? nullptr : x.const_data_ptr<T>();
         const T* rp = ptr_or_null<T>(residual);
         T* op = out.mutable_data_ptr<T>();
         T* sump = sum.mutable_data_ptr<T>();
         float* sp = rstd.mutable_data_ptr<float>();
         const FloatParams params(weight, at::Tensor());
         at::parallel_for(0, x.numel() / hidden, row_grain(hidden), [&](int64_t begin, int64_t end) {
+          std::vector<T> x_row(lowp_x.mixed() ? hidden : 0);
           NormRow<T> row{};
           row.weight = params.weight;
           row.hidden = hidden;
           row.eps = eps;
           for (int64_t r = begin; r < end; ++r) {
             const int64_t base = r * hidden;
-            row.x = xp + base;
+            row.x = lowp_x.mixed() ? lowp_x.load(base, hidden, x_row.data()) : xp + base;
             row.residual = rp ? rp + base : nullptr;
             row.out = op + base;
             row.pre = sump + base;
@@ -331,22 +393,25 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
         });
       }))
     return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ckpt_ext::rms_norm_forward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, stream, "ckpt_ext::rms_norm_forward", [&] {
     using A = at::opmath_type<scalar_t>;
     const int64_t hidden = weight.numel();
     const int64_t rows = x.numel() / hidden;
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const LowpRows<scalar_t> lowp_x(x, stream);
+    const scalar_t* xp = lowp_x.mixed() ? nullptr : x.const_data_ptr<scalar_t>();
     const scalar_t* rp = ptr_or_null<scalar_t>(residual);
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     scalar_t* sump = sum.mutable_data_ptr<scalar_t>();
     A* sp = rstd.mutable_data_ptr<A>();
     at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> x_buf(lowp_x.mixed() ? hidden : 0);
       for (int64_t r = begin; r < end; ++r) {
         const int64_t base = r * hidden;
+        const scalar_t* x_row = lowp_x.mixed() ? lowp_x.load(base, hidden, x_buf.data()) : xp + base;
         RowSum sum_sq = 0;
         for (int64_t j = 0; j < hidden; ++j) {
-          A val = static_cast<A>(xp[base + j]);
+          A val = static_cast<A>(x_row[j]);
           if (rp) val += static_cast<A>(rp[base + j]);
           const scalar_t stored = static_cast<scalar_t>(val);
           sump[base + j] = stored;

@@ -9,11 +9,13 @@
 // deterministic on a given device) and column_sum_kernel adds them into grad_weight / grad_bias in the
 // weight's dtype; the multipass backward kernels leave the same kind of partials, summed the same way.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/copy.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "norms_multipass.cuh"
 #include "norms_rowwise.cuh"
@@ -82,6 +84,24 @@ int resident_grid(Kernel kernel, int threads, int64_t rows, int rows_per_block) 
 }
 
 template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<TX>{}) for x's (or grad_x's) element type TX: T's, or beside a float32 stream bfloat16/float16
+// (ops/checks.h's is_lowp_beside_float; instantiated for T = float only).
+template <typename T, typename F>
+void with_x_type(at::ScalarType x, F&& f) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (x == at::kBFloat16) return f(Tag<at::BFloat16>{});
+    if (x == at::kHalf) return f(Tag<at::Half>{});
+  }
+  TORCH_INTERNAL_ASSERT(x == c10::CppTypeToScalarType<T>::value, "ckpt_ext: a norm's x of dtype ", x, " beside a ",
+                        c10::CppTypeToScalarType<T>::value, " stream");
+  f(Tag<T>{});
+}
+
+template <typename T>
 T* mutable_or_null(const at::Tensor& t) {
   return t.defined() ? t.mutable_data_ptr<T>() : nullptr;
 }
@@ -115,24 +135,51 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
   TORCH_INTERNAL_ASSERT(!keep_bits.defined(), "ckpt_ext: keep bits are stored by the CPU kernels only");
   const c10::DeviceGuard guard(x.device());
   const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
+  const auto dtype = pre_norm.scalar_type();  // the stream's; x may be a narrower one (rowwise::LayerNormForwardArgs)
+  if (x.scalar_type() != dtype &&
+      (hidden > rowwise::kMaxRegisterHidden ||
+       !vector_ok<float>(hidden, {x.const_data_ptr(), bias.defined() ? bias.const_data_ptr() : nullptr,
+                                  residual.defined() ? residual.const_data_ptr() : nullptr, weight.const_data_ptr(),
+                                  ln_bias.defined() ? ln_bias.const_data_ptr() : nullptr, out.const_data_ptr(),
+                                  pre_norm.const_data_ptr()}))) {
+    // The multi-pass kernels read one dtype, and the register kernels read a narrower x only with 16-byte
+    // accesses (the element-by-element instantiations would spill on sm_90): x converted first (a correct,
+    // slower path for the widest rows and for unaligned ones).
+    layer_norm_forward(x.to(dtype), bias, residual, dropout, weight, ln_bias, eps, out, pre_norm, mean, rstd,
+                       keep_bits);
+    return;
+  }
   const cudaStream_t stream = current_stream(x.device());
-  CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::layer_norm_forward", [&] {
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(dtype, "ckpt_ext::layer_norm_forward", [&] {
     using T = scalar_t;
-    rowwise::LayerNormForwardArgs<T> a{x.const_data_ptr<T>(), ptr_or_null<T>(bias), ptr_or_null<T>(residual),
-                                       weight.const_data_ptr<T>(), ptr_or_null<T>(ln_bias), out.mutable_data_ptr<T>(),
-                                       pre_norm.mutable_data_ptr<T>(), mean.mutable_data_ptr<float>(),
-                                       rstd.mutable_data_ptr<float>(), rows, static_cast<int>(hidden),
-                                       static_cast<float>(eps), dropout.philox(), dropout.enabled(), false};
-    a.vec = vector_ok<T>(hidden, {a.x, a.bias, a.residual, a.weight, a.ln_bias, a.out, a.pre_norm});
-    const bool fits = with_row_shape<T, rowwise::ForwardLimits>(hidden, a.vec, [&](auto shape) {
-      using S = decltype(shape);
-      const auto kernel = rowwise::layer_norm_forward_kernel<T, S::iters, S::warps, S::vec>;
-      const int threads = rowwise::cta_threads(S::warps);
-      const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
-      kernel<<<grid, threads, 0, stream>>>(a);
-      CKPT_EXT_CUDA_LAUNCH_CHECK();
+    with_x_type<T>(x.scalar_type(), [&](auto tag) {
+      using TX = typename decltype(tag)::type;
+      rowwise::LayerNormForwardArgs<T, TX> a{x.const_data_ptr<TX>(), ptr_or_null<T>(bias), ptr_or_null<T>(residual),
+                                             weight.const_data_ptr<T>(), ptr_or_null<T>(ln_bias),
+                                             out.mutable_data_ptr<T>(), pre_norm.mutable_data_ptr<T>(),
+                                             mean.mutable_data_ptr<float>(), rstd.mutable_data_ptr<float>(), rows,
+                                             static_cast<int>(hidden), static_cast<float>(eps), dropout.philox(),
+                                             dropout.enabled(), false};
+      // 16-byte alignment of every pointer, x's included (its slots are 8 bytes when narrower than T).
+      a.vec = vector_ok<T>(hidden, {a.x, a.bias, a.residual, a.weight, a.ln_bias, a.out, a.pre_norm});
+      const bool fits = with_row_shape<T, rowwise::ForwardLimits>(hidden, a.vec, [&](auto shape) {
+        using S = decltype(shape);
+        if constexpr (std::is_same_v<TX, T> || S::vec) {  // a narrower x: aligned rows only (above)
+          const auto kernel = rowwise::layer_norm_forward_kernel<T, S::iters, S::warps, S::vec, TX>;
+          const int threads = rowwise::cta_threads(S::warps);
+          const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
+          kernel<<<grid, threads, 0, stream>>>(a);
+          CKPT_EXT_CUDA_LAUNCH_CHECK();
+        } else {
+          TORCH_INTERNAL_ASSERT(false, "ckpt_ext: an unaligned mixed-dtype row in the register kernels");
+        }
+      });
+      if constexpr (std::is_same_v<TX, T>) {
+        if (!fits) multipass::layer_norm_forward<T>(a, stream);
+      } else {
+        TORCH_INTERNAL_ASSERT(fits, "ckpt_ext: a mixed-dtype row wider than the register kernels");
+      }
     });
-    if (!fits) multipass::layer_norm_forward<T>(a, stream);
   });
 }
 
@@ -146,54 +193,91 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
   bool bias_summed = false;  // false: by at::sum_out after the kernel (a row too wide for the BIAS kernels)
   const c10::DeviceGuard guard(pre_norm.device());
   const int64_t hidden = weight.numel(), rows = pre_norm.numel() / hidden;
-  const cudaStream_t stream = current_stream(pre_norm.device());
-  CKPT_EXT_DISPATCH_CUDA_FLOATING(pre_norm.scalar_type(), "ckpt_ext::layer_norm_backward", [&] {
-    using T = scalar_t;
-    rowwise::LayerNormBackwardArgs<T> a{grad_out.const_data_ptr<T>(), ptr_or_null<T>(grad_pre_norm),
-                                        pre_norm.const_data_ptr<T>(), weight.const_data_ptr<T>(),
-                                        mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
-                                        grad_pre.mutable_data_ptr<T>(), mutable_or_null<T>(grad_x), nullptr, nullptr,
-                                        nullptr, rows, static_cast<int>(hidden), dropout.philox(), dropout.enabled(),
-                                        false};
-    a.vec = vector_ok<T>(hidden, {a.grad_out, a.grad_pre_norm, a.pre_norm, a.weight, a.grad_pre, a.grad_x});
-    at::Tensor partial_w, partial_b, partial_x;
-    const auto partials = [&](int grid, bool zeroed, bool with_x) {
-      partial_w = column_partials(grid, hidden, pre_norm, zeroed);
-      partial_b = column_partials(grid, hidden, pre_norm, zeroed);
-      a.partial_w = partial_w.mutable_data_ptr<float>();
-      a.partial_b = partial_b.mutable_data_ptr<float>();
-      if (with_x) {
-        partial_x = column_partials(grid, hidden, pre_norm, zeroed);
-        a.partial_x = partial_x.mutable_data_ptr<float>();
-        bias_summed = true;
-      }
-    };
-    const auto launch = [&](auto kernel, int threads, int rows_per_cta, bool with_x) {
-      const int grid = resident_grid(kernel, threads, rows, rows_per_cta);
-      partials(grid, false, with_x);
-      kernel<<<grid, threads, 0, stream>>>(a);
-      CKPT_EXT_CUDA_LAUNCH_CHECK();
-    };
-    const bool fits = with_row_shape<T, rowwise::BackwardLimits>(hidden, a.vec, [&](auto shape) {
+  const auto dtype = pre_norm.scalar_type();
+  if (grad_x.defined() && grad_x.scalar_type() != dtype) {
+    // A narrower grad_x (rowwise::LayerNormBackwardArgs' TX) is written by the register kernels with 16-byte
+    // accesses when they also sum the bias's gradient where it is asked for; otherwise (the widest rows:
+    // multi-pass kernels; a bias sum the BIAS kernels do not hold; unaligned rows, whose element-by-element
+    // instantiations would spill) a float grad_x is rounded into it after (a correct, slower path), so that the
+    // sum adds the float values.
+    bool direct = false;
+    with_row_shape<float, rowwise::BackwardLimits>(hidden, false, [&](auto shape) {
       using S = decltype(shape);
-      const int threads = rowwise::cta_threads(S::warps), rpc = rowwise::rows_per_cta(S::warps);
-      // The bias's column sums hold one more float per element: only within the default budget's slots
-      // (BackwardLimits' comment: at 32 elements a thread spills already).
-      if constexpr (S::iters * rowwise::kVec<T> <= rowwise::BackwardLimits::kElemsPerThread) {
-        if (bias_sums) {
-          launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec, true>, threads, rpc, true);
-          return;
-        }
-      }
-      launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec>, threads, rpc, false);
+      direct = !bias_sums || S::iters * rowwise::kVec<float> <= rowwise::BackwardLimits::kElemsPerThread;
     });
-    if (!fits) {
-      const int grid = multipass::backward_grid(rows);
-      partials(grid, true, bias_sums);
-      multipass::layer_norm_backward<T>(a, grid, stream);
+    direct = direct && vector_ok<float>(hidden, {grad_out.const_data_ptr(),
+                                                 grad_pre_norm.defined() ? grad_pre_norm.const_data_ptr() : nullptr,
+                                                 pre_norm.const_data_ptr(), weight.const_data_ptr(),
+                                                 grad_pre.const_data_ptr(), grad_x.const_data_ptr()});
+    if (!direct) {
+      const at::Tensor grad_x_float = at::empty_like(grad_x, grad_x.options().dtype(dtype));
+      layer_norm_backward(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, dropout, keep_bits, grad_pre,
+                          grad_x_float, grad_weight, grad_ln_bias, grad_bias);
+      grad_x.copy_(grad_x_float);
+      return;
     }
-    launch_column_sum<T>(partial_w, partial_b, grad_weight, grad_ln_bias, stream);
-    if (bias_summed) launch_column_sum<T>(partial_x, at::Tensor(), grad_bias, at::Tensor(), stream);
+  }
+  const cudaStream_t stream = current_stream(pre_norm.device());
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(dtype, "ckpt_ext::layer_norm_backward", [&] {
+    using T = scalar_t;
+    with_x_type<T>(grad_x.defined() ? grad_x.scalar_type() : dtype, [&](auto tag) {
+      using TX = typename decltype(tag)::type;
+      rowwise::LayerNormBackwardArgs<T, TX> a{grad_out.const_data_ptr<T>(), ptr_or_null<T>(grad_pre_norm),
+                                              pre_norm.const_data_ptr<T>(), weight.const_data_ptr<T>(),
+                                              mean.const_data_ptr<float>(), rstd.const_data_ptr<float>(),
+                                              grad_pre.mutable_data_ptr<T>(), mutable_or_null<TX>(grad_x), nullptr,
+                                              nullptr, nullptr, rows, static_cast<int>(hidden), dropout.philox(),
+                                              dropout.enabled(), false};
+      a.vec = vector_ok<T>(hidden, {a.grad_out, a.grad_pre_norm, a.pre_norm, a.weight, a.grad_pre, a.grad_x});
+      at::Tensor partial_w, partial_b, partial_x;
+      const auto partials = [&](int grid, bool zeroed, bool with_x) {
+        partial_w = column_partials(grid, hidden, pre_norm, zeroed);
+        partial_b = column_partials(grid, hidden, pre_norm, zeroed);
+        a.partial_w = partial_w.mutable_data_ptr<float>();
+        a.partial_b = partial_b.mutable_data_ptr<float>();
+        if (with_x) {
+          partial_x = column_partials(grid, hidden, pre_norm, zeroed);
+          a.partial_x = partial_x.mutable_data_ptr<float>();
+          bias_summed = true;
+        }
+      };
+      const auto launch = [&](auto kernel, int threads, int rows_per_cta, bool with_x) {
+        const int grid = resident_grid(kernel, threads, rows, rows_per_cta);
+        partials(grid, false, with_x);
+        kernel<<<grid, threads, 0, stream>>>(a);
+        CKPT_EXT_CUDA_LAUNCH_CHECK();
+      };
+      const bool fits = with_row_shape<T, rowwise::BackwardLimits>(hidden, a.vec, [&](auto shape) {
+        using S = decltype(shape);
+        const int threads = rowwise::cta_threads(S::warps), rpc = rowwise::rows_per_cta(S::warps);
+        // The bias's column sums hold one more float per element: only within the default budget's slots
+        // (BackwardLimits' comment: at 32 elements a thread spills already).
+        if constexpr (!std::is_same_v<TX, T> && !S::vec) {  // a narrower grad_x: aligned rows only (above)
+          TORCH_INTERNAL_ASSERT(false, "ckpt_ext: an unaligned mixed-dtype row in the register kernels");
+        } else {
+          if constexpr (S::iters * rowwise::kVec<T> <= rowwise::BackwardLimits::kElemsPerThread) {
+            if (bias_sums) {
+              launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec, true, TX>, threads, rpc,
+                     true);
+              return;
+            }
+          }
+          launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec, false, TX>, threads, rpc, false);
+        }
+      });
+      if constexpr (std::is_same_v<TX, T>) {
+        if (!fits) {
+          const int grid = multipass::backward_grid(rows);
+          partials(grid, true, bias_sums);
+          multipass::layer_norm_backward<T>(a, grid, stream);
+        }
+      } else {
+        TORCH_INTERNAL_ASSERT(fits && (bias_summed || !bias_sums),
+                              "ckpt_ext: a mixed-dtype row the kernels do not take");
+      }
+      launch_column_sum<T>(partial_w, partial_b, grad_weight, grad_ln_bias, stream);
+      if (bias_summed) launch_column_sum<T>(partial_x, at::Tensor(), grad_bias, at::Tensor(), stream);
+    });
   });
   // The dense bias's gradient of a row the BIAS kernels do not take: grad_x summed over rows by ATen.
   if (bias_sums && !bias_summed) grad_bias.copy_(grad_x.view({rows, hidden}).sum(0));

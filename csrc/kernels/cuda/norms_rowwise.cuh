@@ -55,8 +55,11 @@ constexpr int cta_threads(int wpr) { return rows_per_cta(wpr) * wpr * kWarpSize;
 static_assert(cta_threads(BackwardLimits::kWarpsPerRow) <= 256 && cta_threads(ForwardLimits::kWarpsPerRow) <= 256,
               "blocks of at most 256 threads, so that a thread may use 255 registers");
 
+// Aligned to its size: 16 bytes for the row's own dtype (V = kVec<T>); a narrower element type read with a
+// float row's V (a bfloat16/float16 x or grad_x beside a float32 stream: TX below) is 8 bytes, which the host's
+// 16-byte pointer check and hidden % V == 0 also guarantee.
 template <typename T, int V>
-struct alignas(16) Vec {
+struct alignas(sizeof(T) * V) Vec {
   T v[V];
 };
 
@@ -146,9 +149,12 @@ __device__ __forceinline__ void row_sum(float (&v)[N], float* shared) {
   }
 }
 
-template <typename T>
+// TX: x's element type, T's or (autocast, a GEMM's output joining a float32 stream) bfloat16/float16, read
+// as float like every other input (norms.cu instantiates TX != T only for T = float).
+template <typename T, typename TX = T>
 struct LayerNormForwardArgs {
-  const T *x, *bias, *residual, *weight, *ln_bias;
+  const TX* x;
+  const T *bias, *residual, *weight, *ln_bias;
   T *out, *pre_norm;
   float *mean, *rstd;
   int64_t rows;
@@ -159,8 +165,8 @@ struct LayerNormForwardArgs {
   bool vec;  // the host's choice of the kernel's VEC
 };
 
-template <typename T, int ITERS, int WPR, bool VEC>
-__global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_forward_kernel(const LayerNormForwardArgs<T> a) {
+template <typename T, int ITERS, int WPR, bool VEC, typename TX = T>
+__global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_forward_kernel(const LayerNormForwardArgs<T, TX> a) {
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[kWarpSize];
   const int t = threadIdx.x % TPR, hidden = a.hidden;
@@ -179,7 +185,7 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_forward_kernel(co
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int col = (it * TPR + t) * V;
-      const Vec<T, V> xs = load_slot<T, V>(a.x, base, col, hidden, VEC);
+      const Vec<TX, V> xs = load_slot<TX, V>(a.x, base, col, hidden, VEC);
       const Vec<T, V> rs = load_slot<T, V>(a.residual, base, col, hidden, VEC);
       float stored[V];
       bool keep[V];
@@ -263,11 +269,14 @@ __device__ __forceinline__ float layer_norm_xhat(T x, float mu, float rs, bool i
   return inside ? (static_cast<float>(x) - mu) * rs : 0.f;
 }
 
-template <typename T>
+// TX: grad_x's element type (the forward's x's, as LayerNormForwardArgs): rounded once from the float
+// gradient, whose unrounded value the dense bias's column sums add.
+template <typename T, typename TX = T>
 struct LayerNormBackwardArgs {
   const T *grad_out, *grad_pre_norm, *pre_norm, *weight;
   const float *mean, *rstd;
-  T *grad_pre, *grad_x;
+  T* grad_pre;
+  TX* grad_x;
   float *partial_w, *partial_b;  // [gridDim.x, hidden]
   float* partial_x;              // [gridDim.x, hidden]: grad_x's column sums (the dense bias's gradient), or null
   int64_t rows;
@@ -279,8 +288,8 @@ struct LayerNormBackwardArgs {
 
 // BIAS: also the column sums of grad_x as stored (a.partial_x; a.grad_x defined), one more float per element
 // held across rows -- instantiated only where the row's slots leave the registers for it (norms.cu).
-template <typename T, int ITERS, int WPR, bool VEC, bool BIAS = false>
-__global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(const LayerNormBackwardArgs<T> a) {
+template <typename T, int ITERS, int WPR, bool VEC, bool BIAS = false, typename TX = T>
+__global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(const LayerNormBackwardArgs<T, TX> a) {
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[2 * kWarpSize];
   const int t = threadIdx.x % TPR, hidden = a.hidden;
@@ -338,9 +347,10 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(c
 #pragma unroll
           for (int k = 0; k < V; ++k) d[k] = (keep >> (it * V + k)) & 1u ? d[k] * a.dropout.scale : 0.f;
         }
-        store_slot<T, V>(a.grad_x, base, col, hidden, VEC, d);
+        store_slot<TX, V>(a.grad_x, base, col, hidden, VEC, d);
         if constexpr (BIAS) {
-          // Of the values stored; past the row's end the store writes nothing and the sum is not written.
+          // Of the values stored in the stream's dtype T (a narrower TX: the float values, as the float path
+          // sums them); past the row's end the store writes nothing and the sum is not written.
 #pragma unroll
           for (int k = 0; k < V; ++k) dx[it][k] += static_cast<float>(static_cast<T>(d[k]));
         }
