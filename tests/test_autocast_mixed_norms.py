@@ -27,21 +27,14 @@ import ckpt_ext
 from ckpt_ext import _C, fuse, ops
 
 from helpers.devices import requires_cuda
+from helpers.fused import switched
 
 LOWP = [torch.bfloat16, torch.float16]
 
 
-class switch:
+def switch(on):
     """_C.mixed_dtype_norms set for a block, restored after."""
-
-    def __init__(self, on):
-        self.on = on
-
-    def __enter__(self):
-        self.before = _C.mixed_dtype_norms(self.on)
-
-    def __exit__(self, *exc):
-        _C.mixed_dtype_norms(self.before)
+    return switched(_C.mixed_dtype_norms, on)
 
 
 def test_switch_defaults_on_and_returns_the_previous_setting():

@@ -12,7 +12,6 @@ GPT-2 / Llama-family layer, csrc/layers/residual_linear.cpp).
   model, and one torch.compile case (fullgraph, no graph break).
 * CUDA (marked `cuda`): the op and layer parity on the GPU.
 """
-import contextlib
 import copy
 import warnings
 
@@ -24,18 +23,14 @@ import ckpt_ext
 from ckpt_ext import _C, fuse, ops
 
 from helpers.devices import requires_cuda
+from helpers.fused import switched
 
 LOWP = [torch.bfloat16, torch.float16]
 SHAPES = [(4, 64), (3, 37), (2, 5, 100)]  # whole SIMD steps; odd (scalar tails, CUDA's unaligned path)
 
 
-@contextlib.contextmanager
 def mixed_residual(on):
-    before = _C.mixed_dtype_residual(on)
-    try:
-        yield
-    finally:
-        _C.mixed_dtype_residual(before)
+    return switched(_C.mixed_dtype_residual, on)
 
 
 def _inputs(shape, dtype, device, seed=0):

@@ -25,16 +25,11 @@ from ckpt_ext import _C, fuse
 transformers = pytest.importorskip("transformers")
 from helpers.devices import DEVICES, requires_cuda  # noqa: E402
 from helpers.hf_models import embeds_call, inputs_for, layers_of, make_model  # noqa: E402
-from helpers.fused import _seed  # noqa: E402,F401  (an autouse fixture)
+from helpers.fused import _seed, switched  # noqa: E402,F401  (_seed: an autouse fixture)
 
 
-@contextlib.contextmanager
 def boundaries(on):
-    before = _C.pre_norm_boundaries(on)
-    try:
-        yield
-    finally:
-        _C.pre_norm_boundaries(before)
+    return switched(_C.pre_norm_boundaries, on)
 
 
 def _ckpt(model, every, keep="boundaries"):

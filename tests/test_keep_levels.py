@@ -24,7 +24,7 @@ from ckpt_ext.keep import GEMM_OPS, KEEP_VALUES, LEVELS, LSE_OPS, check_keep, fu
 from ckpt_ext.planner import ATTENTION, Level, LayerCost, _finish, plan_chain, segment_bytes
 from ckpt_ext.stack import _ATTR
 
-from helpers.fused import CountKernels  # noqa: E402
+from helpers.fused import CountKernels, assert_same_step, held_step  # noqa: E402
 from helpers.hf_models import inputs_for, layers_of, make_model  # noqa: E402  (skips without transformers)
 
 NEW = ["attention_inputs", "gemms", "gemms_attention"]
@@ -43,11 +43,7 @@ def _grads(model, kw, seed=1, autocast=False):
     return out.detach(), grads, (kernels.gemms, kernels.attention)
 
 
-def _assert_equal(a, b):
-    assert torch.equal(a[0], b[0])
-    assert a[1].keys() == b[1].keys()
-    for name in a[1]:
-        assert torch.equal(a[1][name], b[1][name]), name
+_assert_equal = assert_same_step
 
 
 def _model(family, dropout, layers=3):
@@ -202,19 +198,7 @@ def _planner(model):
     return layers_of(model)[0].__dict__[_ATTR].planner
 
 
-def _held_step(model, kw, seed=1, autocast=False):
-    from helpers import benchmarks  # noqa: F401  (puts benchmarks/ on sys.path)
-    import bench_budget
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    def call(m):  # (autocast's cache of cast weights is freed when its region ends, before the bytes are counted)
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            return m(**kw).last_hidden_state.float()
-
-    out, held = bench_budget.held_by_stack(model, layers_of(model), call)
-    g = torch.Generator().manual_seed(seed + 100)
-    (out * torch.randn(out.shape, generator=g)).sum().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, held
+_held_step = held_step
 
 
 @pytest.mark.parametrize("family,autocast", [("llama", False), ("bert", False), ("llama", True)],

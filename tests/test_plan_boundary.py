@@ -115,6 +115,7 @@ import warnings  # noqa: E402
 import ckpt_ext  # noqa: E402
 from ckpt_ext import _C, fuse  # noqa: E402
 from ckpt_ext.stack import _ATTR  # noqa: E402
+from helpers.fused import assert_same_step, held_step  # noqa: E402
 from helpers.hf_models import inputs_for, layers_of, make_model  # noqa: E402
 
 
@@ -129,26 +130,10 @@ def _planner(model):
 
 
 def _held_step(model, kw, autocast=False, seed=1):
-    from helpers import benchmarks  # noqa: F401  (puts benchmarks/ on sys.path)
-    import bench_budget
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-
-    def call(m):
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            return m(**kw).last_hidden_state.float()
-
-    out, held = bench_budget.held_by_stack(model, layers_of(model), call)
-    g = torch.Generator().manual_seed(seed + 100)
-    (out * torch.randn(out.shape, generator=g)).sum().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, held
+    return held_step(model, kw, seed=seed, autocast=autocast)
 
 
-def _assert_equal(a, b):
-    assert torch.equal(a[0], b[0])
-    assert a[1].keys() == b[1].keys()
-    for name in a[1]:
-        assert torch.equal(a[1][name], b[1][name]), name
+_assert_equal = assert_same_step
 
 
 def _fused(family, mode, layers=4):

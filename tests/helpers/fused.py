@@ -1,5 +1,6 @@
 """What the fused-layer tests (test_fused_*.py) share: a fixed seed per test (an autouse fixture the test files
 import) and a fused model paired with a checkpointed copy."""
+import contextlib
 import copy
 import warnings
 
@@ -10,12 +11,31 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ckpt_ext
 from ckpt_ext import fuse
 
-from helpers.hf_models import make_model
+from helpers.hf_models import layers_of, make_model
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@contextlib.contextmanager
+def switched(setting, on):
+    """A process-wide ``_C`` switch (``setting(value)`` sets it and returns the value before) set to `on` for the
+    block, restored after."""
+    before = setting(on)
+    try:
+        yield
+    finally:
+        setting(before)
+
+
+def assert_same_step(a, b):
+    """(output, {name: gradient}) of two steps: bit-identical, the same parameters."""
+    assert torch.equal(a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        assert torch.equal(a[1][name], b[1][name]), name
 
 
 def _checkpointed_pair(family, every, layers=3, dropout=0.2):
@@ -41,3 +61,20 @@ class CountKernels(TorchDispatchMode):
         self.attention += func in LSE_OPS
         return func(*args, **(kwargs or {}))
 
+
+def held_step(model, kw, seed=1, autocast=False):
+    """One training step of a model planned by ``budget=`` with the bytes it held from forward to backward
+    (bench_budget.held_by_stack): (output, {name: gradient}, held bytes)."""
+    from helpers import benchmarks  # noqa: F401  (puts benchmarks/ on sys.path)
+    import bench_budget
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+
+    def call(m):  # (autocast's cache of cast weights is freed when its region ends, before the bytes are counted)
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            return m(**kw).last_hidden_state.float()
+
+    out, held = bench_budget.held_by_stack(model, layers_of(model), call)
+    g = torch.Generator().manual_seed(seed + 100)
+    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, held
