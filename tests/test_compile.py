@@ -34,6 +34,7 @@ import ckpt_ext._compiler
 import ckpt_ext.compiled
 import ckpt_ext.fused
 from ckpt_ext import ops
+from ckpt_ext.stack import _ATTR
 from reference import assert_grads_close, leaf_inputs, make_block, make_stack, run_step
 from helpers.hf_models import inputs_for, layers_of, make_model  # noqa: E402  (tiny Hugging Face models)
 
@@ -213,7 +214,11 @@ def test_enable_checkpointing_budget_compiles_its_plan():
     backend = Recorder()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     assert_grads_close(compiled_step(compiled, x, params), eager, exact=True)
-    assert 1 <= backend.count(CHECKPOINT_OP) < 4  # some layers kept, some checkpointed
+    # One higher-order op per checkpointed group of the plan, kept layers plain. Which layers the plan keeps
+    # depends on the times the planner measured (usually some kept: 1-3 ops; a loaded machine may plan otherwise).
+    plan = model.layers[0].__dict__[_ATTR].planner.plan
+    groups = sum(1 for _start, _end, how in plan.segments if how)
+    assert backend.count(CHECKPOINT_OP) == groups >= 1, plan.describe()
     second_step_does_not_recompile(compiled, x, params)
 
 

@@ -26,8 +26,8 @@ measured as a whole on a GPU yet. Replace them with the seconds a run writes int
     BERT-large: + HF + torch ckpt, and what is live at
     the peak of torch ckpt's and fuse + ckpt's step)
   e kernel bandwidth (bench_ops.py bf16 + copy)              40          15
-  f compile (bench_compile.py --layers 6, if present;      90          75
-    + fuse without checkpointing)
+  f compile (bench_compile.py --layers 6, if present;      90          70
+    + fuse without checkpointing: ~5 s more, in budget)
   g 16 GiB cap (suite.py --batch max --memory-cap 16:        90          70
     BERT-large s512 autocast, Llama s4096 bf16)
   h fused LoRA (suite.py --lora: Llama b4, BERT-large b32)   60          40
@@ -36,7 +36,7 @@ measured as a whole on a GPU yet. Replace them with the seconds a run writes int
     2 layers; s8192 b1 peak, 1-2 layers extrapolated);
     with the time left: 32 layers direct, bench_head.py
                                                             ----        ----
-                                                             915         535
+                                                             915         530
 
 The whole run stops at --limit seconds (default 540 = 9 minutes, leaving a 10-minute device call a minute
 to bring the files back). A section may run up to its budget as far as that leaves every later section its
@@ -945,7 +945,7 @@ SECTIONS: Dict[str, tuple] = {
     "c": ("yardsticks", section_c, (240, 105), (90, 45)),
     "d": ("profiles", section_d, (60, 45), (90, 45)),
     "e": ("kernel bandwidth", section_e, (40, 15), (40, 15)),
-    "f": ("compile", section_f, (90, 75), (90, 45)),
+    "f": ("compile", section_f, (90, 70), (90, 45)),
     "g": ("16 GiB cap: largest batch", section_g, (90, 70), (90, 45)),
     "h": ("fused LoRA", section_h, (60, 40), (90, 45)),
     "i": ("planner sweep (bench_pareto)", section_i, (45, 20), (60, 30)),
