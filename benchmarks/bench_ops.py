@@ -55,6 +55,44 @@ def _fwd(fn, *inputs, grad: bool = True):
     return lambda: fn(*inputs)
 
 
+# The autocast joins (docs/autocast.md): a bfloat16/float16 GEMM output x read beside autocast's float32 stream,
+# against what the layers did before (x cast to float32, then the float32 op; the backward's float32 grad_x cast back).
+MIXED = ("autocast_bias_dropout_add_layer_norm", "autocast_bias_dropout_add_layer_norm_backward",
+         "autocast_bias_dropout_add")
+
+
+def _autocast_cases(x, rows: int, hidden: int, device, fwd) -> List[tuple]:
+    """(op, ours, before, bytes moved) of the mixed-dtype ops, for a 16-bit x (none for float32/float64)."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return []
+    f32 = {"device": device, "dtype": torch.float32}
+    r, g, w, b = torch.randn(rows, hidden, **f32), torch.randn(rows, hidden, **f32), torch.randn(hidden, **f32), \
+        torch.randn(hidden, **f32)
+    _, pre, mean, rstd, bits = ops.bias_dropout_add_layer_norm(x.float(), b, r, w, b, P, EPS, SEED, 0)
+    bits = bits if bits.numel() else None
+    n, e = x.numel(), x.element_size()
+
+    def norm(t, u, v, ww, bb):
+        return ops.bias_dropout_add_layer_norm(t, u, v, ww, bb, P, EPS, SEED, 0)
+
+    def backward_before():
+        return ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, P, SEED, 0, bits)[0].to(x.dtype)
+
+    return [
+        # reads x (16-bit) and the residual, writes out and pre_norm (float32)
+        ("autocast_bias_dropout_add_layer_norm", fwd(norm, x, b, r, w, b),
+         fwd(lambda t, *rest: norm(t.float(), *rest), x, b, r, w, b), n * (e + 12)),
+        # reads grad_out and pre_norm (float32), writes grad_residual (float32) and grad_x (16-bit)
+        ("autocast_bias_dropout_add_layer_norm_backward",
+         lambda: ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, P, SEED, 0, bits,
+                                                         x_dtype=x.dtype),
+         backward_before, n * (12 + e)),
+        # reads x (16-bit) and the residual, writes the float32 result
+        ("autocast_bias_dropout_add", fwd(lambda t, u, v: ops.bias_dropout_add(t, u, v, P, SEED, 0), x, b, r),
+         fwd(lambda t, u, v: ops.bias_dropout_add(t.float(), u, v, P, SEED, 0), x, b, r), n * (e + 8)),
+    ]
+
+
 def cases(rows: int, hidden: int, dtype, device, grad_forward: bool = True) -> List[tuple]:
     """(op, ours, eager, bytes moved)."""
     fwd = lambda fn, *inputs: _fwd(fn, *inputs, grad=grad_forward)  # noqa: E731
@@ -74,7 +112,7 @@ def cases(rows: int, hidden: int, dtype, device, grad_forward: bool = True) -> L
     _, pre, mean, rstd, keep_bits = ops.bias_dropout_add_layer_norm(x, b, r, w, b, P, EPS, SEED, 0)
     _, s_ln, m_ln, r_ln = ops.add_layer_norm(x, r, w, b, EPS)
     _, s_rms, r_rms = ops.add_rms_norm(x, r, w, EPS)
-    return [
+    return _autocast_cases(x, rows, hidden, device, fwd) + [
         ("bias_gelu", fwd(ops.bias_gelu, xi, bi), fwd(lambda t, u: F.gelu(t + u), xi, bi), 2 * ni * e),
         ("bias_gelu_backward", lambda: ops.bias_gelu_backward(gi, xi, bi), _grad(lambda t: F.gelu(t + bi), xi),
          3 * ni * e),

@@ -385,9 +385,9 @@ def test_bench_ops_covers_every_op(tmp_path):
     from ckpt_ext import ops
     result = bench_ops.main(["--device", "cpu", "--rows", "8", "--hidden", "64", "--rounds", "1", "--inner", "1",
                              "--out", str(tmp_path)])
-    for dtype in ("float32", "bfloat16"):  # the CPU default: both
-        assert sorted(r["op"] for r in result["rows"] if r["dtype"] == dtype) == sorted(ops.__all__)
-    assert len(result["rows"]) == 2 * len(ops.__all__)
+    for dtype, mixed in (("float32", ()), ("bfloat16", bench_ops.MIXED)):  # the CPU default: both
+        assert sorted(r["op"] for r in result["rows"] if r["dtype"] == dtype) == sorted(ops.__all__ + list(mixed))
+    assert len(result["rows"]) == 2 * len(ops.__all__) + len(bench_ops.MIXED)  # autocast's joins: 16-bit x only
     for r in result["rows"]:
         assert r["status"] == "ok", r
         assert r["ours_gbps"] > 0 and r["eager_gbps"] > 0
