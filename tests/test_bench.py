@@ -455,8 +455,8 @@ def test_bench_pareto_smoke(tmp_path):
 
 
 def test_bench_budget_smoke(tmp_path):
-    """bench_budget: the planned variants run; the budget chosen mixes choices (at least two, one of them a keep
-    level); the predicted bytes held equal the measured ones; the ratios and explain() are written."""
+    """bench_budget: the planned variants run; the plan at the budget chosen keeps at a level; the predicted bytes
+    held equal the measured ones; the ratios and explain() are written."""
     import bench_budget
     from ckpt_ext.planner import LEVELS
     result = bench_budget.main(["--config", "llama-tiny", "--rounds", "2", "--warmup", "0", "--out", str(tmp_path)])
@@ -464,8 +464,9 @@ def test_bench_budget_smoke(tmp_path):
     assert list(rows) == ["none", "planned", "boundaries"]
     hows = {how for *_, how in rows["planned"]["segments"]}
     # (with every level to choose from, a tiny model never keeps a layer whole below the top budget: a level keeping
-    # GEMM and attention outputs holds less and replays almost nothing)
-    assert len(hows) >= 2 and hows & set(LEVELS), rows["planned"]["segments"]
+    # GEMM and attention outputs holds less and replays almost nothing. Whether it mixes choices -- one layer kept
+    # whole, the others at a level -- or keeps every layer at one level depends on the times measured: not asserted.)
+    assert hows & set(LEVELS), rows["planned"]["segments"]
     assert not {how for *_, how in rows["boundaries"]["segments"]} & set(LEVELS)
     for v in ("planned", "boundaries"):
         assert rows[v]["predicted_held"] == rows[v]["held_bytes"] <= result["result"]["budget"]
