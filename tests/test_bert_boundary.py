@@ -393,13 +393,18 @@ def test_explain_says_what_is_kept_and_budget_plans_use_it_where_planned():
         p, plan, text = plan_for(least)
         assert ("pre-norm boundary" in text) == bool(plan.boundaries), text
         # a budget whose plan has a segment take the sum before as its input
-        shared = sum(p.shared.values())
-        top = sum(c.act_bytes for c in p.costs) + shared
-        budget = next(b for b in range(least, top, max(1, (top - least) // 100))
-                      if any(x[4] for x in segment_costs(p.costs, *(lambda q: (q.segments, q.boundaries, q.chained))(
-                          plan_chain(p.costs, b, p.chained, "boundaries", shared)))))
-        p, plan, text = plan_for(budget)
-        takes = [x[4] for x in segment_costs(plan.costs, plan.segments, plan.boundaries, plan.chained)]
+        # The budget is found from the costs measured so far; each plan_for measures them again, and the plan for the
+        # same budget may differ when the times do (a loaded machine): found again from the new costs, up to 3 times.
+        for _ in range(3):
+            shared = sum(p.shared.values())
+            top = sum(c.act_bytes for c in p.costs) + shared
+            budget = next(b for b in range(least, top, max(1, (top - least) // 100))
+                          if any(x[4] for x in segment_costs(p.costs, *(lambda q: (q.segments, q.boundaries, q.chained))(
+                              plan_chain(p.costs, b, p.chained, "boundaries", shared)))))
+            p, plan, text = plan_for(budget)
+            takes = [x[4] for x in segment_costs(plan.costs, plan.segments, plan.boundaries, plan.chained)]
+            if any(takes):
+                break
         assert any(takes), plan
         assert "pre-norm boundary" in text and "no input of its own" in text, text
         # the inputs recomputed from kept sums (the boundary's replay starts with add_layer_norm on it)
