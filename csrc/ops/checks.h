@@ -66,8 +66,8 @@ inline bool is_lowp_beside_float(at::ScalarType x, at::ScalarType stream) {
   return stream == at::kFloat && (x == at::kBFloat16 || x == at::kHalf);
 }
 
-// x (the norm's input) against the stream tensor `ref` (its residual): the same device and shape, and the same
-// dtype or a lower-precision one (is_lowp_beside_float). Returns whether x's dtype differs (a mixed x).
+// x (a norm's or bias_dropout_add's input) against the stream tensor `ref` (its residual): the same device and
+// shape, and the same dtype or a lower-precision one (is_lowp_beside_float). Returns whether x's dtype differs.
 inline bool check_norm_x(const char* op, const Tensor& x, const char* ref_name, const Tensor& ref) {
   if (!is_lowp_beside_float(x.scalar_type(), ref.scalar_type())) {
     check_same_shape(op, ref_name, ref, "x", x);

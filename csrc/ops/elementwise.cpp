@@ -53,8 +53,6 @@ std::tuple<Tensor, Tensor> bias_gelu_backward(const Tensor& grad, const Tensor& 
   return {grad_x, grad_bias};
 }
 
-bool lowp(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
-
 // `out`: where to write the result; undefined = allocate it.
 //
 // Autocast's residual stream: x may be bfloat16/float16 beside a float32 residual (the GEMM's output joining
@@ -65,21 +63,15 @@ Tensor bias_dropout_add_impl(const Tensor& x, const OptTensor& bias, const Tenso
   const char* op = "bias_dropout_add";
   check_floating(op, "x", x);
   check_at_least_1d(op, "x", x);
-  const bool mixed = lowp(x.scalar_type()) && residual.scalar_type() == at::kFloat;
-  TORCH_CHECK(mixed || residual.scalar_type() == x.scalar_type(), "ckpt_ext::", op,
-              ": residual must have the dtype of x (", x.scalar_type(), "), or be float32 with x in bfloat16 or "
-              "float16 (autocast's float32 residual stream), got ", residual.scalar_type(), "; cast it with .to(x.dtype)");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() ||
+                  is_lowp_beside_float(x.scalar_type(), residual.scalar_type()),
+              "ckpt_ext::", op, ": residual must have the dtype of x (", x.scalar_type(), "), or be float32 with x in "
+              "bfloat16 or float16 (autocast's float32 residual stream), got ", residual.scalar_type(),
+              "; cast it with .to(x.dtype)");
+  const bool mixed = check_norm_x(op, x, "residual", residual);  // device and shape (and dtype unless mixed)
   // The stream's tensor: what the bias and the output are like.
   const Tensor& stream = mixed ? residual : x;
   const char* stream_name = mixed ? "residual" : "x";
-  if (mixed) {
-    TORCH_CHECK(residual.device() == x.device(), "ckpt_ext::", op, ": residual must be on the device of x (", x.device(),
-                "), got ", residual.device());
-    TORCH_CHECK(residual.sizes() == x.sizes(), "ckpt_ext::", op, ": residual must have the shape of x ", x.sizes(),
-                ", got ", residual.sizes());
-  } else {
-    check_same_shape(op, "residual", residual, "x", x);
-  }
   check_p(op, p);
   if (present(bias)) check_vector(op, "bias", *bias, x.size(-1), stream_name, stream);
   if (out.defined()) {
@@ -109,7 +101,7 @@ Tensor dropout(const Tensor& x, double p, int64_t seed, int64_t offset, std::opt
   check_floating(op, "x", x);
   check_p(op, p);
   const at::ScalarType out_dtype = dtype.value_or(x.scalar_type());
-  TORCH_CHECK(out_dtype == x.scalar_type() || (x.scalar_type() == at::kFloat && lowp(out_dtype)), "ckpt_ext::", op,
+  TORCH_CHECK(out_dtype == x.scalar_type() || is_lowp_beside_float(out_dtype, x.scalar_type()), "ckpt_ext::", op,
               ": dtype must be x's (", x.scalar_type(), "), or bfloat16 / float16 for a float32 x, got ", out_dtype);
   const Tensor xc = x.contiguous();
   Tensor out = at::empty(xc.sizes(), xc.options().dtype(out_dtype));
