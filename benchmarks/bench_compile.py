@@ -12,6 +12,10 @@ default options unless --mode). Per (variant, compiled or eager):
   behind), --rounds interleaved rounds over every (variant, compiled/eager) pair, the median with p20-p80;
 * on CUDA the peak memory allocated above the weights in one step.
 
+`fused` (fuse alone) is measured after the others, in a phase of its own from a reset Dynamo: compiled, its fused
+layers run eagerly between graphs (docs/compile.md), and a model that breaks its graph there changes what Dynamo
+does with transformers' shared frames for the models compiled beside it.
+
     python benchmarks/bench_compile.py --layers 6 --out DIR    # BERT-large width (hidden 1024, 16 heads), s512 b32,
                                                                # bf16 on CUDA, attention dropout 0.1
     python benchmarks/bench_compile.py --tiny --out DIR        # a CPU-sized config: the whole run in about a minute
@@ -41,6 +45,7 @@ from common import (add_output_args, env_info, env_line, finish_env, interleaved
 
 VARIANTS = ["none", "hf-torch", "ckpt_ext", "fused+ckpt"]
 OPTIONAL = ["fused"]
+BREAKING = ("fused",)  # compiled with graph breaks (fused layers not checkpointed run eagerly): measured last, alone
 SUMMARY = {"none": "Hugging Face, no checkpointing",
            "hf-torch": "Hugging Face's checkpointing (torch.utils.checkpoint, use_reentrant=False)",
            "ckpt_ext": "ckpt_ext.enable_checkpointing(model)",
@@ -102,6 +107,56 @@ class Counted:
         return run
 
 
+def measure_phase(names: List[str], base, ids, device, args, warmup: int, out: str, pairs: Dict[str, dict]) -> dict:
+    """Builds the (compiled, eager) pairs of `names` into `pairs`, times their first steps, the CUDA peak of one step,
+    then the interleaved rounds; fills each pair's row. Returns the raw times."""
+    added: Dict[str, dict] = {}
+    for name in names:
+        for compiled in ((True, False) if args.only == "both" else ((args.only == "compiled"),)):
+            key = f"{'compiled' if compiled else 'eager'} {name}"
+            model = make_variant(base, name)
+            counted = Counted() if compiled else None
+            target = torch.compile(model, mode=args.mode) if compiled else model
+
+            def step(target=target, model=model):
+                target(input_ids=ids).last_hidden_state.float().pow(2).mean().backward()
+                for q in model.parameters():
+                    q.grad = None
+            added[key] = {"variant": name, "compiled": compiled, "model": model,
+                          "step": counted.around(step) if counted is not None else step,
+                          "counted": counted, "row": {"variant": name, "compiled": compiled}}
+    pairs.update(added)
+    # First steps, one pair at a time: the compile cost (and eager's first step, for scale).
+    for key, pair in added.items():
+        t0 = time.perf_counter()
+        pair["step"]()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        pair["row"]["first_step_s"] = time.perf_counter() - t0
+        print(f"{key}: first step {pair['row']['first_step_s']:.2f} s", flush=True)
+    # Peak memory of one step (CUDA), then the timed rounds after `warmup` untimed ones.
+    if device.type == "cuda":
+        for pair in added.values():
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            pair["step"]()
+            torch.cuda.synchronize(device)
+            pair["row"]["peak_over_start_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    stats, raw = interleaved({k: p["step"] for k, p in added.items()}, device, rounds=args.rounds, warmup=warmup)
+    for key, pair in added.items():
+        row = pair["row"]
+        row["step"] = stats.get(key)
+        row["flags"] = noise_flags(stats.get(key))
+        c = pair["counted"]
+        if c is not None:
+            row.update(graphs_first_step=c.first_graphs, graphs_after_first_step=c.later_graphs,
+                       graph_breaks=c.graph_breaks)
+        if args.profile:
+            row["profile"] = profile_step(pair["step"], device, os.path.join(out, f"profile-{key.replace(' ', '-')}.txt"))
+    return raw
+
+
 def main(argv: Optional[List[str]] = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=None, help="BERT layers (default 6; --tiny: 2)")
@@ -144,51 +199,24 @@ def main(argv: Optional[List[str]] = None) -> dict:
     ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=device)
     weights = sum(p.numel() * p.element_size() for p in base.parameters())
 
-    pairs: Dict[str, dict] = {}
-    for name in names:
-        for compiled in ((True, False) if args.only == "both" else ((args.only == "compiled"),)):
-            key = f"{'compiled' if compiled else 'eager'} {name}"
-            model = make_variant(base, name)
-            counted = Counted() if compiled else None
-            target = torch.compile(model, mode=args.mode) if compiled else model
-
-            def step(target=target, model=model):
-                target(input_ids=ids).last_hidden_state.float().pow(2).mean().backward()
-                for q in model.parameters():
-                    q.grad = None
-            pairs[key] = {"variant": name, "compiled": compiled, "model": model,
-                          "step": counted.around(step) if counted is not None else step,
-                          "counted": counted, "row": {"variant": name, "compiled": compiled}}
-
-    # First steps, one pair at a time: the compile cost (and eager's first step, for scale).
-    for key, pair in pairs.items():
-        t0 = time.perf_counter()
-        pair["step"]()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        pair["row"]["first_step_s"] = time.perf_counter() - t0
-        print(f"{key}: first step {pair['row']['first_step_s']:.2f} s", flush=True)
-    # Peak memory of one step (CUDA), then the timed rounds after `warmup` untimed ones.
-    if device.type == "cuda":
-        for pair in pairs.values():
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-            pair["step"]()
-            torch.cuda.synchronize(device)
-            pair["row"]["peak_over_start_mib"] = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    stats, raw = interleaved({k: p["step"] for k, p in pairs.items()}, device, rounds=args.rounds, warmup=warmup)
     out = output_dir(args, info)
-    for key, pair in pairs.items():
-        row = pair["row"]
-        row["step"] = stats.get(key)
-        row["flags"] = noise_flags(stats.get(key))
-        c = pair["counted"]
-        if c is not None:
-            row.update(graphs_first_step=c.first_graphs, graphs_after_first_step=c.later_graphs,
-                       graph_breaks=c.graph_breaks)
-        if args.profile:
-            row["profile"] = profile_step(pair["step"], device, os.path.join(out, f"profile-{key.replace(' ', '-')}.txt"))
+    pairs: Dict[str, dict] = {}
+    raw: dict = {}
+    # Phases: a model whose compiled forward breaks its graph (`fused`: each layer runs eagerly between graphs)
+    # makes Dynamo give up on some of transformers' shared frames (its output-capturing code), for every model
+    # of the class compiled in the process after it: measured with the others it would change their graphs
+    # (recompiles, graph breaks they do not have alone). So it is measured in a phase of its own, after the others,
+    # from a reset Dynamo; within a phase the pairs are interleaved.
+    phases = [[n for n in names if n not in BREAKING], [n for n in names if n in BREAKING]]
+    for phase in [ph for ph in phases if ph]:
+        if pairs:
+            for pair in pairs.values():
+                pair.pop("model", None), pair.pop("step", None)
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        phase_raw = measure_phase(phase, base, ids, device, args, warmup, out, pairs)
+        raw.update(phase_raw)
     for key, pair in pairs.items():
         e = pairs.get(f"eager {pair['variant']}")
         if pair["compiled"] and e is not None and pair["row"]["step"] and e["row"]["step"]:

@@ -17,8 +17,9 @@ seeds the eager path draws in C++ (other numbers from the same generator), so a 
 dropout draws other masks than the same model run eagerly, as any compiled dropout does; the replay
 uses the forward's seeds, so gradients are exact for the masks drawn.
 
-A fused layer that is not checkpointed is the one-layer segment under torch.compile: its backward
-replays the layer (one extra layer forward), where the eager path keeps its activations.
+A fused layer that is not checkpointed runs, in training, as the eager fused layer behind a graph break
+(fused._traced_forward); where the graph may not break (fullgraph=True, torch.export) it is the one-layer
+segment: its backward replays the layer (one extra layer forward), where the eager path keeps its activations.
 
 peft LoRA adapters (FusedTransformerLayer._op_args): each adapter projection's A and B are weights of the
 call (after the layer's own; an absent adapter is two -1 layout entries), its scaling and adapter dropout

@@ -101,19 +101,58 @@ def _traced_forward(self: "FusedTransformerLayer", *args, **kwargs):
         return self._hf_forward(args, kwargs)
     self._check_compilable(call)
     if self.training and torch.is_grad_enabled() and not self.gradient_checkpointing:
+        if _graph_breaks_allowed():
+            # Not checkpointed: the eager fused layer, behind a graph break, keeps its activations as fuse alone
+            # does; the operator below would replay the layer in backward (docs/compile.md).
+            return self._as_returned(_fused_layer_not_traced(self, call.hidden, call.mask, call.cos, call.sin))
         _compiled_not_checkpointed(self.layer_class)
     return self._as_returned(compiled.fused_segment([self], call.hidden, call.mask, call.cos, call.sin, self.training))
 
 
+def fused_layer_runs_eagerly_under_compile(layer: "FusedTransformerLayer", hidden, mask, cos, sin):
+    """A fused layer that is not checkpointed, in training under torch.compile: the eager fused layer (its C++
+    autograd keeps the layer's activations for backward, as ``fuse`` alone does), run with Dynamo disabled, so a
+    graph break before and after it (docs/compile.md). Named for what Dynamo's graph-break report shows."""
+    spec, weights = layer._call_args()
+    return _C.fused_layer_forward(spec, hidden, mask, cos, sin, weights, layer.training)
+
+
+_fused_layer_not_traced = torch._disable_dynamo(fused_layer_runs_eagerly_under_compile)
+
+
+def _graph_breaks_allowed() -> bool:
+    """Whether the frame Dynamo traces may break its graph: False under ``fullgraph=True``, torch.export and
+    ``torch._dynamo.error_on_graph_break(True)`` (Dynamo's own flags, read from its tracer: private, so any failure to
+    read them answers False, the operator path that never breaks a graph). Dynamo calls it while tracing (a
+    constant result)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+        if tx is None or getattr(tx, "one_graph", True):
+            return False
+        if getattr(tx, "error_on_graph_break", False):
+            return False
+        from torch._dynamo import eval_frame
+        getter = getattr(eval_frame, "_get_error_on_graph_break", None)
+        return not (getter is not None and getter())
+    except Exception:  # another torch's Dynamo: never break a graph we cannot tell may break
+        return False
+
+
+_graph_breaks_allowed._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets
+
+
 def _compiled_not_checkpointed(layer_class: str) -> bool:
-    """Warns once that a fused layer traced by Dynamo outside a checkpointed group is a one-layer checkpoint there
-    (docs/compile.md). Dynamo calls it while tracing (a constant result, no graph break)."""
+    """Warns once that a fused layer traced by Dynamo outside a checkpointed group, where the graph may not break
+    (fullgraph=True, torch.export), is a one-layer checkpoint there (docs/compile.md). Dynamo calls it while tracing
+    (a constant result, no graph break)."""
     _warn_once(("compiled, not checkpointed", layer_class),
-               f"ckpt_ext: under torch.compile a fused {layer_class} that is not checkpointed runs as the "
-               "ckpt_ext::fused_segment operator, which keeps only the layer's input and replays the layer in "
-               "backward: the step and memory of fuse + checkpointing, not of fuse alone. Use "
-               "ckpt_ext.enable_checkpointing(model) with the compiled fused model (the same cost, said), or compile "
-               "without ckpt_ext.fuse, or run fuse eagerly (docs/compile.md).")
+               f"ckpt_ext: under torch.compile(fullgraph=True) (or torch.export) a fused {layer_class} that is not "
+               "checkpointed runs as the ckpt_ext::fused_segment operator, which keeps only the layer's input and "
+               "replays the layer in backward: the step and memory of fuse + checkpointing, not of fuse alone. "
+               "Without fullgraph=True each such layer runs eagerly between two graphs (its activations kept, "
+               "the speed of eager fuse). Or use ckpt_ext.enable_checkpointing(model) with the compiled fused model "
+               "(the same cost, said), or compile without ckpt_ext.fuse (docs/compile.md).")
     return True
 
 

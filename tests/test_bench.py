@@ -67,14 +67,18 @@ def test_suite_compiled_variants_count_graph_breaks(tmp_path):
 
 
 def test_bench_compile_tiny(tmp_path):
-    """bench_compile.py --tiny (the GPU report's CPU dry run), fuse + ckpt only: compiled and eager rows, the
-    compiled one compiling its graphs in the first step and none after it, the JSON and the table written."""
+    """bench_compile.py --tiny (the GPU report's CPU dry run), fuse alone and fuse + ckpt: compiled and eager rows,
+    each compiled one compiling its graphs in the first step and none after it, the JSON and the table written.
+    fuse alone (its layers eagerly between graphs) is named first but measured after fuse + ckpt, from a reset
+    Dynamo: fuse + ckpt keeps its one graph and no break."""
     import bench_compile
-    result = bench_compile.main(["--tiny", "--variants", "fused+ckpt", "--rounds", "1", "--out", str(tmp_path)])
-    compiled, eager = result["rows"]
-    assert compiled["compiled"] and not eager["compiled"]
+    result = bench_compile.main(["--tiny", "--variants", "fused,fused+ckpt", "--rounds", "1", "--out", str(tmp_path)])
+    compiled, eager, fused_compiled, fused_eager = result["rows"]
+    assert [r["variant"] for r in result["rows"]] == ["fused+ckpt"] * 2 + ["fused"] * 2
+    assert compiled["compiled"] and not eager["compiled"] and fused_compiled["compiled"]
     assert compiled["graphs_first_step"] >= 1 and compiled["graphs_after_first_step"] == 0, compiled
     assert compiled["graph_breaks"] == 0 and compiled["step"]["n"] == 1 and eager["step"]["n"] == 1
+    assert fused_compiled["graph_breaks"] > 0 and fused_compiled["graphs_after_first_step"] == 0, fused_compiled
     assert result["targets"]["compiled fused+ckpt / eager fused+ckpt"] > 0
     assert json.loads((tmp_path / "compile.json").read_text())["shape"]["layers"] == 2
     assert "| fused+ckpt | compiled |" in (tmp_path / "compile.md").read_text()

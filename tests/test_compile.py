@@ -370,6 +370,89 @@ def test_fused_layers_without_checkpointing_compile_and_take_dynamic_shapes():
         assert_grads_close(_hf_step(model, shorter, seed=0, compiled=compiled), eager, exact=True)
 
 
+EAGER_LAYER = "fused_layer_runs_eagerly_under_compile"  # the function a not-checkpointed fused layer breaks the graph at
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "qwen3", "gemma"])
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["nodrop", "dropout"])
+def test_fused_layers_not_checkpointed_run_eagerly_between_graphs(family, dropout):
+    """fuse alone, compiled without fullgraph=True, in training: each fused layer runs as the eager fused layer
+    between two graphs (its C++ autograd keeps the activations; no ckpt_ext::fused_segment, which would replay the
+    layer in backward), so the step is eager fuse's: outputs and every gradient bit-identical to the eager fused
+    model, dropout included (aot_eager draws the graphs' random numbers from the default generator as eager does,
+    and the eager layer draws its seed there). No notice, no recompile at the next step; the graph breaks are at
+    that function (and Hugging Face's own code around it)."""
+    model, kw = _hf(family, dropout=dropout, layers=3)
+    ckpt_ext.fuse(model)
+    eager = _hf_step(copy.deepcopy(model), kw, seed=4)
+    backend = Recorder()
+    compiled = torch.compile(model, backend=backend)
+    params = dict(model.named_parameters())
+    ckpt_ext.fused._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message=".*torch.jit", category=DeprecationWarning)
+        got = _hf_step(model, kw, seed=4, compiled=compiled)
+    assert not [str(w.message) for w in caught if "ckpt_ext" in str(w.message)]
+    assert_grads_close(got, eager, exact=True)
+    assert backend.count(SEGMENT_OP) == 0
+    assert any(EAGER_LAYER in reason for reason in counters["graph_break"]), dict(counters["graph_break"])
+    graphs = len(backend.graphs)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        again = _hf_step(model, kw, seed=5, compiled=compiled)
+    assert len(backend.graphs) == graphs
+    assert_grads_close(again, _hf_step(copy.deepcopy(model), kw, seed=5), exact=True)
+
+
+def test_fused_layers_not_checkpointed_under_compile_autocast_lora_and_eval():
+    """The eager-between-graphs path under CPU autocast (the autocast state reaches the eager layer across the graph
+    break) and with peft LoRA adapters (read per call, as eagerly): bit-identical to the eager fused model. In eval
+    (no backward) and under fullgraph=True the layers stay the ckpt_ext::fused_segment operator: no graph break."""
+    model, kw = _lora("llama", lora_dropout=0.1, layers=2)
+    ckpt_ext.fuse(model)
+    reference = copy.deepcopy(model)
+
+    def step(target, params):
+        def forward():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return target(**kw).last_hidden_state.float()
+        return run_step(forward, [], params=params, seed=2)
+
+    eager = step(reference, dict(reference.named_parameters()))
+    backend = Recorder()
+    compiled = torch.compile(model, backend=backend)
+    assert_grads_close(step(compiled, dict(model.named_parameters())), eager, exact=True)
+    assert backend.count(SEGMENT_OP) == 0
+    assert any(EAGER_LAYER in reason for reason in counters["graph_break"])
+
+    torch._dynamo.reset()
+    counters.clear()
+    model.eval()
+    backend = Recorder()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(**kw).last_hidden_state, reference.eval()(**kw).last_hidden_state,
+                                   rtol=0, atol=0)
+    assert backend.count(SEGMENT_OP) == 2 and not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_graph_breaks_allowed_reads_dynamo_s_flags():
+    """fused._graph_breaks_allowed (read while Dynamo traces, a constant of the graph): True in a frame traced
+    without fullgraph, False with fullgraph=True and outside tracing -- what decides between the eager layer
+    behind a graph break and the replaying operator."""
+    seen = []
+
+    def probe(x):
+        seen.append(ckpt_ext.fused._graph_breaks_allowed())
+        return x + 1
+
+    torch.compile(probe, backend="eager")(torch.ones(1))
+    torch._dynamo.reset()
+    torch.compile(probe, backend="eager", fullgraph=True)(torch.ones(1))
+    assert seen == [True, False]
+    assert ckpt_ext.fused._graph_breaks_allowed() is False
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
 def test_fused_segment_opcheck(lora):
     """The operator's schema, fake kernel and autograd registration (torch.library.opcheck), with peft LoRA

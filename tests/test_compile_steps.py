@@ -1,6 +1,7 @@
 """torch.compile compiles a ckpt_ext model once (issue 35): three compiled training steps of every variant --
 enable_checkpointing (every=1, every=2, budget=, keep="attention"), fuse, fuse + checkpointing, peft LoRA with
-both -- give the graphs of the first step and no more: no recompile, no graph break.
+both -- give the graphs of the first step and no more: no recompile, and no graph break but where fused layers
+that are not checkpointed run eagerly between graphs (fuse alone).
 
 Each test starts from the module state of a fresh process (what ckpt_ext looks up once per process is
 forgotten first), because that is where a lazily filled global bites: filled while Dynamo traces the first step,
@@ -92,4 +93,11 @@ def test_three_compiled_steps_compile_once(family, variant):
             _step(eager, kw, seed)
     assert graphs[0][0] >= 1 and graphs == [graphs[0]] * 3, \
         f"{variant}: (graphs compiled, Dynamo's unique graphs) after each step {graphs}: a step recompiled"
-    assert not counters["graph_break"], dict(counters["graph_break"])
+    breaks = dict(counters["graph_break"])
+    if variant in ("fused", "lora+fused"):
+        # Not checkpointed: each fused layer runs eagerly between graphs (fused._traced_forward, docs/compile.md).
+        assert any("fused_layer_runs_eagerly_under_compile" in reason for reason in breaks), breaks
+    elif variant == "fused+budget" and breaks:  # the plan may leave layers not checkpointed: the same
+        assert any("fused_layer_runs_eagerly_under_compile" in reason for reason in breaks), breaks
+    else:
+        assert not breaks, breaks

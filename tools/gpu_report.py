@@ -730,8 +730,8 @@ def section_f(rep: Report, limit: float) -> dict:
     except OSError:
         mask_lines = []
     out = os.path.join(rep.section_dir("f"), "compile")
-    # "fused" (no checkpointing) too: under compile a fused layer that is not checkpointed is the one-layer operator,
-    # whose backward replays the layer (docs/compile.md), so its compiled / eager ratio is the one most at risk.
+    # "fused" (no checkpointing) too: under compile a fused layer that is not checkpointed runs eagerly between graphs
+    # (a graph break per layer; docs/compile.md), so its compiled / eager ratio measures the breaks' cost on a GPU.
     args = ["bench_compile.py", "--out", out] + (
         ["--tiny"] if rep.dry_run else ["--layers", "6", "--variants", "none,hf-torch,ckpt_ext,fused+ckpt,fused"])
     rec = rep.py("f", "bench_compile", args, clock.left(), cwd=BENCH)
