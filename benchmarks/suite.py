@@ -10,7 +10,9 @@
 Variants (benchmarks/variants.py): none, hf-torch-nonreentrant, hf-torch-reentrant, torch-selective,
 torch-selective-attention, ckpt_ext, ckpt_ext-keep-attention, fused, ckpt_ext-fused, ckpt_ext-budget, compile-budget, and torch.compile (inductor) of five of
 them: compiled-none, compiled-hf-torch-nonreentrant, compiled-ckpt_ext, compiled-fused,
-compiled-ckpt_ext-fused (their first step compiles, untimed; the table counts its graph breaks). Each has
+compiled-ckpt_ext-fused (their first step compiles, untimed; the table counts its graph breaks; compiled-fused runs
+its fused layers eagerly between graphs, which changes the graphs of the other compiled copies in the process:
+their rows are flagged, docs/compile.md). Each has
 its own copy of the model; one
 that does not apply here is reported as `not applicable: <reason>`, one that fails as `error: ...` or `oom`.
 --lora wraps the model with peft LoRA first (variants.LORA_TARGETS, base frozen): every variant then trains
@@ -414,6 +416,13 @@ def flag_rows(rows: List[dict], suite: Suite) -> None:
         r["parity"] = suite.parity_results.get(r["variant"])
         if r["parity"] and not r["parity"]["ok"]:
             r["flags"].append(f"parity: {r['parity']['max_rel_err']:.2g} from none > {r['parity']['tolerance']:g}")
+    # compiled-fused breaks its graph at every fused layer, and Dynamo then gives up on transformers' shared frames for
+    # every compiled copy of the model class in the process (docs/compile.md): the other compiled rows are not what
+    # they are alone (benchmarks/bench_compile.py measures fuse alone in a phase of its own).
+    if any(r["variant"] == "compiled-fused" for r in rows):
+        for r in rows:
+            if r["variant"].startswith("compiled-") and r["variant"] != "compiled-fused":
+                r["flags"].append("beside compiled-fused: its graph breaks change this model's graphs")
 
 
 def run(cfg: dict, progress: Progress, notes: List[str]) -> dict:
