@@ -13,13 +13,33 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._layout import BERT, FAMILIES
 from .fused import _C, FusedTransformerLayer
 from .hf.layers import LORA_PROJECTIONS
-from .keep import LevelProbe, keeps_gemms
+from . import keep as _keep
+from .keep import LevelProbe, keeps_gemms, probe_time
 from .planner import Level, LayerCost, Plan, PreNorm, plan_chain, segment_costs
 from .pool import is_pooled
 
-__all__ = ["StackPlanner"]
+__all__ = ["StackPlanner", "probe_clock"]
 
 logger = logging.getLogger("ckpt_ext")
+
+
+@contextlib.contextmanager
+def probe_clock(clock: Callable[[], float]):
+    """For benchmarks: while the block runs, the budget planner's probe reads its seconds from `clock()` instead of
+    time.perf_counter -- every time it takes (each layer's forward and backward, each SDPA and GEMM call, BERT's
+    pre-norm parts), so a plan made then follows `clock`'s costs. Bytes are measured as always. A plan is made when
+    the measuring step ends, so that step must run inside the block; the plan made then is kept as made.
+    benchmarks/bench_work.py passes a clock that advances by the work model's predicted GPU seconds of each op it
+    counts (a plan at H200 rates on a machine without a GPU). Restored on leaving, also on an error; not set (the
+    default), the planner times with time.perf_counter, as it always has. Process-wide: not for concurrent use."""
+    if not callable(clock):
+        raise TypeError(f"probe_clock needs a callable returning seconds, got {type(clock).__name__}")
+    before = _keep._PROBE_CLOCK
+    _keep._PROBE_CLOCK = clock
+    try:
+        yield
+    finally:
+        _keep._PROBE_CLOCK = before
 
 
 class StackPlanner:
@@ -68,6 +88,18 @@ class StackPlanner:
         self.__dict__.update(state)
         self.index = {id(m): i for i, m in enumerate(self.layers)}
 
+    def replan(self, budget: int) -> Plan:
+        """For benchmarks: a plan for `budget` (bytes) from the costs measured in the measuring step (one measuring
+        step, several budgets), installed when the next step starts; the plans made for other input sizes are
+        forgotten. Raises ValueError as planning does (a budget below the least achievable), RuntimeError before
+        the costs are measured."""
+        if self.plan is None:
+            raise RuntimeError("the layers are not measured yet: run a training step first")
+        plan = plan_chain(self.costs, budget, self.chained, self.keep, sum(self.shared.values()))
+        plan.base_time = self.plan.base_time
+        self.budget, self.plan, self.plans, self.installed = budget, plan, {self.shape: plan}, False
+        return plan
+
     def begin_step(self, args: Tuple):
         """At the first layer of a training step: keeps the plan when it was made for an input at least as
         large in every dimension (its tensors are no larger, so it still fits the budget); else installs
@@ -109,7 +141,7 @@ class StackPlanner:
         def now():
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            return time.perf_counter()
+            return probe_time()
 
         def began(_):
             start.append(now())
@@ -265,10 +297,10 @@ class _FusedGemms(TorchDispatchMode):
         if func not in self._OPS:
             return func(*args, **(kwargs or {}))
         self.sync()
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu = probe_time(), time.process_time()
         out = func(*args, **(kwargs or {}))
         self.sync()
-        self.calls.append((out.untyped_storage(), time.perf_counter() - start, time.process_time() - cpu))
+        self.calls.append((out.untyped_storage(), probe_time() - start, time.process_time() - cpu))
         self.numels.append(out.numel())
         return out
 
@@ -309,11 +341,11 @@ def _pre_norm(layer: FusedTransformerLayer, args: Tuple, kwargs: Dict, hidden: O
         for _ in range(_PROBE_RUNS + 1):  # (the first pays one-time costs)
             if sync is not None:
                 sync()
-            start, cpu = time.perf_counter(), time.process_time()
+            start, cpu = probe_time(), time.process_time()
             r = ops.add_layer_norm(x, None, w, b, 1e-12)
             if sync is not None:
                 sync()
-            seconds = (time.perf_counter() - start, time.process_time() - cpu)
+            seconds = (probe_time() - start, time.process_time() - cpu)
             del r
             if norm is None or seconds[0] < norm[0]:
                 norm = seconds
@@ -389,14 +421,14 @@ def _measure(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, 
 
     if sync is not None:
         sync()
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu = probe_time(), time.process_time()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked), \
             (spy if spy is not None else contextlib.nullcontext()):
         out = layer._hf_forward(args, kwargs) if hf else type(layer).forward(layer, *args, **kwargs)
     if sync is not None:
         sync()
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    elapsed, cpu = probe_time() - start, time.process_time() - cpu
     del out
     saved = {ptr: st.nbytes() for ptr, st in storages.items()}
     storages.clear()
