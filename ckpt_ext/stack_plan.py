@@ -191,6 +191,7 @@ class StackPlanner:
         # The levels' kept bytes are matched against the saved storages of the same run (the probe holds what it
         # saw until then); each level's skipped time is the fastest run's.
         saved, elapsed, probe, cpu, levels = None, None, None, 0.0, {}
+        tail = (0.0, 0.0)  # (seconds, CPU seconds) of a fused layer's last linear (LayerCost.tail_compute)
         for _ in range(_PROBE_RUNS):
             spy = LevelProbe(sync, gemms=gemms) if attention and not fused else None
             storages, seconds, cpu_seconds = _measure(layer, args, kwargs, device, sync, spy)
@@ -218,6 +219,7 @@ class StackPlanner:
                     else:
                         spy.clear()
                 levels = _fused_levels(layer, args, kwargs, device, sync, probe, shared) if gemms else {}
+                tail = levels.pop(_TAIL, (0.0, 0.0))
             # a fused segment keeps them in pool slots (whole multiples of the pool's alignment)
             attn_bytes, attn_seconds, self.why[i] = probe.result(_POOL_ALIGNMENT if fused else 1)
         boundary = hidden.untyped_storage().nbytes() if hidden is not None else 0
@@ -229,10 +231,11 @@ class StackPlanner:
         pre_norm, self.cpu_pre_norm[i] = _pre_norm(layer, args, kwargs, hidden, device, sync) \
             if fused and self.keep in ("auto", "boundaries", "attention") else (None, (0.0, 0.0))
         self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0,
-                                  extra, pre_norm)
+                                  extra, pre_norm, tail[0])
         # the same runs' process CPU time (the benchmarks compare it on a shared machine)
         skipped = {name: v[3] for name, v in levels.items()}
         skipped["attention"] = probe.cpu_seconds if attn_bytes is not None else 0.0
+        skipped[_TAIL] = tail[1]
         self.cpu_costs[i] = (cpu, skipped)
         if probe is not None:
             probe.clear()
@@ -265,6 +268,10 @@ def recompute_cpu_seconds(planner: "StackPlanner", plan: Plan) -> float:
                 # as LayerCost.level: a level the layer lacks falls back to "attention" or to the boundary only
                 fallback = "attention" if how in ("attention_inputs", "gemms_attention") else None
                 total += forward - (skipped.get(how, skipped.get(fallback, 0.0)) if how is not True else 0.0)
+            # the last layer's last linear, which the replay does not run (LayerCost.tail_time)
+            last = plan.costs[e - 1]
+            if last.tail_compute and last.tail_time(how):
+                total -= planner.cpu_costs[e - 1][1].get(_TAIL, 0.0)
             # BERT's pre-norm boundary (planner.segment_costs)
             total += (planner.cpu_pre_norm[s - 1][1] if takes else 0.0) - \
                 (planner.cpu_pre_norm[e - 1][0] if keeps else 0.0)
@@ -274,6 +281,8 @@ def recompute_cpu_seconds(planner: "StackPlanner", plan: Plan) -> float:
 def _probe_seconds(probe: LevelProbe) -> float:
     return sum(c[2] for c in probe.calls)
 
+
+_TAIL = "tail"  # in _fused_levels' answer: (seconds, CPU seconds) of the layer's last linear (LayerCost.tail_compute)
 
 # The GEMMs of one fused layer call that the recompute levels keep (layers::KeptGemms sites), per family: their
 # number, and whether the last is the layer's last linear (its output is not kept in a segment's last layer).
@@ -357,7 +366,8 @@ def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.dev
                   shared: Dict[int, int]) -> Dict[str, tuple]:
     """The recompute levels of fused layer `layer` as StackPlanner.probe records them: {level: (kept bytes, bytes of
     the layer's saved tensors among them, seconds and CPU seconds its replay skips, whole, bytes not kept as the
-    last layer of a segment)}. The GEMMs' bytes and times from runs of the fused layer itself (its GEMMs' outputs
+    last layer of a segment)}, and under _TAIL the (seconds, CPU seconds) of the layer's last linear (GPT-2, Llama).
+    The GEMMs' bytes and times from runs of the fused layer itself (its GEMMs' outputs
     caught by a dispatch mode, in call order: the q/k/v projection first; the faster run's times), the attention's
     from `probe` (the Hugging Face layer's SDPA, the kernel the fused layer calls). {} for a call with LoRA adapters
     (its layers keep no GEMM output) or one whose GEMMs are not the family's sites."""
@@ -398,6 +408,8 @@ def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.dev
             cpu += attn_cpu
         tail = sites[-1][1] if gemms == "all" and last_linear else 0
         out[level] = (kept, overlap, seconds, cpu, whole, tail)
+    if last_linear:  # the segment's replay stops before its last layer's last linear (LayerCost.tail_compute)
+        out[_TAIL] = (sites[-1][2], sites[-1][3])
     return out
 
 
