@@ -51,6 +51,16 @@ What differs from the GPU run, and how it is handled:
     for torch's selective checkpointing (torch-sac), whose Python dispatch mode handles every op of the
     forward and the replay on the host: python_mode_us per op it sees (fitted; only that row informs it).
 
+The budget planner's plans at these rates (`--variants fused+budget=2.0`, BUDGET_VARIANTS): the planner's measuring
+step runs traced, its probe timed by a PredictedClock (ckpt_ext.stack_plan.probe_clock: each layer's forward and
+backward, SDPA and GEMM calls cost the predicted H200 seconds of the ops they ran; bytes measured as always); the
+plan for the budget (a number: that many times the planner's need of the full checkpoint, every layer checkpointed
+alone keeping only its input -- activation bytes held from forward to backward plus the largest replay, the units of
+budget=; a size: the budget itself) is made from those costs (StackPlanner.replan), and the planned step is traced
+at the config's own layers and batch (no extrapolation: the plan depends on both) and predicted as the others. The
+plan is printed (explain()), with the bytes the layer stack held from forward to backward in the traced step next to
+the plan's prediction; `--peak CONFIG:fused+budget=2.0` gives its traced peak.
+
 Usage: python benchmarks/bench_work.py [--models bert-large-bf16,...] [--fit] [--per-op VARIANT] [--json PATH]
 Prints per model and variant predicted ms, the H200's measured ms, the error; the last line is
 `calibration: max |error| X% over N rows`.
