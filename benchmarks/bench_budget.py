@@ -53,16 +53,37 @@ CONFIGS = {
 
 
 class _Created(TorchDispatchMode):
-    """Records (weakly) the tensors the ops create while `on`."""
+    """Records (weakly) the tensors the ops create while `on`, but for the CPU pool's chunks: a chunk is the byte
+    tensor of an aten.empty after which the pool counts one more growth (BoundaryPool::grow); its slots in use are
+    counted by held_by_stack from the pool's statistics. (A slot larger than a quarter of the chunk size gets a
+    chunk of its own, allocated during the forward: it was counted twice.) The pool's statistics are read at the
+    other ops only: the chunk's aten.empty runs under the pool's lock."""
+
+    _EMPTY = (torch.ops.aten.empty.memory_format,)
 
     def __init__(self):
         super().__init__()
         self.on, self.refs = False, []
+        self.grows, self.pending = None, 0  # the pool's growths seen at the last other op; refs of a byte empty
+
+    def flush(self):
+        """Drops the refs of the byte aten.empty just before if the pool has grown since: its chunk."""
+        grows = ckpt_ext.pool_stats("cpu")["grows"]
+        if self.pending and grows != self.grows:
+            del self.refs[-self.pending:]
+        self.grows, self.pending = grows, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        chunk = func in self._EMPTY and kwargs.get("dtype") == torch.uint8 and len(args[0]) == 1
+        if self.on and not chunk:
+            self.flush()
+        out = func(*args, **kwargs)
         if self.on:
-            self.refs.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            new = [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.refs.extend(new)
+            if chunk:
+                self.pending = len(new)
         return out
 
 
@@ -77,9 +98,11 @@ def held_by_stack(model, layers, call):
     def pre(module, args, kwargs):
         received.extend(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         window.append(ckpt_ext.pool_stats("cpu")["in_use_bytes"])
+        created.grows, created.pending = ckpt_ext.pool_stats("cpu")["grows"], 0
         created.on = True
 
     def post(module, args, out):
+        created.flush()
         created.on = False
         window.append(ckpt_ext.pool_stats("cpu")["in_use_bytes"])
         last.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))

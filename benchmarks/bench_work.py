@@ -51,6 +51,16 @@ What differs from the GPU run, and how it is handled:
     for torch's selective checkpointing (torch-sac), whose Python dispatch mode handles every op of the
     forward and the replay on the host: python_mode_us per op it sees (fitted; only that row informs it).
 
+The budget planner's plans at these rates (`--variants fused+budget=2.0`, BUDGET_VARIANTS): the planner's measuring
+step runs traced, its probe timed by a PredictedClock (ckpt_ext.stack_plan.probe_clock: each layer's forward and
+backward, SDPA and GEMM calls cost the predicted H200 seconds of the ops they ran; bytes measured as always); the
+plan for the budget (a number: that many times the planner's need of the full checkpoint, every layer checkpointed
+alone keeping only its input -- activation bytes held from forward to backward plus the largest replay, the units of
+budget=; a size: the budget itself) is made from those costs (StackPlanner.replan), and the planned step is traced
+at the config's own layers and batch (no extrapolation: the plan depends on both) and predicted as the others. The
+plan is printed (explain()), with the bytes the layer stack held from forward to backward in the traced step next to
+the plan's prediction; `--peak CONFIG:fused+budget=2.0` gives its traced peak.
+
 Usage: python benchmarks/bench_work.py [--models bert-large-bf16,...] [--fit] [--per-op VARIANT] [--json PATH]
 Prints per model and variant predicted ms, the H200's measured ms, the error; the last line is
 `calibration: max |error| X% over N rows`.
@@ -249,13 +259,29 @@ def _is_causal(func, args, kwargs) -> bool:
     return bool(bound.get("is_causal", False))
 
 
+class PredictedClock:
+    """A clock (seconds) that a WorkMode advances by each op's predicted seconds at `rates` as it counts the op:
+    passed to ckpt_ext.stack_plan.probe_clock, the budget planner's probe then measures each layer's forward and
+    backward, its SDPA and GEMM calls at the predicted GPU time of the ops they ran (the budget variants)."""
+
+    def __init__(self, rates: Dict[str, float], attn_dropout: float = 0.0):
+        self.rates, self.attn_dropout, self.now = rates, attn_dropout, 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, op: "Op"):
+        self.now += one_op_seconds(op.name, op.kind, op.flops, op.bytes, op.launches, self.rates, self.attn_dropout)
+
+
 class WorkMode(TorchDispatchMode):
     """Counts every op (Op records in self.ops) and computes none: results are empty tensors of the right
     shapes (see the module's docstring)."""
 
-    def __init__(self):
+    def __init__(self, clock: Optional["PredictedClock"] = None):
         super().__init__()
         self.ops: List[Op] = []
+        self.clock = clock  # advanced by each op's predicted seconds (the budget variants' measuring step)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -284,6 +310,8 @@ class WorkMode(TorchDispatchMode):
                 results.append(pytree.tree_map(_like_cpu, m))
         out = tuple(results) if isinstance(mout, tuple) else results[0]
         self._record(func, args, kwargs, out, tensors_in, written)
+        if self.clock is not None:
+            self.clock.advance(self.ops[-1])
         return out
 
     def _record(self, func, args, kwargs, out, tensors_in, written):
@@ -354,6 +382,10 @@ def _setup(m, variant: str):
     elif variant.startswith("fused+keep="):  # a recompute level of the fused layers ("fused+keep=gemms", ...)
         ckpt_ext.fuse(m)
         ckpt_ext.enable_checkpointing(m, keep=variant.split("=", 1)[1])
+    elif budget_of(variant) is not None:  # planned: the measuring step and the plan in _model_and_ids
+        if variant.startswith("fused+"):
+            ckpt_ext.fuse(m)
+        ckpt_ext.enable_checkpointing(m, budget=_UNPLANNED)
     elif variant == "torch-sac":
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
         keep = {aten.mm.default, aten.addmm.default, aten.bmm.default}
@@ -368,6 +400,58 @@ def _setup(m, variant: str):
     elif variant != "none":
         raise ValueError(f"unknown variant {variant!r}")
     return m
+
+
+# ---------------------------------------------------------------------------------------- the budget variants
+# "fused+budget=2.0" (or "ckpt_ext+budget=2.0"): fuse(model), then enable_checkpointing(model, budget=B), planned
+# from costs at the work model's H200 rates. A number B = that many times the full-checkpoint need: the planner's own
+# measure of what checkpointing every layer alone, boundary only (enable_checkpointing(model), what fused+ckpt runs)
+# needs -- its activation bytes held from forward to backward (the boundaries, the tensors every layer receives) plus
+# its largest replay (one layer's saved tensors), as the planner counts them for budget= (not parameters, gradients
+# or optimizer state). A size ("fused+budget=5291MiB") is the budget itself.
+BUDGET_VARIANTS = ("fused+budget=", "ckpt_ext+budget=")
+_UNPLANNED = 1 << 60  # the measuring step's budget (the plan it makes is replaced by _plan_predicted's)
+
+
+def budget_of(variant: str) -> Optional[str]:
+    """The B of a budget variant ("2.0", "5291MiB"), or None for another variant."""
+    for prefix in BUDGET_VARIANTS:
+        if variant.startswith(prefix):
+            return variant[len(prefix):]
+    return None
+
+
+def full_checkpoint_need(planner) -> int:
+    """The planner's need (held + largest replay, shared tensors included) of every layer checkpointed alone,
+    boundary only, from the costs `planner` (a StackPlanner) measured."""
+    from ckpt_ext.planner import segment_costs
+    per = segment_costs(planner.costs, [(i, i + 1, True) for i in range(len(planner.costs))])
+    return sum(p[0] for p in per) + max(p[1] for p in per) + sum(planner.shared.values())
+
+
+def _plan_predicted(m, ids, mode: str, value: str, rates: Dict[str, float], info: Optional[dict]):
+    """The measuring step of a budget variant, traced (nothing computed) with the planner's probe timed by a
+    PredictedClock (ckpt_ext.stack_plan.probe_clock): the layers' times are the predicted H200 times of their ops,
+    their bytes measured as always. Then the plan for budget `value` (budget_of) from those costs, installed at the
+    next step. `info` gets the budget, the full-checkpoint need, the plan and explain()'s text."""
+    import bench_budget  # noqa: E402  (benchmarks/ is on sys.path when this runs)
+    from ckpt_ext.planner import parse_bytes
+    from ckpt_ext.stack_plan import probe_clock
+    clock = PredictedClock(rates)
+    with _cuda_like(), WorkMode(clock), probe_clock(clock):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            loss = m(input_ids=ids).last_hidden_state.float().pow(2).mean()
+        loss.backward()
+    m.zero_grad(set_to_none=True)
+    planner = bench_budget.planner_of(m)
+    full = full_checkpoint_need(planner)
+    try:
+        budget = int(float(value) * full)
+    except ValueError:
+        budget = parse_bytes(value)
+    plan = planner.replan(budget)
+    if info is not None:
+        info.update(budget=budget, full_need=full, plan=plan, explain=str(ckpt_ext.explain(m)))
 
 
 _ACTIVE: List["WorkMode"] = []  # the trace running now (torch-sac's policy counts its calls into it)
@@ -391,8 +475,10 @@ def _cuda_like():
         _C.cpu_gemm_layout(old_layout)
 
 
-def _model_and_ids(family: str, mode: str, variant: str, layers: int, batch: int, seq: Optional[int], model_fn):
-    """The model of a traced step, set up as `variant` in `mode`'s dtype, and its input ids (seed 0)."""
+def _model_and_ids(family: str, mode: str, variant: str, layers: int, batch: int, seq: Optional[int], model_fn,
+                   info: Optional[dict] = None, rates: Optional[Dict[str, float]] = None):
+    """The model of a traced step, set up as `variant` in `mode`'s dtype, and its input ids (seed 0); a budget
+    variant's model planned (_plan_predicted at `rates`, FIT by default)."""
     torch.manual_seed(0)
     if model_fn is None:
         m, cfg, s = _build(family, layers, attn_dropout=0.0)
@@ -403,20 +489,30 @@ def _model_and_ids(family: str, mode: str, variant: str, layers: int, batch: int
     if mode == "bf16":
         m = m.to(torch.bfloat16)
     _setup(m, variant)
-    return m, torch.randint(0, vocab, (batch, seq or s))
+    ids = torch.randint(0, vocab, (batch, seq or s))
+    if budget_of(variant) is not None:
+        _plan_predicted(m, ids, mode, budget_of(variant), FIT if rates is None else rates, info)
+    return m, ids
 
 
 def trace(family: str, mode: str, variant: str, layers: int, batch: int, seq: Optional[int] = None,
-          model_fn=None) -> List[Op]:
+          model_fn=None, info: Optional[dict] = None) -> List[Op]:
     """The ops of one training step (see the module's docstring). `model_fn(layers)` -> (model, vocab, seq)
-    replaces the Hugging Face configs (the tests' tiny models)."""
-    m, ids = _model_and_ids(family, mode, variant, layers, batch, seq, model_fn)
+    replaces the Hugging Face configs (the tests' tiny models). A budget variant's step is the planned one, after
+    its measuring step; `info` (a dict) then also gets the plan (_plan_predicted) and `held`: the bytes the layer
+    stack held from forward to backward in the traced step (bench_budget.held_by_stack)."""
+    m, ids = _model_and_ids(family, mode, variant, layers, batch, seq, model_fn, info)
     work = WorkMode()
     _ACTIVE.append(work)
     with _cuda_like(), work, contextlib.ExitStack() as stack:
         stack.callback(_ACTIVE.pop)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
-            out = m(input_ids=ids).last_hidden_state
+            if info is not None and budget_of(variant) is not None:
+                import bench_budget  # noqa: E402
+                out, info["held"] = bench_budget.held_by_stack(
+                    m, bench_budget.planner_of(m).layers, lambda mm: mm(input_ids=ids).last_hidden_state)
+            else:
+                out = m(input_ids=ids).last_hidden_state
             loss = out.float().pow(2).mean()
         loss.backward()
     return work.ops
@@ -487,28 +583,31 @@ def op_seconds(c: Counts, rates: Dict[str, float], attn_dropout: float = 0.0,
     """Predicted seconds per op. Attention with dropout costs attn_dropout_cost times as much compute (the
     flash kernels draw Philox numbers per score inside the tile loop). `ckpt_gbps`: ckpt_ext's kernels'
     bandwidths (CKPT_OP_GBPS when None; what-if scenarios change them)."""
+    return [one_op_seconds(name, kind, fl, by, la, rates, attn_dropout, ckpt_gbps)
+            for name, kind, fl, by, la in zip(c.names, c.kinds, c.flops, c.bytes, c.launches)]
+
+
+def one_op_seconds(name: str, kind: str, fl: float, by: float, la: int, rates: Dict[str, float],
+                   attn_dropout: float = 0.0, ckpt_gbps: Optional[Dict[str, float]] = None) -> float:
+    """Predicted seconds of one op (op_seconds)."""
     attn = rates["attn_dropout_cost"] if attn_dropout > 0 else 1.0
     ckpt_gbps = CKPT_OP_GBPS if ckpt_gbps is None else ckpt_gbps
-    t = []
-    for name, kind, fl, by, la in zip(c.names, c.kinds, c.flops, c.bytes, c.launches):
-        if kind == "gemm":
-            compute = fl / (rates["gemm_tflops"] * 1e12)
-            bw = rates["mem_gbps"]
-        elif kind == "attn_fwd":
-            compute, bw = attn * fl / (rates["attn_fwd_tflops"] * 1e12), rates["mem_gbps"]
-        elif kind == "attn_bwd":
-            compute, bw = attn * fl / (rates["attn_bwd_tflops"] * 1e12), rates["mem_gbps"]
-        elif kind == "ckpt":
-            compute, bw = 0.0, ckpt_gbps.get(name.split(".", 1)[1], rates["mem_gbps"])
-        elif kind == "host":
-            t.append(rates["python_mode_us"] * 1e-6)
-            continue
-        elif name in SIMPLE:
-            compute, bw = 0.0, rates["simple_gbps"]
-        else:
-            compute, bw = 0.0, rates["mem_gbps"]
-        t.append(max(compute, by / (bw * 1e9)) + la * rates["launch_us"] * 1e-6)
-    return t
+    if kind == "gemm":
+        compute = fl / (rates["gemm_tflops"] * 1e12)
+        bw = rates["mem_gbps"]
+    elif kind == "attn_fwd":
+        compute, bw = attn * fl / (rates["attn_fwd_tflops"] * 1e12), rates["mem_gbps"]
+    elif kind == "attn_bwd":
+        compute, bw = attn * fl / (rates["attn_bwd_tflops"] * 1e12), rates["mem_gbps"]
+    elif kind == "ckpt":
+        compute, bw = 0.0, ckpt_gbps.get(name.split(".", 1)[1], rates["mem_gbps"])
+    elif kind == "host":
+        return rates["python_mode_us"] * 1e-6
+    elif name in SIMPLE:
+        compute, bw = 0.0, rates["simple_gbps"]
+    else:
+        compute, bw = 0.0, rates["mem_gbps"]
+    return max(compute, by / (bw * 1e9)) + la * rates["launch_us"] * 1e-6
 
 
 @dataclass
@@ -518,6 +617,7 @@ class Step:
     two: Counts
     layers: int
     attn_dropout: float = 0.0
+    plan: Optional[str] = None  # a budget variant's plan (explain()'s text); its counts are the whole model's
 
     def seconds(self, rates, ckpt_gbps=None, keep=None) -> float:
         """Predicted step seconds; `keep(counts, i)` False drops op i (what-if scenarios)."""
@@ -555,7 +655,18 @@ class Step:
 TRACE_LAYERS = (2, 3)
 
 
-def step_of(cfg: Config, variant: str, model_fn=None, seq=None) -> Step:
+def step_of(cfg: Config, variant: str, model_fn=None, seq=None, info: Optional[dict] = None) -> Step:
+    """The variant's Step: traced at TRACE_LAYERS x TRACE_BATCHES and extrapolated; a budget variant (whose plan
+    depends on the layer count and the batch) traced once at the config's own layers and batch (`info`: trace's)."""
+    if budget_of(variant) is not None:
+        info = {} if info is None else info
+        ops = trace(cfg.family, cfg.mode, variant, cfg.layers, cfg.batch, seq=seq, model_fn=model_fn, info=info)
+        counts = at_batch(ops, ops, cfg.batch)
+        mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
+        head = (f"budget {mib(info['budget'])} = {info['budget'] / info['full_need']:.3f} x the full-checkpoint need "
+                f"{mib(info['full_need'])}; held from forward to backward in the traced step {mib(info['held'])} "
+                f"(planned {mib(info['plan'].held_bytes)})")
+        return Step(counts, counts, cfg.layers, cfg.attn_dropout, plan=head + "\n" + info["explain"])
     per_layers = []
     for layers in TRACE_LAYERS:
         ops = [trace(cfg.family, cfg.mode, variant, layers, b, seq=seq, model_fn=model_fn) for b in TRACE_BATCHES]
@@ -722,6 +833,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         bad = rank_check(H200_MS.get(name, {}), pred)
         print(f"rank {name}: {'as measured' if not bad else 'differs: ' + ', '.join(bad)}"
               " (pairs measured within 2% count as ties)")
+    for (name, v), st in steps.items():
+        if st.plan:
+            print(f"--- {name} {v}: the plan (costs at the rates above) ---\n{st.plan}")
     if args.per_op:
         name, v = args.per_op.split(":")
         per = steps[(name, v)].per_op(rates)

@@ -409,6 +409,17 @@ class _ReplayMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+# The budget planner's probe timer: time.perf_counter, unless a benchmark has set another clock with
+# ckpt_ext.stack_plan.probe_clock (benchmarks/bench_work.py: the work model's predicted GPU seconds).
+_PROBE_CLOCK: Optional[Callable[[], float]] = None
+
+
+def probe_time() -> float:
+    """Seconds, as the budget planner's probe reads them (time.perf_counter unless stack_plan.probe_clock set
+    another clock)."""
+    return time.perf_counter() if _PROBE_CLOCK is None else _PROBE_CLOCK()
+
+
 class LevelProbe(TorchFunctionMode):
     """The budget planner's probe of one layer forward: for each SDPA call and (with ``gemms``) each GEMM call
     (torch.nn.functional.linear, torch.addmm), the seconds it took and the storages of what a keep level would keep
@@ -427,11 +438,11 @@ class LevelProbe(TorchFunctionMode):
     def _timed(self, func, args, kwargs, ops):
         capture = _Capture(ops)
         self.synchronize()
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu = probe_time(), time.process_time()
         with capture:
             out = func(*args, **kwargs)
         self.synchronize()
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        elapsed, cpu = probe_time() - start, time.process_time() - cpu
         storages = [t.untyped_storage() for k in capture.kept for t in _tensors(k.outputs)]
         capture.kept.clear()
         return out, elapsed, cpu, storages

@@ -97,6 +97,9 @@ class LayerCost:
     attn_compute: float = 0.0
     levels: Tuple[Level, ...] = ()  # the levels beyond "attention" it can be checkpointed at (measured)
     pre_norm: Optional[PreNorm] = None  # a fused BERT/RoBERTa layer's pre-norm boundary (None: the layer has none)
+    # of compute, what the replay does not run when the layer is the last of its segment: a fused GPT-2/Llama layer's
+    # last linear (the segment's replay stops before it; tail_time)
+    tail_compute: float = 0.0
 
     @property
     def keeps_attention(self) -> bool:
@@ -126,6 +129,17 @@ class LayerCost:
         found = next((lv for lv in self.levels if lv.name == how), None)
         return found.tail_bytes if found is not None and (found.whole or not strict) else 0
 
+    def tail_time(self, how) -> float:
+        """Of recompute(how), what the layer's replay skips as the last layer of its segment (tail_compute): nothing
+        where its level skips that GEMM anyway (a level keeping GEMM outputs: Level.tail_bytes, its skipped time
+        counting every GEMM)."""
+        if how is True:
+            return min(self.tail_compute, self.compute)
+        found = next((lv for lv in self.levels if lv.name == how), None)
+        if found is not None and found.tail_bytes:
+            return 0.0
+        return min(self.tail_compute, self.recompute(how))
+
     def recompute(self, how) -> float:
         """What replaying the layer costs in a segment checkpointed `how` (True or a level)."""
         return self.level(how, strict=False)[2]
@@ -151,7 +165,7 @@ def segment_costs(costs: Sequence[LayerCost], segments, boundaries=frozenset(),
             before = False
             continue
         held, replay = segment_bytes(costs, s, e, how)
-        rc = sum(c.recompute(how) for c in costs[s:e])
+        rc = max(0.0, sum(c.recompute(how) for c in costs[s:e]) - costs[e - 1].tail_time(how))
         keeps = takes = False
         if s in boundaries:
             if how not in BOUNDARY_HOWS or any(c.pre_norm is None for c in costs[s:e]):
@@ -305,7 +319,7 @@ def _check_costs(costs: Sequence[LayerCost]):
         raise ValueError("a plan needs at least one layer")
     for c in costs:
         if c.act_bytes < 0 or c.boundary_bytes < 0 or c.compute < 0 or c.attn_compute < 0 or \
-                (c.attn_bytes is not None and c.attn_bytes < 0) or \
+                (c.attn_bytes is not None and c.attn_bytes < 0) or c.tail_compute < 0 or \
                 any(lv.kept_bytes < 0 or lv.saved_kept_bytes < 0 or lv.skipped < 0 or lv.name not in LEVELS[1:] or
                     not 0 <= lv.tail_bytes <= lv.kept_bytes
                     for lv in c.levels) or \
@@ -378,6 +392,9 @@ class _Chain:
         # per how, per layer: the bytes it does not keep as the last layer of a segment (LayerCost.tail)
         self.tail = {how: [c.tail(how, strict) if c.level(how, strict) is not None else 0 for c in costs]
                      for how in self.hows}
+        # per how, per layer: its recompute, and what its replay skips as the last layer of a segment (tail_time)
+        self.rc = {how: [c.recompute(how) for c in costs] for how in self.hows}
+        self.tailc = {how: [c.tail_time(how) for c in costs] for how in self.hows}
         for how in self.hows:
             pw, pk, pc, paid, bad = [0], [0], [0.0], [0], [0]
             for c in costs:
@@ -426,11 +443,13 @@ class _Chain:
         """The segments [i, j) checkpointed `how`, nearest start first: (i, replay bytes, held bytes, recompute,
         free). Their replay and recompute grow as i falls."""
         pw, pk, pc, paid, bad = self.pw[how], self.pk[how], self.pc[how], self.paid[how], self.bad[how]
-        tail = self.tail[how][j - 1]
+        tail, tailc = self.tail[how][j - 1], self.tailc[how][j - 1]
+        last_free = self.rc[how][j - 1] - tailc <= 0  # the last layer recomputes nothing but what it skips there
         for i in range(j - 1, self.first[j] - 1, -1):
             if bad[j] != bad[i]:
                 return
-            yield i, pw[j] - pw[i], self.bnd[i] + pk[j] - pk[i] - tail, pc[j] - pc[i], paid[j] == paid[i]
+            yield (i, pw[j] - pw[i], self.bnd[i] + pk[j] - pk[i] - tail, max(0.0, pc[j] - pc[i] - tailc),
+                   paid[j - 1] == paid[i] and last_free)
 
     def bounds(self, limit: Optional[int]) -> List[int]:
         sizes = {0}
@@ -610,6 +629,7 @@ def _plan_within(chain: _Chain, budget: int) -> Plan:
     extra = [(p.skipped, p.input_compute) for p in chain.pre_norm if p is not None] if chain.boundary_hows else []
     n, total = chain.n, max(pc[-1] for pc in chain.pc.values()) + sum(x[1] for x in extra)
     if all(float(c).is_integer() for pc in chain.pc.values() for c in pc) and \
+            all(float(t).is_integer() for tl in chain.tailc.values() for t in tl) and \
             all(float(x).is_integer() for pair in extra for x in pair) and total <= 100 * n:
         return _plan_with(chain, bounds, budget, 1.0, int(total) + 1)[0]  # exact
     floor = max(_RESOLUTION * total, sys.float_info.min)  # no unit finer (and none subnormal: 1 / it overflows)

@@ -13,13 +13,33 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._layout import BERT, FAMILIES
 from .fused import _C, FusedTransformerLayer
 from .hf.layers import LORA_PROJECTIONS
-from .keep import LevelProbe, keeps_gemms
+from . import keep as _keep
+from .keep import LevelProbe, keeps_gemms, probe_time
 from .planner import Level, LayerCost, Plan, PreNorm, plan_chain, segment_costs
 from .pool import is_pooled
 
-__all__ = ["StackPlanner"]
+__all__ = ["StackPlanner", "probe_clock"]
 
 logger = logging.getLogger("ckpt_ext")
+
+
+@contextlib.contextmanager
+def probe_clock(clock: Callable[[], float]):
+    """For benchmarks: while the block runs, the budget planner's probe reads its seconds from `clock()` instead of
+    time.perf_counter -- every time it takes (each layer's forward and backward, each SDPA and GEMM call, BERT's
+    pre-norm parts), so a plan made then follows `clock`'s costs. Bytes are measured as always. A plan is made when
+    the measuring step ends, so that step must run inside the block; the plan made then is kept as made.
+    benchmarks/bench_work.py passes a clock that advances by the work model's predicted GPU seconds of each op it
+    counts (a plan at H200 rates on a machine without a GPU). Restored on leaving, also on an error; not set (the
+    default), the planner times with time.perf_counter, as it always has. Process-wide: not for concurrent use."""
+    if not callable(clock):
+        raise TypeError(f"probe_clock needs a callable returning seconds, got {type(clock).__name__}")
+    before = _keep._PROBE_CLOCK
+    _keep._PROBE_CLOCK = clock
+    try:
+        yield
+    finally:
+        _keep._PROBE_CLOCK = before
 
 
 class StackPlanner:
@@ -68,6 +88,18 @@ class StackPlanner:
         self.__dict__.update(state)
         self.index = {id(m): i for i, m in enumerate(self.layers)}
 
+    def replan(self, budget: int) -> Plan:
+        """For benchmarks: a plan for `budget` (bytes) from the costs measured in the measuring step (one measuring
+        step, several budgets), installed when the next step starts; the plans made for other input sizes are
+        forgotten. Raises ValueError as planning does (a budget below the least achievable), RuntimeError before
+        the costs are measured."""
+        if self.plan is None:
+            raise RuntimeError("the layers are not measured yet: run a training step first")
+        plan = plan_chain(self.costs, budget, self.chained, self.keep, sum(self.shared.values()))
+        plan.base_time = self.plan.base_time
+        self.budget, self.plan, self.plans, self.installed = budget, plan, {self.shape: plan}, False
+        return plan
+
     def begin_step(self, args: Tuple):
         """At the first layer of a training step: keeps the plan when it was made for an input at least as
         large in every dimension (its tensors are no larger, so it still fits the budget); else installs
@@ -109,7 +141,7 @@ class StackPlanner:
         def now():
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            return time.perf_counter()
+            return probe_time()
 
         def began(_):
             start.append(now())
@@ -159,6 +191,7 @@ class StackPlanner:
         # The levels' kept bytes are matched against the saved storages of the same run (the probe holds what it
         # saw until then); each level's skipped time is the fastest run's.
         saved, elapsed, probe, cpu, levels = None, None, None, 0.0, {}
+        tail = (0.0, 0.0)  # (seconds, CPU seconds) of a fused layer's last linear (LayerCost.tail_compute)
         for _ in range(_PROBE_RUNS):
             spy = LevelProbe(sync, gemms=gemms) if attention and not fused else None
             storages, seconds, cpu_seconds = _measure(layer, args, kwargs, device, sync, spy)
@@ -186,6 +219,7 @@ class StackPlanner:
                     else:
                         spy.clear()
                 levels = _fused_levels(layer, args, kwargs, device, sync, probe, shared) if gemms else {}
+                tail = levels.pop(_TAIL, (0.0, 0.0))
             # a fused segment keeps them in pool slots (whole multiples of the pool's alignment)
             attn_bytes, attn_seconds, self.why[i] = probe.result(_POOL_ALIGNMENT if fused else 1)
         boundary = hidden.untyped_storage().nbytes() if hidden is not None else 0
@@ -197,10 +231,11 @@ class StackPlanner:
         pre_norm, self.cpu_pre_norm[i] = _pre_norm(layer, args, kwargs, hidden, device, sync) \
             if fused and self.keep in ("auto", "boundaries", "attention") else (None, (0.0, 0.0))
         self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0,
-                                  extra, pre_norm)
+                                  extra, pre_norm, tail[0])
         # the same runs' process CPU time (the benchmarks compare it on a shared machine)
         skipped = {name: v[3] for name, v in levels.items()}
         skipped["attention"] = probe.cpu_seconds if attn_bytes is not None else 0.0
+        skipped[_TAIL] = tail[1]
         self.cpu_costs[i] = (cpu, skipped)
         if probe is not None:
             probe.clear()
@@ -233,6 +268,10 @@ def recompute_cpu_seconds(planner: "StackPlanner", plan: Plan) -> float:
                 # as LayerCost.level: a level the layer lacks falls back to "attention" or to the boundary only
                 fallback = "attention" if how in ("attention_inputs", "gemms_attention") else None
                 total += forward - (skipped.get(how, skipped.get(fallback, 0.0)) if how is not True else 0.0)
+            # the last layer's last linear, which the replay does not run (LayerCost.tail_time)
+            last = plan.costs[e - 1]
+            if last.tail_compute and last.tail_time(how):
+                total -= planner.cpu_costs[e - 1][1].get(_TAIL, 0.0)
             # BERT's pre-norm boundary (planner.segment_costs)
             total += (planner.cpu_pre_norm[s - 1][1] if takes else 0.0) - \
                 (planner.cpu_pre_norm[e - 1][0] if keeps else 0.0)
@@ -242,6 +281,8 @@ def recompute_cpu_seconds(planner: "StackPlanner", plan: Plan) -> float:
 def _probe_seconds(probe: LevelProbe) -> float:
     return sum(c[2] for c in probe.calls)
 
+
+_TAIL = "tail"  # in _fused_levels' answer: (seconds, CPU seconds) of the layer's last linear (LayerCost.tail_compute)
 
 # The GEMMs of one fused layer call that the recompute levels keep (layers::KeptGemms sites), per family: their
 # number, and whether the last is the layer's last linear (its output is not kept in a segment's last layer).
@@ -265,10 +306,10 @@ class _FusedGemms(TorchDispatchMode):
         if func not in self._OPS:
             return func(*args, **(kwargs or {}))
         self.sync()
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu = probe_time(), time.process_time()
         out = func(*args, **(kwargs or {}))
         self.sync()
-        self.calls.append((out.untyped_storage(), time.perf_counter() - start, time.process_time() - cpu))
+        self.calls.append((out.untyped_storage(), probe_time() - start, time.process_time() - cpu))
         self.numels.append(out.numel())
         return out
 
@@ -309,11 +350,11 @@ def _pre_norm(layer: FusedTransformerLayer, args: Tuple, kwargs: Dict, hidden: O
         for _ in range(_PROBE_RUNS + 1):  # (the first pays one-time costs)
             if sync is not None:
                 sync()
-            start, cpu = time.perf_counter(), time.process_time()
+            start, cpu = probe_time(), time.process_time()
             r = ops.add_layer_norm(x, None, w, b, 1e-12)
             if sync is not None:
                 sync()
-            seconds = (time.perf_counter() - start, time.process_time() - cpu)
+            seconds = (probe_time() - start, time.process_time() - cpu)
             del r
             if norm is None or seconds[0] < norm[0]:
                 norm = seconds
@@ -325,7 +366,8 @@ def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.dev
                   shared: Dict[int, int]) -> Dict[str, tuple]:
     """The recompute levels of fused layer `layer` as StackPlanner.probe records them: {level: (kept bytes, bytes of
     the layer's saved tensors among them, seconds and CPU seconds its replay skips, whole, bytes not kept as the
-    last layer of a segment)}. The GEMMs' bytes and times from runs of the fused layer itself (its GEMMs' outputs
+    last layer of a segment)}, and under _TAIL the (seconds, CPU seconds) of the layer's last linear (GPT-2, Llama).
+    The GEMMs' bytes and times from runs of the fused layer itself (its GEMMs' outputs
     caught by a dispatch mode, in call order: the q/k/v projection first; the faster run's times), the attention's
     from `probe` (the Hugging Face layer's SDPA, the kernel the fused layer calls). {} for a call with LoRA adapters
     (its layers keep no GEMM output) or one whose GEMMs are not the family's sites."""
@@ -366,6 +408,8 @@ def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.dev
             cpu += attn_cpu
         tail = sites[-1][1] if gemms == "all" and last_linear else 0
         out[level] = (kept, overlap, seconds, cpu, whole, tail)
+    if last_linear:  # the segment's replay stops before its last layer's last linear (LayerCost.tail_compute)
+        out[_TAIL] = (sites[-1][2], sites[-1][3])
     return out
 
 
@@ -389,14 +433,14 @@ def _measure(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, 
 
     if sync is not None:
         sync()
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu = probe_time(), time.process_time()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked), \
             (spy if spy is not None else contextlib.nullcontext()):
         out = layer._hf_forward(args, kwargs) if hf else type(layer).forward(layer, *args, **kwargs)
     if sync is not None:
         sync()
-    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    elapsed, cpu = probe_time() - start, time.process_time() - cpu
     del out
     saved = {ptr: st.nbytes() for ptr, st in storages.items()}
     storages.clear()

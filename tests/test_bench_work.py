@@ -124,3 +124,46 @@ def test_peak_live_bytes_sees_checkpointing():
     assert peaks["hf-gc"][0] < peaks["none"][0] / 2
     assert peaks["fused+ckpt"][0] < peaks["fused"][0] / 2
     assert peaks["none"][1].get(8 * S * H * 2, 0) >= 4  # bf16 [8, S, H]: at least one per layer
+
+
+# ------------------------------------------------------------------------- budget= planned at the work model's rates
+def tiny_llama(layers):
+    import transformers
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=256, vocab_size=VOCAB,
+                                   max_position_embeddings=64, attn_implementation="sdpa")
+    return transformers.LlamaModel(cfg), VOCAB, 64
+
+
+# what each of a plan's choices runs as a variant of its own
+_ALONE = {False: "fused", True: "fused+ckpt", "attention": "fused+keep"}
+
+
+def test_budget_variant_is_planned_at_predicted_costs_and_traced():
+    """fused+budget=2.0 on a 4-layer GQA Llama: the plan (made from the work model's predicted costs, so the same
+    at every run) mixes choices; its traced step's prediction lies between those of the variants it mixes, each run
+    on every layer; the bytes the layer stack held from forward to backward in the traced step are the plan's
+    prediction exactly; the budget is twice the planner's need of every layer checkpointed alone."""
+    cfg = bench_work.Config("tiny-llama", "llama", 4, 2, "bf16", (), 0.0)
+    info = {}
+    step = bench_work.step_of(cfg, "fused+budget=2.0", model_fn=tiny_llama, info=info)
+    plan = info["plan"]
+    hows = {how for *_, how in plan.segments}
+    assert len(hows) >= 2, plan.segments  # (if the model's costs change: choose a budget that mixes again)
+    assert info["held"] == plan.held_bytes
+    assert info["budget"] == int(2.0 * info["full_need"]) and plan.need_bytes <= info["budget"]
+    assert "layer 0: " in step.plan and "budget " in step.plan
+    alone = {how: bench_work.step_of(cfg, _ALONE.get(how, f"fused+keep={how}"), model_fn=tiny_llama).seconds(
+        bench_work.FIT) for how in hows}
+    got = step.seconds(bench_work.FIT)
+    assert min(alone.values()) < got < max(alone.values()), (got, alone, plan.segments)
+
+
+def test_budget_variant_full_checkpoint_need_is_the_unplanned_default():
+    """budget=1.0 (the full-checkpoint need itself) plans every layer checkpointed alone, boundary only --
+    what fused+ckpt runs -- and its traced step is fused+ckpt's, op for op."""
+    info = {}
+    planned = bench_work.trace("llama", "bf16", "fused+budget=1.0", 3, 2, model_fn=tiny_llama, info=info)
+    assert info["plan"].segments == [(i, i + 1, True) for i in range(3)]
+    default = bench_work.trace("llama", "bf16", "fused+ckpt", 3, 2, model_fn=tiny_llama)
+    assert [(o.name, o.flops, o.bytes) for o in planned] == [(o.name, o.flops, o.bytes) for o in default]

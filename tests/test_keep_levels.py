@@ -378,6 +378,39 @@ def test_tail_bytes_only_for_a_segments_last_layer():
         plan_chain([LayerCost(1000, 100, 10.0, 50, 2.0, (Level("gemms", 40, 30, 6.0, True, 80),))], None)
 
 
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(costs=st.lists(st.tuples(level_layer, st.integers(0, 40)), min_size=1, max_size=4), frac=st.floats(0.0, 1.2),
+       keep=st.sampled_from(["auto", "boundaries", "attention", "gemms"]))
+def test_tail_compute_matches_brute_force(costs, frac, keep):
+    """LayerCost.tail_compute (a fused layer's last linear, which a segment's replay does not run for its last layer):
+    the search's recompute of every segment is _finish's, so its plan is the brute force's best."""
+    import dataclasses
+    costs = [dataclasses.replace(c, tail_compute=float(t)) for c, t in costs]
+    hows = {"auto": (True, ATTENTION, *NEW), "boundaries": (True,)}.get(keep, (keep,))
+    plans = list(_all_plans(costs, hows, strict=keep == "auto"))
+    least = min(p.need_bytes for p in plans)
+    budget = int(least + frac * max(0, sum(c.act_bytes for c in costs) - least))
+    plan = plan_chain(costs, budget, keep=keep)
+    assert plan.need_bytes <= budget
+    assert plan.recompute == min(p.recompute for p in plans if p.need_bytes <= budget)
+
+
+def test_tail_compute_only_for_a_segments_last_layer():
+    """A segment's recompute: its layers' less the last layer's tail_compute -- boundary only and keeping attention;
+    a level keeping GEMM outputs (tail_bytes: the last linear's output) skips that GEMM already."""
+    layer = LayerCost(1000, 100, 10.0, 50, 2.0, (Level("gemms", 400, 300, 6.0, True, 80),), tail_compute=3.0)
+    costs = [layer] * 3
+    plan = _finish(costs, [(0, 2, True), (2, 3, ATTENTION)], None)
+    assert plan.recompute == (20.0 - 3.0) + (8.0 - 3.0)
+    assert _finish(costs, [(0, 3, "gemms")], None).recompute == 3 * 4.0
+    assert _finish(costs, [(0, 1, False), (1, 3, True)], None).recompute == 17.0
+    # the tail never exceeds what the layer recomputes
+    small = LayerCost(1000, 100, 10.0, 50, 9.0, tail_compute=3.0)
+    assert _finish([small], [(0, 1, ATTENTION)], None).recompute == 0.0
+    with pytest.raises(ValueError, match="non-negative"):
+        plan_chain([LayerCost(1000, 100, 10.0, tail_compute=-1.0)], None)
+
+
 def test_level_accounting_and_fallback():
     c = LayerCost(100, 10, 10.0, attn_bytes=6, attn_compute=3.0,
                   levels=(Level("gemms", 40, 30, 6.0), Level("attention_inputs", 20, 8, 5.0, whole=False)))

@@ -652,3 +652,40 @@ def test_128_layers_with_attention_choices_plan_in_seconds():
     assert elapsed < 20, f"planning 128 layers with keep-attention choices took {elapsed:.1f} s"
     assert plan.need_bytes <= int(0.3 * total) and any(how == ATTENTION for *_, how in plan.segments)
     assert plan.recompute < plan_chain(costs, int(0.3 * total), keep="boundaries").recompute
+
+
+def test_probe_clock_times_the_probe_and_is_restored():
+    """stack_plan.probe_clock (a benchmark's hook): inside it the planner's probe reads its seconds from the clock
+    given (a clock that stands still: every forward, attention and level costs nothing), outside it from
+    time.perf_counter as always (the same model measured again: positive times); it is restored on leaving, also
+    when the block raises."""
+    from ckpt_ext import keep, stack_plan
+    hf = _hf()
+    kw = hf.inputs_for("llama", padding=False)
+
+    def measured(model):
+        model.zero_grad(set_to_none=True)
+        ckpt_ext.enable_checkpointing(model, budget="1GiB")
+        model(**kw).last_hidden_state.sum().backward()
+        costs = _planner_of(model).costs
+        ckpt_ext.disable_checkpointing(model)
+        return costs
+
+    model = ckpt_ext.fuse(hf.make_model("llama", layers=2).train())
+    assert keep._PROBE_CLOCK is None
+    with stack_plan.probe_clock(lambda: 42.0):
+        still = measured(model)
+    assert keep._PROBE_CLOCK is None
+    assert all(c.compute == 0 and c.attn_compute == 0 and c.levels and all(lv.skipped == 0 for lv in c.levels)
+               for c in still), still
+    real = measured(model)
+    assert all(c.compute > 0 and c.attn_compute > 0 for c in real), real
+    assert [(c.act_bytes, c.boundary_bytes, c.attn_bytes) for c in real] == \
+        [(c.act_bytes, c.boundary_bytes, c.attn_bytes) for c in still]  # bytes are measured as always
+    with pytest.raises(ZeroDivisionError):
+        with stack_plan.probe_clock(lambda: 0.0):
+            1 / 0
+    assert keep._PROBE_CLOCK is None
+    with pytest.raises(TypeError, match="callable"):
+        with stack_plan.probe_clock(0.0):
+            pass
