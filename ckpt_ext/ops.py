@@ -109,6 +109,7 @@ def bias_dropout_add_layer_norm(
     eps: float = 1e-5,
     seed: int = 0,
     offset: int = 0,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """BERT's output block, fused: ``pre_norm = residual + dropout(x + bias)``, ``out = layer_norm(pre_norm)``.
 
@@ -123,8 +124,13 @@ def bias_dropout_add_layer_norm(
     float32 stream), bfloat16 or float16: it is read as float (exact), so the results are those of
     ``x.float()`` bit for bit, ``out`` and ``pre_norm`` are float32, and ``x``'s gradient comes in ``x``'s
     dtype, rounded once from the float gradient (CPU kernels read it directly; CUDA converts it first).
+
+    ``out_dtype``: ``out``'s dtype, ``residual``'s (None) or, beside a float32 ``residual``, bfloat16 / float16
+    (autocast: an output that only feeds GEMMs, written in their dtype): the float result rounded once, the bits
+    of ``out.to(out_dtype)``; its gradient then arrives in that dtype and is read as float (exact).
     """
-    return _lib.bias_dropout_add_layer_norm.default(x, bias, residual, weight, ln_bias, p, eps, seed, offset)
+    return _lib.bias_dropout_add_layer_norm.default(x, bias, residual, weight, ln_bias, p, eps, seed, offset,
+                                                    out_dtype)
 
 
 def bias_dropout_add_layer_norm_backward(
@@ -182,21 +188,27 @@ def add_layer_norm_backward(
 
 
 def add_rms_norm(
-    x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6
+    x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6, out_dtype: Optional[torch.dtype] = None
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``sum = x + residual``, ``out = weight * (sum * rsqrt(mean(sum^2) + eps)).to(x.dtype)``.
 
     Hugging Face ``LlamaRMSNorm`` semantics: normalise in float32, cast back to the input dtype, then
     multiply by the weight. Returns ``(out, sum, rstd)``. Differentiable through ``out`` and ``sum``.
+    ``out_dtype``: ``out``'s dtype, as :func:`bias_dropout_add_layer_norm`'s (bfloat16 / float16 beside a float32
+    stream: the float result rounded once; its gradient read as float).
     """
-    return _lib.add_rms_norm.default(x, residual, weight, eps)
+    return _lib.add_rms_norm.default(x, residual, weight, eps, out_dtype)
 
 
 def add_rms_norm_backward(
-    grad_out: Tensor, grad_sum: Optional[Tensor], sum: Tensor, weight: Tensor, rstd: Tensor
+    grad_out: Tensor, grad_sum: Optional[Tensor], sum: Tensor, weight: Tensor, rstd: Tensor,
+    grad_out2: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Backward of :func:`add_rms_norm`: ``(grad_input, grad_weight)``; ``grad_input`` includes ``grad_sum``."""
-    return _lib.add_rms_norm_backward.default(grad_out, grad_sum, sum, weight, rstd)
+    """Backward of :func:`add_rms_norm`: ``(grad_input, grad_weight)``; ``grad_input`` includes ``grad_sum``.
+
+    ``grad_out`` (and ``grad_out2``, a second gradient of ``out``, added to it in float) in ``sum``'s dtype or,
+    beside a float32 ``sum``, the bfloat16 / float16 of an ``out`` written in ``out_dtype``, read as float."""
+    return _lib.add_rms_norm_backward.default(grad_out, grad_sum, sum, weight, rstd, grad_out2)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -317,8 +329,16 @@ def _lowp_beside_float(x: torch.dtype, stream: torch.dtype) -> bool:
     return stream == torch.float32 and x in (torch.bfloat16, torch.float16)
 
 
+def _out_dtype(op: str, out_dtype, stream: torch.dtype) -> torch.dtype:
+    """ops/norms.cpp's check_out_dtype: a norm's out in the stream's dtype or, beside float32, bfloat16/float16."""
+    torch._check(out_dtype in (None, stream) or _lowp_beside_float(out_dtype, stream),
+                 lambda: f"ckpt_ext::{op}: out_dtype must be the stream's dtype ({stream}) or, beside a float32 "
+                         f"stream, bfloat16 or float16; got {out_dtype}")
+    return out_dtype or stream
+
+
 @torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm")
-def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset):
+def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out_dtype=None):
     op = "bias_dropout_add_layer_norm"
     if _lowp_beside_float(x.dtype, residual.dtype):  # a mixed x: the rest is checked against the stream
         torch._check(residual.device == x.device,
@@ -327,7 +347,8 @@ def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset):
     else:
         _like(op, "x", x, bias=bias, residual=residual, weight=weight, ln_bias=ln_bias)
     torch._check(x.shape == residual.shape, lambda: f"ckpt_ext::{op}: residual must have the shape of x")
-    return _empty(residual), _empty(residual), _row_stats(residual), _row_stats(residual), _keep_bits(x, p)
+    out = _empty(residual, _out_dtype(op, out_dtype, residual.dtype))
+    return out, _empty(residual), _row_stats(residual), _row_stats(residual), _keep_bits(x, p)
 
 
 @torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm_backward")
@@ -352,7 +373,7 @@ def _(grad_out, grad_sum, sum, weight, mean, rstd):
 
 
 @torch.library.register_fake("ckpt_ext::add_rms_norm")
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, out_dtype=None):
     op = "add_rms_norm"
     stream = residual if residual is not None else weight
     if _lowp_beside_float(x.dtype, stream.dtype):  # a mixed x: the rest is checked against the stream
@@ -362,13 +383,13 @@ def _(x, residual, weight, eps):
         if residual is not None:
             _like(op, "residual", residual, weight=weight)
             torch._check(x.shape == residual.shape, lambda: f"ckpt_ext::{op}: residual must have the shape of x")
-        return _empty(x, stream.dtype), _empty(x, stream.dtype), _row_stats(stream)
+        return _empty(x, _out_dtype(op, out_dtype, stream.dtype)), _empty(x, stream.dtype), _row_stats(stream)
     _like(op, "x", x, residual=residual, weight=weight)
-    return _empty(x), _empty(x), _row_stats(x)
+    return _empty(x, _out_dtype(op, out_dtype, x.dtype)), _empty(x), _row_stats(x)
 
 
 @torch.library.register_fake("ckpt_ext::add_rms_norm_backward")
-def _(grad_out, grad_sum, sum, weight, rstd):
+def _(grad_out, grad_sum, sum, weight, rstd, grad_out2=None):
     return _empty(sum), _empty(weight)
 
 

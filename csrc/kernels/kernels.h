@@ -67,9 +67,12 @@ struct DropoutArgs {
   /* sum = x + residual; out = weight * to_dtype(float(sum) * rstd) (Hugging Face LlamaRMSNorm) */           \
   void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,           \
                         double eps, const at::Tensor& out, const at::Tensor& sum, const at::Tensor& rstd);    \
-  void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, const at::Tensor& sum,      \
-                         const at::Tensor& weight, const at::Tensor& rstd, const at::Tensor& grad_input,      \
-                         const at::Tensor& grad_weight);                                                      \
+  /* grad_out (+ grad_out2, undefined = none; CPU only): sum's dtype or, beside a float32 sum, bfloat16 / */ \
+  /* float16, read as float (and added in float). The forwards' out may be bfloat16/float16 beside a       */ \
+  /* float32 stream the same way (CPU only; ops/norms.cpp converts around the CUDA kernels)                */ \
+  void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_out2, const at::Tensor& grad_sum, \
+                         const at::Tensor& sum, const at::Tensor& weight, const at::Tensor& rstd,             \
+                         const at::Tensor& grad_input, const at::Tensor& grad_weight);                        \
   /* out = silu(gate) * up */                                                                                 \
   void swiglu_forward(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& out);                  \
   void swiglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,                 \

@@ -166,10 +166,11 @@ struct DropoutFunction : torch::autograd::Function<DropoutFunction> {
 struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAddLayerNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const Tensor& residual,
                                const Tensor& weight, const OptTensor& ln_bias, double p, double eps,
-                               c10::SymInt seed, c10::SymInt offset) {
+                               c10::SymInt seed, c10::SymInt offset, std::optional<at::ScalarType> out_dtype) {
     at::AutoDispatchBelowADInplaceOrView below;
+    // out in out_dtype (ops.h): its gradient comes in that dtype, which the backward op reads as float.
     auto [out, pre_norm, mean, rstd, keep_bits] =
-        ops::bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p, eps, seed, offset);
+        ops::bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out_dtype);
     ctx->saved_data["p"] = p;
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["offset"] = offset;
@@ -187,7 +188,7 @@ struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAd
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto e = load_edges(ctx);
-    variable_list out(9);
+    variable_list out(10);
     if (!grads[0].defined() && !grads[1].defined()) return out;
     const Tensor& pre_norm = saved[0];
     const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(pre_norm);
@@ -241,28 +242,34 @@ struct AddLayerNormFunction : torch::autograd::Function<AddLayerNormFunction> {
 // ---- add_rms_norm(x, residual?, weight, eps) ------------------------------------------------------------------------
 
 struct AddRmsNormFunction : torch::autograd::Function<AddRmsNormFunction> {
+  // fanout (add_rms_norm_fanout, ops.h): out handed out a second time, as an alias (a fourth output).
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& residual, const Tensor& weight,
-                               double eps) {
+                               double eps, std::optional<at::ScalarType> out_dtype, bool fanout) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [out, sum, rstd] = ops::add_rms_norm(x, residual, weight, eps);
+    auto [out, sum, rstd] = ops::add_rms_norm(x, residual, weight, eps, out_dtype);
     // x may be in a lower-precision dtype than the stream (ops.h): its gradient is returned in x's dtype.
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     store_edges(ctx, Edges::of({true, present(residual), true}), 3);
     ctx->save_for_backward({sum, weight, rstd});
     ctx->mark_non_differentiable({rstd});
     ctx->set_materialize_grads(false);
+    if (fanout) return {out, sum, rstd, out.alias()};
     return {out, sum, rstd};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto e = load_edges(ctx);
-    variable_list out(4);
-    if (!grads[0].defined() && !grads[1].defined()) return out;
+    variable_list out(6);
+    // The second handle's gradient (fanout), added to out's in float by the backward op.
+    Tensor g0 = grads[0], g3 = grads.size() > 3 ? grads[3] : Tensor();
+    if (!g0.defined()) std::swap(g0, g3);
+    if (!g0.defined() && !grads[1].defined()) return out;
     const Tensor& sum = saved[0];
-    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(sum);
+    const Tensor grad_out = g0.defined() ? g0 : at::zeros_like(sum);
     const OptTensor grad_sum = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
-    auto [grad_input, grad_weight] = ops::add_rms_norm_backward(grad_out, grad_sum, sum, saved[1], saved[2]);
+    auto [grad_input, grad_weight] = ops::add_rms_norm_backward(grad_out, grad_sum, sum, saved[1], saved[2],
+                                                                g3.defined() ? OptTensor(g3) : std::nullopt);
     const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data.at("x_dtype").toInt());
     // A mixed x: its gradient rounded once from the float one (a cast pass, as autograd's ToCopyBackward).
     if (needs(ctx, e[0])) out[0] = x_dtype == grad_input.scalar_type() ? grad_input : grad_input.to(x_dtype);
@@ -368,8 +375,8 @@ Tensor dropout_autograd(const Tensor& x, double p, c10::SymInt seed, c10::SymInt
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_autograd(
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
-    double p, double eps, c10::SymInt seed, c10::SymInt offset) {
-  auto r = BiasDropoutAddLayerNormFunction::apply(x, bias, residual, weight, ln_bias, p, eps, seed, offset);
+    double p, double eps, c10::SymInt seed, c10::SymInt offset, std::optional<at::ScalarType> out_dtype) {
+  auto r = BiasDropoutAddLayerNormFunction::apply(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out_dtype);
   return {r[0], r[1], r[2], r[3], r[4]};
 }
 
@@ -381,8 +388,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm_autograd(const Tensor&
 }
 
 std::tuple<Tensor, Tensor, Tensor> add_rms_norm_autograd(const Tensor& x, const OptTensor& residual,
-                                                         const Tensor& weight, double eps) {
-  auto r = AddRmsNormFunction::apply(x, residual, weight, eps);
+                                                         const Tensor& weight, double eps,
+                                                         std::optional<at::ScalarType> out_dtype) {
+  auto r = AddRmsNormFunction::apply(x, residual, weight, eps, out_dtype, false);
   return {r[0], r[1], r[2]};
 }
 
@@ -397,6 +405,17 @@ Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 }
 
 }  // namespace
+
+namespace ops {
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> add_rms_norm_fanout(const Tensor& x, const OptTensor& residual,
+                                                               const Tensor& weight, double eps,
+                                                               at::ScalarType out_dtype) {
+  auto r = AddRmsNormFunction::apply(x, residual, weight, eps, std::optional<at::ScalarType>(out_dtype), true);
+  return {r[0], r[3], r[1], r[2]};
+}
+
+}  // namespace ops
 }  // namespace ckpt_ext
 
 TORCH_LIBRARY_IMPL(ckpt_ext, Autograd, m) {

@@ -306,9 +306,12 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
   });
 }
 
-void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, const at::Tensor& sum,
-                       const at::Tensor& weight, const at::Tensor& rstd, const at::Tensor& grad_input,
-                       const at::Tensor& grad_weight) {
+void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_out2, const at::Tensor& grad_sum,
+                       const at::Tensor& sum, const at::Tensor& weight, const at::Tensor& rstd,
+                       const at::Tensor& grad_input, const at::Tensor& grad_weight) {
+  // ops/norms.cpp hands this kernel one gradient in sum's dtype (it converts and adds lower-precision ones).
+  TORCH_INTERNAL_ASSERT(!grad_out2.defined() && grad_out.scalar_type() == sum.scalar_type(),
+                        "ckpt_ext: the CUDA rms_norm_backward reads one gradient in sum's dtype");
   const c10::DeviceGuard guard(sum.device());
   const int64_t hidden = weight.numel(), rows = sum.numel() / hidden;
   const cudaStream_t stream = current_stream(sum.device());
