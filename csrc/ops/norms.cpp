@@ -45,7 +45,7 @@ void check_grad_out(const char* op, const char* name, const Tensor& g, const cha
               ref.sizes(), ", got ", g.sizes());
 }
 
-// CUDA kernels read and write one dtype: a lower-precision grad_out is converted to the stream's first (a correct,
+// The CUDA LayerNorm kernels read grad_out in the stream's dtype: a lower-precision one is converted first (a correct,
 // slower path; CPU kernels read it row by row).
 Tensor grad_for_kernel(const Tensor& g, const Tensor& ref) {
   return g.is_cuda() && g.scalar_type() != ref.scalar_type() ? g.to(ref.scalar_type()) : g;
@@ -200,14 +200,12 @@ std::tuple<Tensor, Tensor, Tensor> add_rms_norm(const Tensor& x, const OptTensor
   const auto out_type = check_out_dtype(op, out_dtype, stream);
   const Tensor xc = mixed && x.is_cuda() ? x.to(stream).contiguous() : x.contiguous();
   const auto opts = xc.options().dtype(stream);
+  // A lower-precision out: the kernels round each element once on its store (CUDA rows wider than the register
+  // kernels: a float32 out converted after, in the launcher).
   Tensor out = at::empty_like(xc, opts.dtype(out_type)), sum = at::empty_like(xc, opts), rstd = empty_row_stats(sum);
-  // CUDA: a lower-precision out is written from the float32 one (the CPU kernel rounds each row on its store).
-  const Tensor out_k = x.is_cuda() && out_type != stream ? at::empty_like(xc, opts) : out;
-  if (xc.numel() > 0) {
-    CKPT_EXT_LAUNCH(x.device(), rms_norm_forward, xc, contiguous_or_undefined(residual), weight.contiguous(), eps,
-                    out_k, sum, rstd);
-    if (!out_k.is_same(out)) out.copy_(out_k);
-  }
+  if (xc.numel() > 0)
+    CKPT_EXT_LAUNCH(x.device(), rms_norm_forward, xc, contiguous_or_undefined(residual), weight.contiguous(), eps, out,
+                    sum, rstd);
   return {out, sum, rstd};
 }
 
@@ -227,10 +225,12 @@ std::tuple<Tensor, Tensor> add_rms_norm_backward(const Tensor& grad_out, const O
   check_row_stats(op, "rstd", rstd, sum);
   const Tensor sc = sum.contiguous();
   Tensor grad_input = at::empty_like(sc), grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
-  // CUDA: the gradients in the stream's dtype, summed first (CPU: the kernel reads and adds them row by row).
-  Tensor g = grad_for_kernel(grad_out, sc), g2 = present(grad_out2) ? grad_for_kernel(*grad_out2, sc) : Tensor();
-  if (sc.is_cuda() && g2.defined()) {
-    g = at::add(g, g2);
+  // The kernels read a lower-precision grad_out (and a second one of its dtype) as float, adding the two (CPU: row by
+  // row; CUDA: the register kernels, or the launcher converts first). CUDA: any other pair is added here first.
+  Tensor g = grad_out, g2 = present(grad_out2) ? *grad_out2 : Tensor();
+  if (sc.is_cuda() && g2.defined() &&
+      (g.scalar_type() == sc.scalar_type() || g2.scalar_type() != g.scalar_type())) {
+    g = at::add(g.to(sc.scalar_type()), g2.to(sc.scalar_type()));
     g2 = Tensor();
   }
   if (sc.numel() > 0)
