@@ -34,6 +34,7 @@ __all__ = [
     "dropout",
     "dropout_mask",
     "bias_dropout_add_layer_norm",
+    "bias_dropout_add_layer_norm_dual",
     "bias_dropout_add_layer_norm_backward",
     "add_layer_norm",
     "add_layer_norm_backward",
@@ -133,6 +134,27 @@ def bias_dropout_add_layer_norm(
                                                     out_dtype)
 
 
+def bias_dropout_add_layer_norm_dual(
+    x: Tensor,
+    bias: Optional[Tensor],
+    residual: Tensor,
+    weight: Tensor,
+    ln_bias: Optional[Tensor],
+    p: float = 0.0,
+    eps: float = 1e-5,
+    seed: int = 0,
+    offset: int = 0,
+    out2_dtype: torch.dtype = torch.bfloat16,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`bias_dropout_add_layer_norm` with ``out`` also written in ``out2_dtype`` (bfloat16 / float16 beside a
+    float32 ``residual``; autocast: BERT's ``h1``, the next norm's float32 residual and a GEMM's input): returns
+    ``(out, out2, pre_norm, mean, rstd, keep_bits)``, ``out2`` the bits of ``out.to(out2_dtype)``. Backward reads
+    ``out2``'s gradient as float and adds it to ``out``'s, as autograd adds the float gradient of a cast.
+    """
+    return _lib.bias_dropout_add_layer_norm_dual.default(x, bias, residual, weight, ln_bias, p, eps, seed, offset,
+                                                         out2_dtype)
+
+
 def bias_dropout_add_layer_norm_backward(
     grad_out: Tensor,
     grad_pre_norm: Optional[Tensor],
@@ -146,6 +168,7 @@ def bias_dropout_add_layer_norm_backward(
     keep_bits: Optional[Tensor] = None,
     grad_bias: bool = False,
     x_dtype: Optional[torch.dtype] = None,
+    grad_out2: Optional[Tensor] = None,
 ) -> Tuple[Tensor, ...]:
     """Backward of :func:`bias_dropout_add_layer_norm`: ``(grad_x, grad_residual, grad_weight, grad_ln_bias)``,
     and ``grad_bias`` fifth when asked for.
@@ -157,10 +180,12 @@ def bias_dropout_add_layer_norm_backward(
     mask is read from it; empty: regenerated), or None (regenerated from ``(seed, offset)``); both give the
     same gradients bit for bit. ``x_dtype``: ``grad_x``'s dtype, the forward's ``x``'s (None: ``pre_norm``'s;
     bfloat16 or float16 beside a float32 ``pre_norm``: rounded once from the float gradient, while
-    ``grad_bias`` sums the float values).
+    ``grad_bias`` sums the float values). ``grad_out`` may be in the lower-precision dtype of an ``out`` written in
+    ``out_dtype``, read as float; ``grad_out2``: a second gradient of ``out`` (the dual op's ``out2``'s), added to it
+    in float.
     """
     r = _lib.bias_dropout_add_layer_norm_backward.default(
-        grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias, x_dtype
+        grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias, x_dtype, grad_out2
     )
     return tuple(r) if grad_bias else tuple(r[:4])
 
@@ -339,7 +364,10 @@ def _out_dtype(op: str, out_dtype, stream: torch.dtype) -> torch.dtype:
 
 @torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm")
 def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out_dtype=None):
-    op = "bias_dropout_add_layer_norm"
+    return _bdaln_fake("bias_dropout_add_layer_norm", x, bias, residual, weight, ln_bias, p, out_dtype)
+
+
+def _bdaln_fake(op, x, bias, residual, weight, ln_bias, p, out_dtype):
     if _lowp_beside_float(x.dtype, residual.dtype):  # a mixed x: the rest is checked against the stream
         torch._check(residual.device == x.device,
                      lambda: f"ckpt_ext::{op}: residual must be on the device of x ({x.device}), got {residual.device}")
@@ -351,9 +379,19 @@ def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out_dtype=None):
     return out, _empty(residual), _row_stats(residual), _row_stats(residual), _keep_bits(x, p)
 
 
+@torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm_dual")
+def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out2_dtype):
+    op = "bias_dropout_add_layer_norm_dual"
+    torch._check(_lowp_beside_float(out2_dtype, residual.dtype),
+                 lambda: f"ckpt_ext::bias_dropout_add_layer_norm_dual: out2_dtype must be bfloat16 or float16 beside a "
+                         f"float32 stream; got {out2_dtype} beside {residual.dtype}")
+    out, pre, mean, rstd, bits = _bdaln_fake(op, x, bias, residual, weight, ln_bias, p, None)
+    return out, _empty(residual, out2_dtype), pre, mean, rstd, bits
+
+
 @torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm_backward")
 def _(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits=None, grad_bias=False,
-      x_dtype=None):
+      x_dtype=None, grad_out2=None):
     torch._check(x_dtype in (None, pre_norm.dtype) or _lowp_beside_float(x_dtype, pre_norm.dtype),
                  lambda: f"ckpt_ext::bias_dropout_add_layer_norm_backward: x_dtype must be the pre-norm tensor's "
                          f"dtype ({pre_norm.dtype}) or, beside a float32 stream, bfloat16 or float16; got {x_dtype}")

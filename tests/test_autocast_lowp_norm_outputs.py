@@ -113,6 +113,49 @@ def test_layer_norm_lowp_out_is_the_cast_bit_for_bit(out_dtype, x_dtype, hidden,
     _assert_ln_matches_cast(6 if hidden > 2000 else 37, hidden, x_dtype, out_dtype, p, "cpu")
 
 
+def _dual_run(t, p, out2_dtype, dual, g_out, g_out2, g_pre):
+    """bias_dropout_add_layer_norm_dual (out float32 and out2), or the plain op with out2 = out.to(out2_dtype)."""
+    leaves = {k: v.detach().requires_grad_() for k, v in t.items()}
+    args = (leaves["x"], leaves["bias"], leaves["residual"], leaves["weight"], leaves["ln_bias"], p, 1e-5, 11, 5)
+    if dual:
+        out, out2, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm_dual(*args, out2_dtype=out2_dtype)
+    else:
+        out, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm(*args)
+        out2 = out.to(out2_dtype)
+    torch.autograd.backward([out, out2, pre], [g_out, g_out2, g_pre])
+    return (out, out2, pre, mean, rstd), {k: v.grad for k, v in leaves.items()}
+
+
+def _assert_dual_matches_cast(rows, hidden, x_dtype, out2_dtype, p, device):
+    """BERT's h1: the float32 out and its lower-precision copy, their two gradients added in float."""
+    t = _inputs(rows, hidden, x_dtype, device)
+    g_out2, g_pre = _grads(rows, hidden, out2_dtype, device)
+    g_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(13)).to(device)
+    fwd, grads = _dual_run(t, p, out2_dtype, True, g_out, g_out2, g_pre)
+    ref_fwd, ref_grads = _dual_run(t, p, out2_dtype, False, g_out, g_out2, g_pre)
+    assert fwd[0].dtype == torch.float32 and fwd[1].dtype == out2_dtype
+    for a, b in zip(fwd, ref_fwd):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for k in grads:
+        assert grads[k].dtype == ref_grads[k].dtype and torch.equal(grads[k], ref_grads[k]), k
+    pre, mean, rstd = fwd[2].detach(), fwd[3], fwd[4]
+    direct = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
+                                                      grad_bias=True, x_dtype=x_dtype, grad_out2=g_out2)
+    ref = ops.bias_dropout_add_layer_norm_backward(g_out + g_out2.float(), g_pre, pre, t["weight"], mean, rstd, p, 11,
+                                                   5, None, grad_bias=True, x_dtype=x_dtype)
+    for a, b in zip(direct, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["nodrop", "drop"])
+@pytest.mark.parametrize("hidden", [72, 1023, 8200])
+@pytest.mark.parametrize("out2_dtype", LOWP, ids=["bf16", "fp16"])
+def test_layer_norm_dual_is_the_cast_bit_for_bit(out2_dtype, hidden, p):
+    """x the GEMM's dtype (BERT's attention output with mixed_dtype_norms) and float32."""
+    for x_dtype in (out2_dtype, torch.float32):
+        _assert_dual_matches_cast(6 if hidden > 2000 else 37, hidden, x_dtype, out2_dtype, p, "cpu")
+
+
 def _rms_run(t, with_residual, out_dtype, g_out, g_sum, g_out2=None):
     """Forward + backward of add_rms_norm (out in out_dtype, or float32 then .to()); g_out2: a second use of out."""
     x = t["x"].detach().requires_grad_()
@@ -176,6 +219,7 @@ def test_lowp_out_on_the_portable_path():
         "    for hidden in (40, 1023):\n"
         "        for p in (0.0, 0.3):\n"
         "            t._assert_ln_matches_cast(7, hidden, dt, dt, p, 'cpu')\n"
+        "            t._assert_dual_matches_cast(7, hidden, dt, dt, p, 'cpu')\n"
         "        t._assert_rms_matches_cast(7, hidden, torch.float32, dt, False, 'cpu')\n"
         "        t._assert_rms_matches_cast(7, hidden, dt, dt, True, 'cpu')\n"
         "print('ok')\n").format(tests=os.path.dirname(os.path.abspath(__file__)))
@@ -207,6 +251,8 @@ def test_bad_out_dtype_gives_clear_errors():
         ops.add_rms_norm(x.bfloat16(), r.bfloat16(), w.bfloat16(), 1e-6, out_dtype=torch.float16)
     with pytest.raises(RuntimeError, match="out_dtype must be the stream's dtype"):
         ops.bias_dropout_add_layer_norm(x, t["bias"], r, w, t["ln_bias"], out_dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="out2_dtype must be bfloat16 or float16 beside a float32 stream"):
+        ops.bias_dropout_add_layer_norm_dual(x, t["bias"], r, w, t["ln_bias"], out2_dtype=torch.float32)
     out, s, rstd = ops.add_rms_norm(x, r, w, 1e-6)
     with pytest.raises(RuntimeError, match="grad_out must have the dtype of sum"):
         ops.add_rms_norm_backward(out.double(), None, s, w, rstd)
@@ -222,6 +268,12 @@ def test_fake_kernels_follow_out_dtype():
         out, pre, *_ = torch.ops.ckpt_ext.bias_dropout_add_layer_norm(
             f["x"], f["bias"], f["residual"], f["weight"], f["ln_bias"], 0.1, 1e-5, 0, 0, torch.bfloat16)
         assert out.dtype == torch.bfloat16 and pre.dtype == torch.float32
+        out, out2, pre, *_ = torch.ops.ckpt_ext.bias_dropout_add_layer_norm_dual(
+            f["x"], f["bias"], f["residual"], f["weight"], f["ln_bias"], 0.1, 1e-5, 0, 0, torch.bfloat16)
+        assert out.dtype == pre.dtype == torch.float32 and out2.dtype == torch.bfloat16
+        gx = torch.ops.ckpt_ext.bias_dropout_add_layer_norm_backward(out, None, pre, f["weight"], pre[..., 0], pre[..., 0],
+                                                                     0.1, 0, 0, None, True, torch.bfloat16, out2)[0]
+        assert gx.dtype == torch.bfloat16
         out, s, rstd = torch.ops.ckpt_ext.add_rms_norm(f["x"], f["residual"], f["weight"], 1e-6, torch.float16)
         assert out.dtype == torch.float16 and s.dtype == torch.float32
         out, s, rstd = torch.ops.ckpt_ext.add_rms_norm(f["residual"], None, f["weight"], 1e-6, torch.bfloat16)
@@ -274,10 +326,12 @@ def _assert_identical(a, b):
 
 
 # Casts a layer's forward saves (the step's forward and backward both lose them; counted over the whole step):
-# Llama and relatives: n1's (one q/k/v GEMM) and n2's two (gate, up); GPT-2: ln_2's (c_fc). Each forward cast also
+# Llama and relatives: n1's (one q/k/v GEMM) and n2's two (gate, up); GPT-2: ln_2's (c_fc); BERT / RoBERTa: h1's
+# (the intermediate GEMM; the dual op writes it beside the float32 h1, LN2's residual). Each forward cast also
 # had a ToCopyBackward cast in backward, and a checkpointed replay runs the forward's casts again.
-FORWARD_CASTS_SAVED = {"llama": 3, "qwen2": 3, "qwen3": 3, "gemma": 3, "gpt2": 1}
+FORWARD_CASTS_SAVED = {"llama": 3, "qwen2": 3, "qwen3": 3, "gemma": 3, "gpt2": 1, "bert": 1, "roberta": 1}
 FAMILIES = list(FORWARD_CASTS_SAVED)
+DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "gemma")
 
 
 def _on_off(model, family, kw, layers, device="cpu", dtype=torch.bfloat16, saved=None):
@@ -306,8 +360,9 @@ CHECKPOINTING = {"fuse": None, "every1": dict(every=1), "all": dict(every=3), "g
 @pytest.mark.parametrize("checkpointing", list(CHECKPOINTING))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layers_switch_on_equals_off_bitwise(family, checkpointing, dropout):
-    if family != "gpt2" and dropout:
+    if family not in ("gpt2", "bert", "roberta") and dropout:
         pytest.skip("Llama and its relatives have no hidden dropout (attention dropout is covered by gpt2)")
+    assert _C.pre_norm_boundaries() is True  # BERT's pre-norm boundary on (checkpointed: its replay path runs)
     model = fuse(make_model(family, dropout=dropout, layers=3)).train()
     kw = inputs_for(family, padding=True)
     plain, _ = _on_off(model, family, kw, 3)
@@ -317,14 +372,15 @@ def test_layers_switch_on_equals_off_bitwise(family, checkpointing, dropout):
 
 
 @pytest.mark.parametrize("lora_dropout", [0.0, 0.1], ids=["nodrop", "dropout"])
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
 def test_lora_on_the_norms_consumers_keeps_float_outputs(family, lora_dropout):
     """peft LoRA on the GEMMs a norm feeds (q/k/v, gate/up; c_attn, c_fc), with adapter dropout (which, on a
     bfloat16 input, would round differently) and without (another consumer, whose gradient autograd would add in
     bfloat16): the float32 output is kept there (same bits, switch on and off; no cast saved on those norms)."""
     peft = pytest.importorskip("peft")
-    targets = {"gpt2": ["c_attn", "c_fc"], "llama": ["q_proj", "v_proj", "gate_proj"]}[family]
-    model = make_model(family, dropout=0.2 if family == "gpt2" else 0.0, layers=2)
+    targets = {"gpt2": ["c_attn", "c_fc"], "llama": ["q_proj", "v_proj", "gate_proj"],
+               "bert": ["query", "intermediate.dense"]}[family]
+    model = make_model(family, dropout=0.0 if family == "llama" else 0.2, layers=2)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout,
                                                        target_modules=targets, fan_in_fan_out=family == "gpt2"))
     g = torch.Generator().manual_seed(0)
@@ -389,6 +445,7 @@ def test_cuda_lowp_out_is_the_cast_bit_for_bit(out_dtype, hidden):
     rows = 6 if hidden > 2000 else 37
     for p in (0.0, 0.3):
         _assert_ln_matches_cast(rows, hidden, out_dtype, out_dtype, p, "cuda")
+        _assert_dual_matches_cast(rows, hidden, out_dtype, out_dtype, p, "cuda")
     _assert_rms_matches_cast(rows, hidden, torch.float32, out_dtype, False, "cuda")
     _assert_rms_matches_cast(rows, hidden, out_dtype, out_dtype, True, "cuda")
 
@@ -399,7 +456,7 @@ def test_cuda_lowp_out_is_the_cast_bit_for_bit(out_dtype, hidden):
 @pytest.mark.parametrize("checkpointing", ["fuse", "every1"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_layers_switch_on_equals_off_bitwise(family, checkpointing, dtype):
-    model = fuse(make_model(family, dropout=0.2 if family == "gpt2" else 0.0, layers=2)).train().cuda()
+    model = fuse(make_model(family, dropout=0.0 if family in DECODER_FAMILIES else 0.2, layers=2)).train().cuda()
     if checkpointing != "fuse":
         _checkpointed(model, every=1)
     kw = inputs_for(family, padding=True, device="cuda")

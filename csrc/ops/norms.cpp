@@ -59,7 +59,8 @@ Tensor grad_for_kernel(const Tensor& g, const Tensor& ref) {
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_impl(
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
     double p, double eps, int64_t seed, int64_t offset, Tensor out,
-    const std::optional<at::ScalarType>& out_dtype = std::nullopt) {
+    const std::optional<at::ScalarType>& out_dtype = std::nullopt, Tensor* out2 = nullptr,
+    at::ScalarType out2_dtype = at::kFloat) {
   const char* op = "bias_dropout_add_layer_norm";
   check_floating(op, "x", x);
   check_hidden(op, "x", x);
@@ -80,13 +81,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_i
   if (!into) out = at::empty_like(rc, rc.options().dtype(out_type));
   // CUDA: a lower-precision out is written from the float32 one (the CPU kernels round each row on their store).
   const Tensor out_k = out.is_cuda() && out.scalar_type() != ref.scalar_type() ? at::empty_like(rc) : out;
+  // out2 (the dual op): out again in a lower-precision dtype, written by the CPU kernels beside out (CUDA: from out).
+  if (out2) {
+    TORCH_CHECK(is_lowp_beside_float(out2_dtype, ref.scalar_type()), "ckpt_ext::", op,
+                "_dual: out2_dtype must be bfloat16 or float16 beside a float32 stream; got ", out2_dtype, " beside ",
+                ref.scalar_type());
+    *out2 = at::empty_like(rc, rc.options().dtype(out2_dtype));
+  }
+  const Tensor out2_k = out2 && !x.is_cuda() ? *out2 : Tensor();
   Tensor pre_norm = at::empty_like(rc), mean = empty_row_stats(rc), rstd = empty_row_stats(rc);
   const bool store_bits = !into && stores_keep_bits(xc, p);
   Tensor keep_bits = empty_keep_bits(xc, store_bits);
-  if (xc.numel() > 0)
+  if (xc.numel() > 0) {
     CKPT_EXT_LAUNCH(x.device(), layer_norm_forward, xc, contiguous_or_undefined(bias), rc,
                     DropoutArgs{p, seed, offset}, wc, contiguous_or_undefined(ln_bias), eps, out_k, pre_norm, mean,
-                    rstd, store_bits ? keep_bits : Tensor());
+                    rstd, store_bits ? keep_bits : Tensor(), out2_k);
+    if (out2 && !out2_k.defined()) out2->copy_(out_k);
+  }
   if (!out_k.is_same(out)) out.copy_(out_k);
   return {out, pre_norm, mean, rstd, keep_bits};
 }
@@ -98,17 +109,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(
                                           out_dtype);
 }
 
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_dual(
+    const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
+    double p, double eps, int64_t seed, int64_t offset, at::ScalarType out2_dtype) {
+  Tensor out2;
+  auto [out, pre_norm, mean, rstd, keep_bits] = bias_dropout_add_layer_norm_impl(
+      x, bias, residual, weight, ln_bias, p, eps, seed, offset, Tensor(), std::nullopt, &out2, out2_dtype);
+  return {out, out2, pre_norm, mean, rstd, keep_bits};
+}
+
 // Shared by the two LayerNorm backward ops. grad_x is defined only for the dropout variant.
 void layer_norm_backward_checked(const char* op, const char* pre_name, const Tensor& grad_out,
                                  const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
                                  const Tensor& mean, const Tensor& rstd, const DropoutArgs& dropout,
                                  const OptTensor& keep_bits, Tensor& grad_pre, Tensor* grad_x, Tensor& grad_weight,
                                  Tensor& grad_ln_bias, Tensor* grad_bias = nullptr,
-                                 const std::optional<at::ScalarType>& x_dtype = std::nullopt) {
+                                 const std::optional<at::ScalarType>& x_dtype = std::nullopt,
+                                 const OptTensor& grad_out2 = std::nullopt) {
   check_floating(op, pre_name, pre_norm);
   check_hidden(op, pre_name, pre_norm);
   // grad_out may be in the lower-precision dtype of an out written in out_dtype (read as float)
   check_grad_out(op, "grad_out", grad_out, pre_name, pre_norm);
+  if (present(grad_out2)) check_grad_out(op, "grad_out2", *grad_out2, pre_name, pre_norm);
   if (present(grad_pre_norm)) check_same_shape(op, "grad_pre_norm", *grad_pre_norm, pre_name, pre_norm);
   check_vector(op, "weight", weight, pre_norm.size(-1), pre_name, pre_norm);
   check_row_stats(op, "mean", mean, pre_norm);
@@ -129,23 +151,28 @@ void layer_norm_backward_checked(const char* op, const char* pre_name, const Ten
     if (grad_bias) grad_bias->zero_();
     return;
   }
-  CKPT_EXT_LAUNCH(pc.device(), layer_norm_backward, grad_for_kernel(grad_out, pc).contiguous(),
-                  contiguous_or_undefined(grad_pre_norm), pc,
+  // grad_out2 (a second gradient of out: the dual op's out2): CPU kernels add it row by row; CUDA adds it here.
+  Tensor g = grad_for_kernel(grad_out, pc), g2 = present(grad_out2) ? *grad_out2 : Tensor();
+  if (g2.defined() && pc.is_cuda()) {
+    g = at::add(g, grad_for_kernel(g2, pc));
+    g2 = Tensor();
+  }
+  CKPT_EXT_LAUNCH(pc.device(), layer_norm_backward, g.contiguous(), contiguous_or_undefined(grad_pre_norm), pc,
                   weight.contiguous(), mean.contiguous(), rstd.contiguous(), dropout,
                   read_bits ? *keep_bits : Tensor(), grad_pre, grad_x ? *grad_x : Tensor(), grad_weight, grad_ln_bias,
-                  grad_bias ? *grad_bias : Tensor());
+                  grad_bias ? *grad_bias : Tensor(), g2.defined() ? g2.contiguous() : g2);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
     const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
     const Tensor& mean, const Tensor& rstd, double p, int64_t seed, int64_t offset, const OptTensor& keep_bits,
-    bool want_grad_bias, std::optional<at::ScalarType> x_dtype) {
+    bool want_grad_bias, std::optional<at::ScalarType> x_dtype, const OptTensor& grad_out2) {
   const char* op = "bias_dropout_add_layer_norm_backward";
   check_p(op, p);
   Tensor grad_residual, grad_x, grad_weight, grad_ln_bias, grad_bias;
   layer_norm_backward_checked(op, "pre_norm", grad_out, grad_pre_norm, pre_norm, weight, mean, rstd,
                               DropoutArgs{p, seed, offset}, keep_bits, grad_residual, &grad_x, grad_weight,
-                              grad_ln_bias, want_grad_bias ? &grad_bias : nullptr, x_dtype);
+                              grad_ln_bias, want_grad_bias ? &grad_bias : nullptr, x_dtype, grad_out2);
   if (!want_grad_bias) grad_bias = at::empty({0}, pre_norm.options());
   return {grad_x, grad_residual, grad_weight, grad_ln_bias, grad_bias};
 }
@@ -164,7 +191,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const
   Tensor out = at::empty_like(xc), sum = at::empty_like(xc), mean = empty_row_stats(xc), rstd = empty_row_stats(xc);
   if (xc.numel() > 0)
     CKPT_EXT_LAUNCH(x.device(), layer_norm_forward, xc, Tensor(), contiguous_or_undefined(residual), DropoutArgs{},
-                    weight.contiguous(), contiguous_or_undefined(bias), eps, out, sum, mean, rstd, Tensor());
+                    weight.contiguous(), contiguous_or_undefined(bias), eps, out, sum, mean, rstd, Tensor(), Tensor());
   return {out, sum, mean, rstd};
 }
 
@@ -264,6 +291,7 @@ std::tuple<Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_into(const Tensor
 // The same checked functions serve both backends; CKPT_EXT_LAUNCH picks the kernel by device.
 #define CKPT_EXT_IMPL(m)                                                                           \
   m.impl("bias_dropout_add_layer_norm", &ckpt_ext::bias_dropout_add_layer_norm);                   \
+  m.impl("bias_dropout_add_layer_norm_dual", &ckpt_ext::bias_dropout_add_layer_norm_dual);         \
   m.impl("bias_dropout_add_layer_norm_backward", &ckpt_ext::bias_dropout_add_layer_norm_backward); \
   m.impl("add_layer_norm", &ckpt_ext::add_layer_norm);                                             \
   m.impl("add_layer_norm_backward", &ckpt_ext::add_layer_norm_backward);                           \

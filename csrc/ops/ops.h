@@ -56,7 +56,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_b
     const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
     const Tensor& mean, const Tensor& rstd, double p, c10::SymInt seed, c10::SymInt offset,
     const OptTensor& keep_bits = std::nullopt, bool grad_bias = false,
-    std::optional<at::ScalarType> x_dtype = std::nullopt);
+    std::optional<at::ScalarType> x_dtype = std::nullopt, const OptTensor& grad_out2 = std::nullopt);
+// (out, out2, pre_norm, mean, rstd, keep_bits): bias_dropout_add_layer_norm (out in the stream's dtype) with its out
+// also written in out2_dtype (bfloat16/float16 beside a float32 stream: the float value rounded once; issue 32: BERT's
+// h1, the float32 residual of the next norm and the input of a GEMM). Backward: out2's gradient, read as float, added
+// to out's (the backward op's grad_out2), as autograd adds the float gradient of a cast.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_dual(
+    const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
+    double p, double eps, c10::SymInt seed, c10::SymInt offset, at::ScalarType out2_dtype);
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
                                                           const Tensor& weight, const OptTensor& bias, double eps);
 std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum,

@@ -23,9 +23,13 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "float p, float eps, SymInt seed, SymInt offset, ScalarType? out_dtype=None) "
       "-> (Tensor out, Tensor pre_norm, Tensor mean, Tensor rstd, Tensor keep_bits)");
   m.def(
+      "bias_dropout_add_layer_norm_dual(Tensor x, Tensor? bias, Tensor residual, Tensor weight, Tensor? ln_bias, "
+      "float p, float eps, SymInt seed, SymInt offset, ScalarType out2_dtype) "
+      "-> (Tensor out, Tensor out2, Tensor pre_norm, Tensor mean, Tensor rstd, Tensor keep_bits)");
+  m.def(
       "bias_dropout_add_layer_norm_backward(Tensor grad_out, Tensor? grad_pre_norm, Tensor pre_norm, Tensor weight, "
       "Tensor mean, Tensor rstd, float p, SymInt seed, SymInt offset, Tensor? keep_bits=None, bool grad_bias=False, "
-      "ScalarType? x_dtype=None) "
+      "ScalarType? x_dtype=None, Tensor? grad_out2=None) "
       "-> (Tensor grad_x, Tensor grad_residual, Tensor grad_weight, Tensor grad_ln_bias, Tensor grad_bias)");
   m.def(
       "add_layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps) "
@@ -68,6 +72,7 @@ c10::TypedOperatorHandle<Signature> handle(const char* name) {
   static const auto op = handle<Signature>("ckpt_ext::" name); \
   return op.call(__VA_ARGS__)
 
+using T6 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 using T5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 using T4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 using T3 = std::tuple<Tensor, Tensor, Tensor>;
@@ -99,14 +104,24 @@ T5 bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias, const Ten
                    c10::SymInt, c10::SymInt, std::optional<at::ScalarType>),
                 x, bias, residual, weight, ln_bias, p, eps, seed, offset, out_dtype);
 }
+T6 bias_dropout_add_layer_norm_dual(const Tensor& x, const OptTensor& bias, const Tensor& residual,
+                                    const Tensor& weight, const OptTensor& ln_bias, double p, double eps,
+                                    c10::SymInt seed, c10::SymInt offset, at::ScalarType out2_dtype) {
+  CKPT_EXT_CALL("bias_dropout_add_layer_norm_dual",
+                T6(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const OptTensor&, double, double,
+                   c10::SymInt, c10::SymInt, at::ScalarType),
+                x, bias, residual, weight, ln_bias, p, eps, seed, offset, out2_dtype);
+}
 T5 bias_dropout_add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm,
                                         const Tensor& weight, const Tensor& mean, const Tensor& rstd, double p,
                                         c10::SymInt seed, c10::SymInt offset, const OptTensor& keep_bits,
-                                        bool grad_bias, std::optional<at::ScalarType> x_dtype) {
+                                        bool grad_bias, std::optional<at::ScalarType> x_dtype,
+                                        const OptTensor& grad_out2) {
   CKPT_EXT_CALL("bias_dropout_add_layer_norm_backward",
                 T5(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                   c10::SymInt, c10::SymInt, const OptTensor&, bool, std::optional<at::ScalarType>),
-                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias, x_dtype);
+                   c10::SymInt, c10::SymInt, const OptTensor&, bool, std::optional<at::ScalarType>, const OptTensor&),
+                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias, x_dtype,
+                grad_out2);
 }
 T4 add_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
                   double eps) {

@@ -174,7 +174,7 @@ class GradRows {
 void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
                         const DropoutArgs& dropout, const at::Tensor& weight, const at::Tensor& ln_bias, double eps,
                         const at::Tensor& out, const at::Tensor& pre_norm, const at::Tensor& mean,
-                        const at::Tensor& rstd, const at::Tensor& keep_bits) {
+                        const at::Tensor& rstd, const at::Tensor& keep_bits, const at::Tensor& out2) {
   const KeepBits kb(keep_bits, dropout, weight.numel());
   // The stream's dtype (pre_norm's); x may be a lower-precision one (LowpRows).
   const auto stream = pre_norm.scalar_type();
@@ -186,6 +186,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
         const T* bp = ptr_or_null<T>(bias);
         const T* rp = ptr_or_null<T>(residual);
         const LowpRows<T> lowp_out(out, stream);  // out in out_dtype: the T row rounded into it
+        const LowpRows<T> lowp_out2(out2, stream);  // a second, lower-precision out (the same row rounded)
         T* op = lowp_out.mixed() ? nullptr : out.mutable_data_ptr<T>();
         T* pp = pre_norm.mutable_data_ptr<T>();
         float* mp = mean.mutable_data_ptr<float>();
@@ -213,6 +214,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
             kb.store(r, row.drop.words, mask.threshold());
             k.layer_norm_forward(row);
             if (lowp_out.mixed()) lowp_out.store(base, hidden, out_row.data());
+            if (lowp_out2.mixed()) lowp_out2.store(base, hidden, row.out);
             mp[r] = row.mean;
             sp[r] = row.rstd;
           }
@@ -229,7 +231,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
     const scalar_t* rp = ptr_or_null<scalar_t>(residual);
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
     const scalar_t* lbp = ptr_or_null<scalar_t>(ln_bias);
-    const LowpRows<scalar_t> lowp_out(out, stream);
+    const LowpRows<scalar_t> lowp_out(out, stream), lowp_out2(out2, stream);
     scalar_t* op = lowp_out.mixed() ? nullptr : out.mutable_data_ptr<scalar_t>();
     scalar_t* pp = pre_norm.mutable_data_ptr<scalar_t>();
     A* mp = mean.mutable_data_ptr<A>();
@@ -269,6 +271,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
           out_row[j] = static_cast<scalar_t>(y);
         }
         if (lowp_out.mixed()) lowp_out.store(base, hidden, out_buf.data());
+        if (lowp_out2.mixed()) lowp_out2.store(base, hidden, out_row);
       }
     });
   });
@@ -278,7 +281,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
                          const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
                          const DropoutArgs& dropout, const at::Tensor& keep_bits, const at::Tensor& grad_pre,
                          const at::Tensor& grad_x, const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias,
-                         const at::Tensor& grad_bias) {
+                         const at::Tensor& grad_bias, const at::Tensor& grad_out2) {
   const KeepBits kb(keep_bits, dropout, weight.numel());
   const bool bias_sums = grad_bias.defined() && grad_x.defined();
   const bool want_dx = grad_x.defined();
@@ -286,7 +289,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         using T = typename std::decay_t<decltype(k)>::Scalar;
         const int64_t hidden = weight.numel();
         const int64_t rows = pre_norm.numel() / hidden;
-        const GradRows<T> grads(grad_out, at::Tensor(), pre_norm.scalar_type());  // grad_out may be out_dtype's
+        const GradRows<T> grads(grad_out, grad_out2, pre_norm.scalar_type());  // out_dtype's, or two of them
         const T* gsp = ptr_or_null<T>(grad_pre_norm);
         const T* vp = pre_norm.const_data_ptr<T>();
         const float* mp = mean.const_data_ptr<float>();
@@ -302,7 +305,8 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         const FloatParams params(weight, at::Tensor());
         at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
           DropoutWords mask(dropout.philox());
-          std::vector<T> dx_row(lowp_dx.mixed() ? hidden : 0), g_row(grads.copies() ? hidden : 0);
+          std::vector<T> dx_row(lowp_dx.mixed() ? hidden : 0), g_row(grads.copies() ? hidden : 0),
+              g2_row(grads.copies() ? hidden : 0);
           NormRow<T> row{};
           row.weight = params.weight;
           row.hidden = hidden;
@@ -313,7 +317,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
             const int64_t r_end = std::min(rows, (c + 1) * chunks.rows_per_chunk);
             for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
               const int64_t base = r * hidden;
-              row.grad = grads.row(base, hidden, g_row.data(), nullptr);
+              row.grad = grads.row(base, hidden, g_row.data(), g2_row.data());
               row.grad_pre = gsp ? gsp + base : nullptr;
               row.x = vp + base;
               row.out = dpre + base;
@@ -337,7 +341,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
     using A = at::opmath_type<scalar_t>;
     const int64_t hidden = weight.numel();
     const int64_t rows = pre_norm.numel() / hidden;
-    const GradRows<scalar_t> grads(grad_out, at::Tensor(), dtype);
+    const GradRows<scalar_t> grads(grad_out, grad_out2, dtype);
     const scalar_t* gsp = ptr_or_null<scalar_t>(grad_pre_norm);
     const scalar_t* vp = pre_norm.const_data_ptr<scalar_t>();
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
@@ -354,7 +358,8 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
     std::vector<A> partial_x(bias_sums ? chunks.count * hidden : 0, A(0));
     at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
       DropoutWords mask(ph);
-      std::vector<scalar_t> dx_buf(lowp_dx.mixed() ? hidden : 0), g_buf(grads.copies() ? hidden : 0);
+      std::vector<scalar_t> dx_buf(lowp_dx.mixed() ? hidden : 0), g_buf(grads.copies() ? hidden : 0),
+          g2_buf(grads.copies() ? hidden : 0);
       for (int64_t c = c0; c < c1; ++c) {
         A* pw = partial_w.data() + c * hidden;
         A* pb = partial_b.data() + c * hidden;
@@ -363,7 +368,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
           const int64_t base = r * hidden;
           const A mu = mp[r], rs = sp[r];
-          const scalar_t* g_row = grads.row(base, hidden, g_buf.data(), nullptr);
+          const scalar_t* g_row = grads.row(base, hidden, g_buf.data(), g2_buf.data());
           RowSum sum_dy = 0, sum_dy_xhat = 0;  // dy = grad_out * weight
           for (int64_t j = 0; j < hidden; ++j) {
             const A g = static_cast<A>(g_row[j]);

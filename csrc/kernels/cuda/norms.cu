@@ -130,9 +130,12 @@ void launch_column_sum(const at::Tensor& partial_w, const at::Tensor& partial_b,
 void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
                         const DropoutArgs& dropout, const at::Tensor& weight, const at::Tensor& ln_bias, double eps,
                         const at::Tensor& out, const at::Tensor& pre_norm, const at::Tensor& mean,
-                        const at::Tensor& rstd, const at::Tensor& keep_bits) {
+                        const at::Tensor& rstd, const at::Tensor& keep_bits, const at::Tensor& out2) {
   // The CUDA kernels regenerate the mask in backward (Philox is cheap next to the row's memory traffic).
   TORCH_INTERNAL_ASSERT(!keep_bits.defined(), "ckpt_ext: keep bits are stored by the CPU kernels only");
+  // ops/norms.cpp writes out in the stream's dtype here, and out2 (or a lower-precision out) from it.
+  TORCH_INTERNAL_ASSERT(!out2.defined() && out.scalar_type() == pre_norm.scalar_type(),
+                        "ckpt_ext: the CUDA LayerNorm kernels write out in the stream's dtype");
   const c10::DeviceGuard guard(x.device());
   const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
   const auto dtype = pre_norm.scalar_type();  // the stream's; x may be a narrower one (rowwise::LayerNormForwardArgs)
@@ -146,7 +149,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
     // accesses (the element-by-element instantiations would spill on sm_90): x converted first (a correct,
     // slower path for the widest rows and for unaligned ones).
     layer_norm_forward(x.to(dtype), bias, residual, dropout, weight, ln_bias, eps, out, pre_norm, mean, rstd,
-                       keep_bits);
+                       keep_bits, out2);
     return;
   }
   const cudaStream_t stream = current_stream(x.device());
@@ -187,8 +190,11 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
                          const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
                          const DropoutArgs& dropout, const at::Tensor& keep_bits, const at::Tensor& grad_pre,
                          const at::Tensor& grad_x, const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias,
-                         const at::Tensor& grad_bias) {
+                         const at::Tensor& grad_bias, const at::Tensor& grad_out2) {
   TORCH_INTERNAL_ASSERT(!keep_bits.defined(), "ckpt_ext: keep bits are read by the CPU kernels only");
+  // ops/norms.cpp hands these kernels one gradient of out, in the stream's dtype.
+  TORCH_INTERNAL_ASSERT(!grad_out2.defined() && grad_out.scalar_type() == pre_norm.scalar_type(),
+                        "ckpt_ext: the CUDA LayerNorm kernels read one gradient in the stream's dtype");
   const bool bias_sums = grad_bias.defined() && grad_x.defined();
   bool bias_summed = false;  // false: by at::sum_out after the kernel (a row too wide for the BIAS kernels)
   const c10::DeviceGuard guard(pre_norm.device());
@@ -212,7 +218,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
     if (!direct) {
       const at::Tensor grad_x_float = at::empty_like(grad_x, grad_x.options().dtype(dtype));
       layer_norm_backward(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, dropout, keep_bits, grad_pre,
-                          grad_x_float, grad_weight, grad_ln_bias, grad_bias);
+                          grad_x_float, grad_weight, grad_ln_bias, grad_bias, grad_out2);
       grad_x.copy_(grad_x_float);
       return;
     }
