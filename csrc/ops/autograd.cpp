@@ -210,7 +210,8 @@ struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAd
     auto [grad_x, grad_residual, grad_weight, grad_ln_bias, grad_bias] = ops::bias_dropout_add_layer_norm_backward(
         grad_out, grad_pre, pre_norm, saved[1], saved[2], saved[3], ctx->saved_data.at("p").toDouble(),
         saved_symint(ctx, "seed"), saved_symint(ctx, "offset"), saved[4], needs(ctx, e[1]),
-        static_cast<at::ScalarType>(ctx->saved_data.at("x_dtype").toInt()), g5.defined() ? OptTensor(g5) : std::nullopt);
+        static_cast<at::ScalarType>(ctx->saved_data.at("x_dtype").toInt()),
+        g5.defined() ? OptTensor(g5) : std::nullopt);
     if (needs(ctx, e[1])) out[1] = grad_bias;
     if (needs(ctx, e[0])) out[0] = grad_x;
     if (needs(ctx, e[2])) out[2] = grad_residual;

@@ -136,8 +136,9 @@ T3 add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum, co
 }
 T3 add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, double eps,
                 std::optional<at::ScalarType> out_dtype) {
-  CKPT_EXT_CALL("add_rms_norm", T3(const Tensor&, const OptTensor&, const Tensor&, double, std::optional<at::ScalarType>),
-                x, residual, weight, eps, out_dtype);
+  CKPT_EXT_CALL("add_rms_norm",
+                T3(const Tensor&, const OptTensor&, const Tensor&, double, std::optional<at::ScalarType>), x,
+                residual, weight, eps, out_dtype);
 }
 T2 add_rms_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum, const Tensor& sum, const Tensor& weight,
                          const Tensor& rstd, const OptTensor& grad_out2) {

@@ -460,9 +460,10 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_backward_kernel(con
         const Vec<TG, V> g1 = load_slot<TG, V>(a.grad_out, base, col, hidden, VEC);
         const Vec<TG, V> g2 = load_slot<TG, V>(a.grad_out2, base, col, hidden, VEC);  // null: zeros
 #pragma unroll
-        for (int k = 0; k < V; ++k)
-          gs[it].v[k] = a.grad_out2 != nullptr ? static_cast<T>(static_cast<float>(g1.v[k]) + static_cast<float>(g2.v[k]))
-                                               : static_cast<T>(static_cast<float>(g1.v[k]));
+        for (int k = 0; k < V; ++k) {
+          const float g = static_cast<float>(g1.v[k]);
+          gs[it].v[k] = static_cast<T>(a.grad_out2 != nullptr ? g + static_cast<float>(g2.v[k]) : g);
+        }
       }
       ss[it] = load_slot<T, V>(a.sum, base, col, hidden, VEC);
 #pragma unroll
