@@ -34,6 +34,7 @@ __all__ = [
     "dropout",
     "dropout_mask",
     "bias_dropout_add_layer_norm",
+    "bias_dropout_add_layer_norm_dual",
     "bias_dropout_add_layer_norm_backward",
     "add_layer_norm",
     "add_layer_norm_backward",
@@ -109,6 +110,7 @@ def bias_dropout_add_layer_norm(
     eps: float = 1e-5,
     seed: int = 0,
     offset: int = 0,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """BERT's output block, fused: ``pre_norm = residual + dropout(x + bias)``, ``out = layer_norm(pre_norm)``.
 
@@ -123,8 +125,34 @@ def bias_dropout_add_layer_norm(
     float32 stream), bfloat16 or float16: it is read as float (exact), so the results are those of
     ``x.float()`` bit for bit, ``out`` and ``pre_norm`` are float32, and ``x``'s gradient comes in ``x``'s
     dtype, rounded once from the float gradient (CPU kernels read it directly; CUDA converts it first).
+
+    ``out_dtype``: ``out``'s dtype, ``residual``'s (None) or, beside a float32 ``residual``, bfloat16 / float16
+    (autocast: an output that only feeds GEMMs, written in their dtype): the float result rounded once, the bits
+    of ``out.to(out_dtype)``; its gradient then arrives in that dtype and is read as float (exact).
     """
-    return _lib.bias_dropout_add_layer_norm.default(x, bias, residual, weight, ln_bias, p, eps, seed, offset)
+    return _lib.bias_dropout_add_layer_norm.default(x, bias, residual, weight, ln_bias, p, eps, seed, offset,
+                                                    out_dtype)
+
+
+def bias_dropout_add_layer_norm_dual(
+    x: Tensor,
+    bias: Optional[Tensor],
+    residual: Tensor,
+    weight: Tensor,
+    ln_bias: Optional[Tensor],
+    p: float = 0.0,
+    eps: float = 1e-5,
+    seed: int = 0,
+    offset: int = 0,
+    out2_dtype: torch.dtype = torch.bfloat16,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`bias_dropout_add_layer_norm` with ``out`` also written in ``out2_dtype`` (bfloat16 / float16 beside a
+    float32 ``residual``; autocast: BERT's ``h1``, the next norm's float32 residual and a GEMM's input): returns
+    ``(out, out2, pre_norm, mean, rstd, keep_bits)``, ``out2`` the bits of ``out.to(out2_dtype)``. Backward reads
+    ``out2``'s gradient as float and adds it to ``out``'s, as autograd adds the float gradient of a cast.
+    """
+    return _lib.bias_dropout_add_layer_norm_dual.default(x, bias, residual, weight, ln_bias, p, eps, seed, offset,
+                                                         out2_dtype)
 
 
 def bias_dropout_add_layer_norm_backward(
@@ -140,6 +168,7 @@ def bias_dropout_add_layer_norm_backward(
     keep_bits: Optional[Tensor] = None,
     grad_bias: bool = False,
     x_dtype: Optional[torch.dtype] = None,
+    grad_out2: Optional[Tensor] = None,
 ) -> Tuple[Tensor, ...]:
     """Backward of :func:`bias_dropout_add_layer_norm`: ``(grad_x, grad_residual, grad_weight, grad_ln_bias)``,
     and ``grad_bias`` fifth when asked for.
@@ -151,10 +180,12 @@ def bias_dropout_add_layer_norm_backward(
     mask is read from it; empty: regenerated), or None (regenerated from ``(seed, offset)``); both give the
     same gradients bit for bit. ``x_dtype``: ``grad_x``'s dtype, the forward's ``x``'s (None: ``pre_norm``'s;
     bfloat16 or float16 beside a float32 ``pre_norm``: rounded once from the float gradient, while
-    ``grad_bias`` sums the float values).
+    ``grad_bias`` sums the float values). ``grad_out`` may be in the lower-precision dtype of an ``out`` written in
+    ``out_dtype``, read as float; ``grad_out2``: a second gradient of ``out`` (the dual op's ``out2``'s), added to it
+    in float.
     """
     r = _lib.bias_dropout_add_layer_norm_backward.default(
-        grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias, x_dtype
+        grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias, x_dtype, grad_out2
     )
     return tuple(r) if grad_bias else tuple(r[:4])
 
@@ -182,21 +213,27 @@ def add_layer_norm_backward(
 
 
 def add_rms_norm(
-    x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6
+    x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float = 1e-6, out_dtype: Optional[torch.dtype] = None
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """``sum = x + residual``, ``out = weight * (sum * rsqrt(mean(sum^2) + eps)).to(x.dtype)``.
 
     Hugging Face ``LlamaRMSNorm`` semantics: normalise in float32, cast back to the input dtype, then
     multiply by the weight. Returns ``(out, sum, rstd)``. Differentiable through ``out`` and ``sum``.
+    ``out_dtype``: ``out``'s dtype, as :func:`bias_dropout_add_layer_norm`'s (bfloat16 / float16 beside a float32
+    stream: the float result rounded once; its gradient read as float).
     """
-    return _lib.add_rms_norm.default(x, residual, weight, eps)
+    return _lib.add_rms_norm.default(x, residual, weight, eps, out_dtype)
 
 
 def add_rms_norm_backward(
-    grad_out: Tensor, grad_sum: Optional[Tensor], sum: Tensor, weight: Tensor, rstd: Tensor
+    grad_out: Tensor, grad_sum: Optional[Tensor], sum: Tensor, weight: Tensor, rstd: Tensor,
+    grad_out2: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """Backward of :func:`add_rms_norm`: ``(grad_input, grad_weight)``; ``grad_input`` includes ``grad_sum``."""
-    return _lib.add_rms_norm_backward.default(grad_out, grad_sum, sum, weight, rstd)
+    """Backward of :func:`add_rms_norm`: ``(grad_input, grad_weight)``; ``grad_input`` includes ``grad_sum``.
+
+    ``grad_out`` (and ``grad_out2``, a second gradient of ``out``, added to it in float) in ``sum``'s dtype or,
+    beside a float32 ``sum``, the bfloat16 / float16 of an ``out`` written in ``out_dtype``, read as float."""
+    return _lib.add_rms_norm_backward.default(grad_out, grad_sum, sum, weight, rstd, grad_out2)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -317,9 +354,20 @@ def _lowp_beside_float(x: torch.dtype, stream: torch.dtype) -> bool:
     return stream == torch.float32 and x in (torch.bfloat16, torch.float16)
 
 
+def _out_dtype(op: str, out_dtype, stream: torch.dtype) -> torch.dtype:
+    """ops/norms.cpp's check_out_dtype: a norm's out in the stream's dtype or, beside float32, bfloat16/float16."""
+    torch._check(out_dtype in (None, stream) or _lowp_beside_float(out_dtype, stream),
+                 lambda: f"ckpt_ext::{op}: out_dtype must be the stream's dtype ({stream}) or, beside a float32 "
+                         f"stream, bfloat16 or float16; got {out_dtype}")
+    return out_dtype or stream
+
+
 @torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm")
-def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset):
-    op = "bias_dropout_add_layer_norm"
+def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out_dtype=None):
+    return _bdaln_fake("bias_dropout_add_layer_norm", x, bias, residual, weight, ln_bias, p, out_dtype)
+
+
+def _bdaln_fake(op, x, bias, residual, weight, ln_bias, p, out_dtype):
     if _lowp_beside_float(x.dtype, residual.dtype):  # a mixed x: the rest is checked against the stream
         torch._check(residual.device == x.device,
                      lambda: f"ckpt_ext::{op}: residual must be on the device of x ({x.device}), got {residual.device}")
@@ -327,12 +375,23 @@ def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset):
     else:
         _like(op, "x", x, bias=bias, residual=residual, weight=weight, ln_bias=ln_bias)
     torch._check(x.shape == residual.shape, lambda: f"ckpt_ext::{op}: residual must have the shape of x")
-    return _empty(residual), _empty(residual), _row_stats(residual), _row_stats(residual), _keep_bits(x, p)
+    out = _empty(residual, _out_dtype(op, out_dtype, residual.dtype))
+    return out, _empty(residual), _row_stats(residual), _row_stats(residual), _keep_bits(x, p)
+
+
+@torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm_dual")
+def _(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out2_dtype):
+    op = "bias_dropout_add_layer_norm_dual"
+    torch._check(_lowp_beside_float(out2_dtype, residual.dtype),
+                 lambda: f"ckpt_ext::bias_dropout_add_layer_norm_dual: out2_dtype must be bfloat16 or float16 beside a "
+                         f"float32 stream; got {out2_dtype} beside {residual.dtype}")
+    out, pre, mean, rstd, bits = _bdaln_fake(op, x, bias, residual, weight, ln_bias, p, None)
+    return out, _empty(residual, out2_dtype), pre, mean, rstd, bits
 
 
 @torch.library.register_fake("ckpt_ext::bias_dropout_add_layer_norm_backward")
 def _(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits=None, grad_bias=False,
-      x_dtype=None):
+      x_dtype=None, grad_out2=None):
     torch._check(x_dtype in (None, pre_norm.dtype) or _lowp_beside_float(x_dtype, pre_norm.dtype),
                  lambda: f"ckpt_ext::bias_dropout_add_layer_norm_backward: x_dtype must be the pre-norm tensor's "
                          f"dtype ({pre_norm.dtype}) or, beside a float32 stream, bfloat16 or float16; got {x_dtype}")
@@ -352,7 +411,7 @@ def _(grad_out, grad_sum, sum, weight, mean, rstd):
 
 
 @torch.library.register_fake("ckpt_ext::add_rms_norm")
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, out_dtype=None):
     op = "add_rms_norm"
     stream = residual if residual is not None else weight
     if _lowp_beside_float(x.dtype, stream.dtype):  # a mixed x: the rest is checked against the stream
@@ -362,13 +421,13 @@ def _(x, residual, weight, eps):
         if residual is not None:
             _like(op, "residual", residual, weight=weight)
             torch._check(x.shape == residual.shape, lambda: f"ckpt_ext::{op}: residual must have the shape of x")
-        return _empty(x, stream.dtype), _empty(x, stream.dtype), _row_stats(stream)
+        return _empty(x, _out_dtype(op, out_dtype, stream.dtype)), _empty(x, stream.dtype), _row_stats(stream)
     _like(op, "x", x, residual=residual, weight=weight)
-    return _empty(x), _empty(x), _row_stats(x)
+    return _empty(x, _out_dtype(op, out_dtype, x.dtype)), _empty(x), _row_stats(x)
 
 
 @torch.library.register_fake("ckpt_ext::add_rms_norm_backward")
-def _(grad_out, grad_sum, sum, weight, rstd):
+def _(grad_out, grad_sum, sum, weight, rstd, grad_out2=None):
     return _empty(sum), _empty(weight)
 
 

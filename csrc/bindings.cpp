@@ -72,6 +72,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mixed_dtype_norms", &L::set_mixed_dtype_norms, py::arg("enable") = py::none(),
         "Autocast: the fused layers' norm ops read a GEMM's bfloat16/float16 output beside the float32 stream "
         "(issue 32); off: it is cast to float32 first. On/off (None: unchanged); returns the setting before");
+  m.def("mixed_dtype_norm_outputs", &L::set_mixed_dtype_norm_outputs, py::arg("enable") = py::none(),
+        "Autocast: a fused layer's norm whose output feeds only GEMMs writes it in their dtype, and reads its "
+        "gradient in it (issue 32; the same bits as the casts); off: float32, cast by autocast. On/off (None: "
+        "unchanged); returns the setting before");
   // The layers' GEMMs (family.h), bound for tests/test_gemm_layout.py.
   m.def("_gemm_linear", [](const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
     return L::gemm_linear(x, w, b.has_value() ? *b : at::Tensor());

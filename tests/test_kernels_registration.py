@@ -55,6 +55,17 @@ def _opcheck_samples(device="cpu"):
         (L.bias_dropout_add_layer_norm_backward.default, (g, g, s, w.detach(), mean, rstd, 0.2, 3, 4, bits)),
         (L.bias_dropout_add_layer_norm_backward.default, (g, g, s, w.detach(), mean, rstd, 0.2, 3, 4, bits, True)),
         (L.bias_dropout_add_layer_norm_backward.default, (g, None, s, w.detach(), mean, rstd, 0.0, 3, 4, None, True)),
+        # autocast, issue 32: an out written in the GEMMs' dtype, its gradient read in it (and a second one added)
+        (L.bias_dropout_add_layer_norm.default, (x, b, r, w, b, 0.2, 1e-5, 3, 4, torch.bfloat16)),
+        (L.bias_dropout_add_layer_norm_dual.default, (x, b, r, w, b, 0.2, 1e-5, 3, 4, torch.bfloat16)),
+        (L.bias_dropout_add_layer_norm_dual.default, (x.detach().bfloat16().requires_grad_(), None, r, w, None, 0.0,
+                                                      1e-5, 3, 4, torch.float16)),
+        (L.bias_dropout_add_layer_norm_backward.default,
+         (g, g, s, w.detach(), mean, rstd, 0.2, 3, 4, None, True, torch.bfloat16, g.bfloat16())),
+        (L.bias_dropout_add_layer_norm_backward.default, (g.bfloat16(), None, s, w.detach(), mean, rstd, 0.0, 3, 4)),
+        (L.add_rms_norm.default, (x, None, w, 1e-6, torch.bfloat16)),
+        (L.add_rms_norm.default, (x.detach().bfloat16().requires_grad_(), r, w, 1e-6, torch.bfloat16)),
+        (L.add_rms_norm_backward.default, (g.bfloat16(), g, s, w.detach(), rstd, g.bfloat16())),
         (L.add_layer_norm.default, (x, r, w, b, 1e-5)),
         (L.add_layer_norm.default, (x, None, w, None, 1e-5)),
         (L.add_layer_norm_backward.default, (g, g, s, w.detach(), mean, rstd)),
@@ -94,8 +105,8 @@ def test_every_op_has_an_opcheck_sample():
 
 # ---- autograd registration: in C++, so that C++ code (the fused layers) differentiates without Python ------------
 
-_FORWARD_OPS = ["bias_gelu", "bias_dropout_add", "dropout", "bias_dropout_add_layer_norm", "add_layer_norm",
-                "add_rms_norm", "swiglu", "geglu", "rotary"]
+_FORWARD_OPS = ["bias_gelu", "bias_dropout_add", "dropout", "bias_dropout_add_layer_norm",
+                "bias_dropout_add_layer_norm_dual", "add_layer_norm", "add_rms_norm", "swiglu", "geglu", "rotary"]
 
 
 @pytest.mark.parametrize("name", _FORWARD_OPS)

@@ -66,12 +66,22 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
           : qkv_heads(x, {w[kQW], w[kKW], w[kVW]}, {w[kQB], w[kKB], w[kVB]}, s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/false, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
-  const Tensor h1 = std::get<0>(ops::bias_dropout_add_layer_norm(
-      norm_input(plus_lora(gemm_linear(ctx, w[kAttnOutW], Tensor(), kSiteAttnOut),
-                           lora_delta(s, w, kLoraAttnOut, ctx, rng)),
-                 x),
-      opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]), hidden_p, s.eps, rng.seed, kAttnOut));
-  const Tensor i = plus_lora(gemm_linear(h1, w[kInterW], Tensor(), kSiteInter), lora_delta(s, w, kLoraInter, h1, rng));
+  const Tensor attn_out = norm_input(
+      plus_lora(gemm_linear(ctx, w[kAttnOutW], Tensor(), kSiteAttnOut), lora_delta(s, w, kLoraAttnOut, ctx, rng)), x);
+  // h1 is LN2's float32 residual and the intermediate GEMM's input: under autocast the norm also writes it in the
+  // GEMM's dtype (the dual op; gemm_input_dtype), which the GEMM reads without a cast, unless a LoRA adapter reads it.
+  const auto h1_dtype = any_adapter(s, w, {kLoraInter, kLoraInter, kLoraInter}) ? std::nullopt : gemm_input_dtype(x);
+  Tensor h1, h1_gemm;
+  if (h1_dtype) {
+    std::tie(h1, h1_gemm, std::ignore, std::ignore, std::ignore, std::ignore) = ops::bias_dropout_add_layer_norm_dual(
+        attn_out, opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]), hidden_p, s.eps, rng.seed, kAttnOut, *h1_dtype);
+  } else {
+    h1 = std::get<0>(ops::bias_dropout_add_layer_norm(attn_out, opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]),
+                                                      hidden_p, s.eps, rng.seed, kAttnOut));
+    h1_gemm = h1;
+  }
+  const Tensor i =
+      plus_lora(gemm_linear(h1_gemm, w[kInterW], Tensor(), kSiteInter), lora_delta(s, w, kLoraInter, h1, rng));
   const Tensor inter = ops::bias_gelu(i, opt_like(w[kInterB], i), s.gelu_tanh ? "tanh" : "none");
   if (stop && !has_out_adapter(s, w)) {
     LayerOutput r;

@@ -71,6 +71,11 @@ inline Tensor norm_input(const Tensor& t, const Tensor& stream) {
   return mixed_norm_input(t, stream) ? t : like(t, stream);
 }
 
+// Autocast (issue 32; layer.h's mixed_dtype_norm_outputs): the dtype a norm beside the float32 `stream` writes an
+// output in that feeds only GEMMs -- autocast's (bfloat16/float16), which the GEMMs' own cast would round the
+// float output to -- or nullopt (the stream's: the switch off, outside autocast, not float32).
+std::optional<at::ScalarType> gemm_input_dtype(const Tensor& stream);
+
 // a @ b as Tensor::mm (2-D or 3-D), recording no autograd (for use inside autograd functions), in the
 // layout gemm_linear's policy picks (layer.h).
 Tensor gemm_mm(const Tensor& a, const Tensor& b);

@@ -47,11 +47,15 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const auto [q, k, v] = split_qkv(qkv, s.num_heads, s.num_heads, s.head_dim);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
+  // Under autocast ln_2 feeds only c_fc: written in its dtype (gemm_input_dtype), unless a LoRA adapter reads it.
+  // (ln_1 is ATen's layer_norm, whose bits the ops' kernels need not match: it keeps its float32 output and cast.)
+  const auto ln2_dtype = any_adapter(s, w, {kLoraFc, kLoraFc, kLoraFc}) ? std::nullopt : gemm_input_dtype(x);
   auto [ln2, h1, mean, rstd, keep_bits] =
       ops::bias_dropout_add_layer_norm(norm_input(plus_lora(conv1d_nobias(ctx, w[kAttnProjW], kSiteAttnProj),
                                                  lora_delta(s, w, kLoraAttnProj, ctx, rng)),
                                        x), opt(w[kAttnProjB]), x, w[kLn2W],
-                                       opt(w[kLn2B]), effective(s.hidden_p, rng), s.eps, rng.seed, kAttnOut);
+                                       opt(w[kLn2B]), effective(s.hidden_p, rng), s.eps, rng.seed, kAttnOut,
+                                       ln2_dtype);
   const Tensor fc = plus_lora(conv1d_nobias(ln2, w[kFcW], kSiteFc), lora_delta(s, w, kLoraFc, ln2, rng));
   const Tensor act = ops::bias_gelu(fc, opt_like(w[kFcB], fc), s.gelu_tanh ? "tanh" : "none");
   return last_linear_tail(s, w, rng, last_linear(s, w, rng), act, h1, out_slot, stop,

@@ -2,6 +2,7 @@
 // interface (layer.h). Each family lives in its own file (bert.cpp, gpt2.cpp, llama.cpp: Llama and its
 // relatives).
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -85,6 +86,23 @@ KeptGemms* gemms_for(const LayerSpec& spec, const std::vector<Tensor>& weights, 
 }  // namespace
 
 static std::atomic<bool> mixed_norms{true};  // mixed_dtype_norms (layer.h)
+static std::atomic<bool> lowp_norm_outputs{true};  // mixed_dtype_norm_outputs (layer.h)
+
+bool mixed_dtype_norm_outputs() { return lowp_norm_outputs.load(std::memory_order_relaxed); }
+
+bool set_mixed_dtype_norm_outputs(std::optional<bool> set) {
+  return set.has_value() ? lowp_norm_outputs.exchange(*set) : lowp_norm_outputs.load();
+}
+
+std::optional<at::ScalarType> gemm_input_dtype(const Tensor& stream) {
+  const c10::DeviceType dt = stream.device().type();
+  if (!mixed_dtype_norm_outputs() || stream.scalar_type() != at::kFloat ||
+      (dt != c10::DeviceType::CPU && dt != c10::DeviceType::CUDA) || !at::autocast::is_autocast_enabled(dt))
+    return std::nullopt;
+  const at::ScalarType a = at::autocast::get_autocast_dtype(dt);
+  if (a != at::kBFloat16 && a != at::kHalf) return std::nullopt;
+  return a;
+}
 
 bool mixed_dtype_norms() { return mixed_norms.load(std::memory_order_relaxed); }
 

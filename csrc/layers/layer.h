@@ -272,6 +272,15 @@ std::string cpu_gemm_layout(const std::optional<std::string>& set);
 // the setting before. _C.mixed_dtype_norms.
 bool mixed_dtype_norms();
 bool set_mixed_dtype_norms(std::optional<bool> set);
+// Under autocast, a norm whose normalised output feeds only GEMMs (the pre-norm families' input norms: Llama /
+// Qwen2 / Mistral / Qwen3 / Gemma n1 and n2, GPT-2's ln_2) writes it in autocast's dtype, the float result rounded
+// once, so that no cast runs (forward, backward, replay), and reads its gradient in that dtype (family.h's
+// gemm_input_dtype; issue 32); BERT's h1 (also LN2's float32 residual) is written in both dtypes. The same bits as
+// the casts. Not where a LoRA adapter reads the output (it keeps float32 and the casts). On by default; `set` sets
+// it (before a step, as above); returns the setting before.
+// _C.mixed_dtype_norm_outputs.
+bool mixed_dtype_norm_outputs();
+bool set_mixed_dtype_norm_outputs(std::optional<bool> set);
 
 // Under autocast, whether the last linear's GEMM output joins the float32 residual stream as it is and its
 // backward's dropout writes the GEMMs' dtype (residual_linear.cpp; default on), or both go through casts as

@@ -89,7 +89,10 @@ LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const
   TORCH_CHECK(in.cos.defined() && in.sin.defined(), "ckpt_ext fused ", d.label,
               " layer: position_embeddings (cos, sin) are required; Hugging Face's decoder models pass them to "
               "every layer");
-  const Tensor n1 = std::get<0>(ops::add_rms_norm(x, std::nullopt, norm_weight(d, w[kLn1W]), s.eps));
+  // Under autocast n1 and n2 feed only GEMMs: written in their dtype (gemm_input_dtype), unless a LoRA adapter
+  // reads them (its dropout would round differently; it keeps the float32 output and the casts).
+  const auto n1_dtype = any_adapter(s, w, {kLoraQ, kLoraK, kLoraV}) ? std::nullopt : gemm_input_dtype(x);
+  const Tensor n1 = std::get<0>(ops::add_rms_norm(x, std::nullopt, norm_weight(d, w[kLn1W]), s.eps, n1_dtype));
   const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
   const int64_t qw = s.num_heads * s.head_dim, kvw = s.num_kv_heads * s.head_dim;
@@ -105,12 +108,21 @@ LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const
   const Tensor k = ops::rotary(k_raw, cos, sin);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
-  auto [n2, h1, rstd] = ops::add_rms_norm(
-      norm_input(plus_lora(gemm_linear(ctx, w[kOW], w[kOB], kSiteO), lora_delta(s, w, kLoraO, ctx, rng)), x), x,
-      norm_weight(d, w[kLn2W]), s.eps);
+  const Tensor o = norm_input(
+      plus_lora(gemm_linear(ctx, w[kOW], w[kOB], kSiteO), lora_delta(s, w, kLoraO, ctx, rng)), x);
+  const auto n2_dtype = any_adapter(s, w, {kLoraGate, kLoraUp, kLoraUp}) ? std::nullopt : gemm_input_dtype(x);
+  Tensor n2, n2_up, h1;
+  if (n2_dtype) {
+    // n2 feeds two GEMMs: one handle each (add_rms_norm_fanout), so that the backward adds their two gradients
+    // in float32, as autograd added the casts' float32 gradients (summed in bfloat16 they would round).
+    std::tie(n2, n2_up, h1, std::ignore) = ops::add_rms_norm_fanout(o, x, norm_weight(d, w[kLn2W]), s.eps, *n2_dtype);
+  } else {
+    std::tie(n2, h1, std::ignore) = ops::add_rms_norm(o, x, norm_weight(d, w[kLn2W]), s.eps);
+    n2_up = n2;
+  }
   // Two GEMMs rather than one over [gate; up]: the gated activation reads contiguous halves without a copy.
   const Tensor gate = plus_lora(gemm_linear(n2, w[kGateW], w[kGateB], kSiteGate), lora_delta(s, w, kLoraGate, n2, rng));
-  const Tensor up = plus_lora(gemm_linear(n2, w[kUpW], w[kUpB], kSiteUp), lora_delta(s, w, kLoraUp, n2, rng));
+  const Tensor up = plus_lora(gemm_linear(n2_up, w[kUpW], w[kUpB], kSiteUp), lora_delta(s, w, kLoraUp, n2_up, rng));
   const Tensor act = d.gelu ? ops::geglu(gate, up, s.gelu_tanh ? "tanh" : "none") : ops::swiglu(gate, up);
   return last_linear_tail(s, w, rng, last_linear(s, w, rng), act, h1, out_slot, stop,
                           lora_delta(s, w, kLoraDown, act, rng));

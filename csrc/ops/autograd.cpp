@@ -32,6 +32,8 @@
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "../common/optional.h"
 #include "ops.h"
@@ -166,10 +168,18 @@ struct DropoutFunction : torch::autograd::Function<DropoutFunction> {
 struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAddLayerNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const Tensor& residual,
                                const Tensor& weight, const OptTensor& ln_bias, double p, double eps,
-                               c10::SymInt seed, c10::SymInt offset) {
+                               c10::SymInt seed, c10::SymInt offset, std::optional<at::ScalarType> out_dtype,
+                               std::optional<at::ScalarType> out2_dtype) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [out, pre_norm, mean, rstd, keep_bits] =
-        ops::bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p, eps, seed, offset);
+    // out in out_dtype (ops.h): its gradient comes in that dtype, which the backward op reads as float. out2_dtype
+    // (the dual op): out also written in it, a sixth output, whose gradient the backward op adds in float.
+    Tensor out, out2, pre_norm, mean, rstd, keep_bits;
+    if (out2_dtype.has_value())
+      std::tie(out, out2, pre_norm, mean, rstd, keep_bits) =
+          ops::bias_dropout_add_layer_norm_dual(x, bias, residual, weight, ln_bias, p, eps, seed, offset, *out2_dtype);
+    else
+      std::tie(out, pre_norm, mean, rstd, keep_bits) =
+          ops::bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out_dtype);
     ctx->saved_data["p"] = p;
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["offset"] = offset;
@@ -181,22 +191,27 @@ struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAd
     ctx->save_for_backward({pre_norm, weight, mean, rstd, keep_bits});
     ctx->mark_non_differentiable({mean, rstd, keep_bits});
     ctx->set_materialize_grads(false);
+    if (out2.defined()) return {out, pre_norm, mean, rstd, keep_bits, out2};
     return {out, pre_norm, mean, rstd, keep_bits};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto e = load_edges(ctx);
-    variable_list out(9);
-    if (!grads[0].defined() && !grads[1].defined()) return out;
+    variable_list out(11);
+    // out2's gradient (the dual op), added to out's by the backward op.
+    Tensor g0 = grads[0], g5 = grads.size() > 5 ? grads[5] : Tensor();
+    if (!g0.defined()) std::swap(g0, g5);
+    if (!g0.defined() && !grads[1].defined()) return out;
     const Tensor& pre_norm = saved[0];
-    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(pre_norm);
+    const Tensor grad_out = g0.defined() ? g0 : at::zeros_like(pre_norm);
     const OptTensor grad_pre = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
     // The dense bias's gradient comes from the kernel's own pass over grad_x (column partials).
     auto [grad_x, grad_residual, grad_weight, grad_ln_bias, grad_bias] = ops::bias_dropout_add_layer_norm_backward(
         grad_out, grad_pre, pre_norm, saved[1], saved[2], saved[3], ctx->saved_data.at("p").toDouble(),
         saved_symint(ctx, "seed"), saved_symint(ctx, "offset"), saved[4], needs(ctx, e[1]),
-        static_cast<at::ScalarType>(ctx->saved_data.at("x_dtype").toInt()));
+        static_cast<at::ScalarType>(ctx->saved_data.at("x_dtype").toInt()),
+        g5.defined() ? OptTensor(g5) : std::nullopt);
     if (needs(ctx, e[1])) out[1] = grad_bias;
     if (needs(ctx, e[0])) out[0] = grad_x;
     if (needs(ctx, e[2])) out[2] = grad_residual;
@@ -241,28 +256,34 @@ struct AddLayerNormFunction : torch::autograd::Function<AddLayerNormFunction> {
 // ---- add_rms_norm(x, residual?, weight, eps) ------------------------------------------------------------------------
 
 struct AddRmsNormFunction : torch::autograd::Function<AddRmsNormFunction> {
+  // fanout (add_rms_norm_fanout, ops.h): out handed out a second time, as an alias (a fourth output).
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& residual, const Tensor& weight,
-                               double eps) {
+                               double eps, std::optional<at::ScalarType> out_dtype, bool fanout) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [out, sum, rstd] = ops::add_rms_norm(x, residual, weight, eps);
+    auto [out, sum, rstd] = ops::add_rms_norm(x, residual, weight, eps, out_dtype);
     // x may be in a lower-precision dtype than the stream (ops.h): its gradient is returned in x's dtype.
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     store_edges(ctx, Edges::of({true, present(residual), true}), 3);
     ctx->save_for_backward({sum, weight, rstd});
     ctx->mark_non_differentiable({rstd});
     ctx->set_materialize_grads(false);
+    if (fanout) return {out, sum, rstd, out.alias()};
     return {out, sum, rstd};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto e = load_edges(ctx);
-    variable_list out(4);
-    if (!grads[0].defined() && !grads[1].defined()) return out;
+    variable_list out(6);
+    // The second handle's gradient (fanout), added to out's in float by the backward op.
+    Tensor g0 = grads[0], g3 = grads.size() > 3 ? grads[3] : Tensor();
+    if (!g0.defined()) std::swap(g0, g3);
+    if (!g0.defined() && !grads[1].defined()) return out;
     const Tensor& sum = saved[0];
-    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(sum);
+    const Tensor grad_out = g0.defined() ? g0 : at::zeros_like(sum);
     const OptTensor grad_sum = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
-    auto [grad_input, grad_weight] = ops::add_rms_norm_backward(grad_out, grad_sum, sum, saved[1], saved[2]);
+    auto [grad_input, grad_weight] = ops::add_rms_norm_backward(grad_out, grad_sum, sum, saved[1], saved[2],
+                                                                g3.defined() ? OptTensor(g3) : std::nullopt);
     const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data.at("x_dtype").toInt());
     // A mixed x: its gradient rounded once from the float one (a cast pass, as autograd's ToCopyBackward).
     if (needs(ctx, e[0])) out[0] = x_dtype == grad_input.scalar_type() ? grad_input : grad_input.to(x_dtype);
@@ -368,9 +389,18 @@ Tensor dropout_autograd(const Tensor& x, double p, c10::SymInt seed, c10::SymInt
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_autograd(
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
-    double p, double eps, c10::SymInt seed, c10::SymInt offset) {
-  auto r = BiasDropoutAddLayerNormFunction::apply(x, bias, residual, weight, ln_bias, p, eps, seed, offset);
+    double p, double eps, c10::SymInt seed, c10::SymInt offset, std::optional<at::ScalarType> out_dtype) {
+  auto r = BiasDropoutAddLayerNormFunction::apply(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out_dtype,
+                                                  std::nullopt);
   return {r[0], r[1], r[2], r[3], r[4]};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_dual_autograd(
+    const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
+    double p, double eps, c10::SymInt seed, c10::SymInt offset, at::ScalarType out2_dtype) {
+  auto r = BiasDropoutAddLayerNormFunction::apply(x, bias, residual, weight, ln_bias, p, eps, seed, offset,
+                                                  std::nullopt, std::optional<at::ScalarType>(out2_dtype));
+  return {r[0], r[5], r[1], r[2], r[3], r[4]};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm_autograd(const Tensor& x, const OptTensor& residual,
@@ -381,8 +411,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm_autograd(const Tensor&
 }
 
 std::tuple<Tensor, Tensor, Tensor> add_rms_norm_autograd(const Tensor& x, const OptTensor& residual,
-                                                         const Tensor& weight, double eps) {
-  auto r = AddRmsNormFunction::apply(x, residual, weight, eps);
+                                                         const Tensor& weight, double eps,
+                                                         std::optional<at::ScalarType> out_dtype) {
+  auto r = AddRmsNormFunction::apply(x, residual, weight, eps, out_dtype, false);
   return {r[0], r[1], r[2]};
 }
 
@@ -397,6 +428,17 @@ Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 }
 
 }  // namespace
+
+namespace ops {
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> add_rms_norm_fanout(const Tensor& x, const OptTensor& residual,
+                                                               const Tensor& weight, double eps,
+                                                               at::ScalarType out_dtype) {
+  auto r = AddRmsNormFunction::apply(x, residual, weight, eps, std::optional<at::ScalarType>(out_dtype), true);
+  return {r[0], r[3], r[1], r[2]};
+}
+
+}  // namespace ops
 }  // namespace ckpt_ext
 
 TORCH_LIBRARY_IMPL(ckpt_ext, Autograd, m) {
@@ -404,6 +446,7 @@ TORCH_LIBRARY_IMPL(ckpt_ext, Autograd, m) {
   m.impl("bias_dropout_add", &ckpt_ext::bias_dropout_add_autograd);
   m.impl("dropout", &ckpt_ext::dropout_autograd);
   m.impl("bias_dropout_add_layer_norm", &ckpt_ext::bias_dropout_add_layer_norm_autograd);
+  m.impl("bias_dropout_add_layer_norm_dual", &ckpt_ext::bias_dropout_add_layer_norm_dual_autograd);
   m.impl("add_layer_norm", &ckpt_ext::add_layer_norm_autograd);
   m.impl("add_rms_norm", &ckpt_ext::add_rms_norm_autograd);
   m.impl("swiglu", &ckpt_ext::swiglu_autograd);

@@ -39,12 +39,15 @@ Tensor bias_dropout_add(const Tensor& x, const OptTensor& bias, const Tensor& re
 Tensor dropout(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset,
                std::optional<at::ScalarType> dtype = std::nullopt);
 // (out, pre_norm, mean, rstd, keep_bits): x in residual's dtype or, beside a float32 residual (autocast: a
-// GEMM's output joining the stream), bfloat16/float16, read as float; out and pre_norm in residual's dtype.
+// GEMM's output joining the stream), bfloat16/float16, read as float; out and pre_norm in residual's dtype, or out
+// in out_dtype: bfloat16/float16 beside a float32 residual (issue 32: an out that only feeds GEMMs, written in
+// their dtype, the float result rounded once; its gradient then comes in that dtype, read as float).
 // keep_bits is the dropout mask, one bit per element, stored by the
 // CPU kernel when p > 0 for the backward to read (uint8 [*rows, ceil(hidden / 8)]); elsewhere empty ([0]).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm(
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
-    double p, double eps, c10::SymInt seed, c10::SymInt offset);
+    double p, double eps, c10::SymInt seed, c10::SymInt offset,
+    std::optional<at::ScalarType> out_dtype = std::nullopt);
 // keep_bits: the forward's (read instead of regenerating the mask), or absent/empty (regenerated).
 // grad_bias: also return the dense bias's gradient (grad_x summed over rows, in the kernel's pass; else the
 // fifth output is empty). x_dtype: grad_x's dtype, x's in the forward (absent: pre_norm's; a lower-precision
@@ -53,18 +56,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_b
     const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm, const Tensor& weight,
     const Tensor& mean, const Tensor& rstd, double p, c10::SymInt seed, c10::SymInt offset,
     const OptTensor& keep_bits = std::nullopt, bool grad_bias = false,
-    std::optional<at::ScalarType> x_dtype = std::nullopt);
+    std::optional<at::ScalarType> x_dtype = std::nullopt, const OptTensor& grad_out2 = std::nullopt);
+// (out, out2, pre_norm, mean, rstd, keep_bits): bias_dropout_add_layer_norm (out in the stream's dtype) with its out
+// also written in out2_dtype (bfloat16/float16 beside a float32 stream: the float value rounded once; issue 32: BERT's
+// h1, the float32 residual of the next norm and the input of a GEMM). Backward: out2's gradient, read as float, added
+// to out's (the backward op's grad_out2), as autograd adds the float gradient of a cast.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_dual(
+    const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
+    double p, double eps, c10::SymInt seed, c10::SymInt offset, at::ScalarType out2_dtype);
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
                                                           const Tensor& weight, const OptTensor& bias, double eps);
 std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum,
                                                            const Tensor& sum, const Tensor& weight,
                                                            const Tensor& mean, const Tensor& rstd);
 // x in the stream's dtype (residual's, else weight's) or, beside a float32 stream, bfloat16/float16, read as
-// float; out and sum in the stream's dtype, x's gradient (autograd) in x's.
+// float; out and sum in the stream's dtype, x's gradient (autograd) in x's. out_dtype: out's dtype, as
+// bias_dropout_add_layer_norm's.
 std::tuple<Tensor, Tensor, Tensor> add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
-                                                double eps);
+                                                double eps, std::optional<at::ScalarType> out_dtype = std::nullopt);
+// grad_out, grad_out2 (optional, a second gradient of out, added in float): sum's dtype or out_dtype's.
 std::tuple<Tensor, Tensor> add_rms_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum, const Tensor& sum,
-                                                 const Tensor& weight, const Tensor& rstd);
+                                                 const Tensor& weight, const Tensor& rstd,
+                                                 const OptTensor& grad_out2 = std::nullopt);
+// No schema of its own (C++ callers, the layers): add_rms_norm with out in out_dtype handed out twice, (out, out2,
+// sum, rstd), out2 an alias of out, for an out that feeds two GEMMs: autograd then hands the op's backward the two
+// gradients, which it adds in float (add_rms_norm_backward's grad_out2), as it added the float gradients of a float
+// out cast twice -- where summing them in out_dtype (one handle) would round.
+std::tuple<Tensor, Tensor, Tensor, Tensor> add_rms_norm_fanout(const Tensor& x, const OptTensor& residual,
+                                                               const Tensor& weight, double eps,
+                                                               at::ScalarType out_dtype);
 Tensor swiglu(const Tensor& gate, const Tensor& up);
 std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up);
 // approximate: "tanh" (GELUTanh, Gemma's gelu_pytorch_tanh) or "none" (exact GELU).

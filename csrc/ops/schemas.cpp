@@ -20,12 +20,16 @@ TORCH_LIBRARY(ckpt_ext, m) {
   m.def("dropout_mask(SymInt numel, float p, SymInt seed, SymInt offset, Device device) -> Tensor");
   m.def(
       "bias_dropout_add_layer_norm(Tensor x, Tensor? bias, Tensor residual, Tensor weight, Tensor? ln_bias, "
-      "float p, float eps, SymInt seed, SymInt offset) "
+      "float p, float eps, SymInt seed, SymInt offset, ScalarType? out_dtype=None) "
       "-> (Tensor out, Tensor pre_norm, Tensor mean, Tensor rstd, Tensor keep_bits)");
+  m.def(
+      "bias_dropout_add_layer_norm_dual(Tensor x, Tensor? bias, Tensor residual, Tensor weight, Tensor? ln_bias, "
+      "float p, float eps, SymInt seed, SymInt offset, ScalarType out2_dtype) "
+      "-> (Tensor out, Tensor out2, Tensor pre_norm, Tensor mean, Tensor rstd, Tensor keep_bits)");
   m.def(
       "bias_dropout_add_layer_norm_backward(Tensor grad_out, Tensor? grad_pre_norm, Tensor pre_norm, Tensor weight, "
       "Tensor mean, Tensor rstd, float p, SymInt seed, SymInt offset, Tensor? keep_bits=None, bool grad_bias=False, "
-      "ScalarType? x_dtype=None) "
+      "ScalarType? x_dtype=None, Tensor? grad_out2=None) "
       "-> (Tensor grad_x, Tensor grad_residual, Tensor grad_weight, Tensor grad_ln_bias, Tensor grad_bias)");
   m.def(
       "add_layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps) "
@@ -33,10 +37,12 @@ TORCH_LIBRARY(ckpt_ext, m) {
   m.def(
       "add_layer_norm_backward(Tensor grad_out, Tensor? grad_sum, Tensor sum, Tensor weight, Tensor mean, "
       "Tensor rstd) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
-  m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor out, Tensor sum, Tensor rstd)");
   m.def(
-      "add_rms_norm_backward(Tensor grad_out, Tensor? grad_sum, Tensor sum, Tensor weight, Tensor rstd) "
-      "-> (Tensor grad_input, Tensor grad_weight)");
+      "add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, ScalarType? out_dtype=None) "
+      "-> (Tensor out, Tensor sum, Tensor rstd)");
+  m.def(
+      "add_rms_norm_backward(Tensor grad_out, Tensor? grad_sum, Tensor sum, Tensor weight, Tensor rstd, "
+      "Tensor? grad_out2=None) -> (Tensor grad_input, Tensor grad_weight)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor grad_gate, Tensor grad_up)");
   m.def("geglu(Tensor gate, Tensor up, str approximate=\"tanh\") -> Tensor");
@@ -66,6 +72,7 @@ c10::TypedOperatorHandle<Signature> handle(const char* name) {
   static const auto op = handle<Signature>("ckpt_ext::" name); \
   return op.call(__VA_ARGS__)
 
+using T6 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 using T5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 using T4 = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 using T3 = std::tuple<Tensor, Tensor, Tensor>;
@@ -90,20 +97,31 @@ Tensor dropout(const Tensor& x, double p, c10::SymInt seed, c10::SymInt offset, 
                 p, seed, offset, dtype);
 }
 T5 bias_dropout_add_layer_norm(const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight,
-                               const OptTensor& ln_bias, double p, double eps, c10::SymInt seed, c10::SymInt offset) {
+                               const OptTensor& ln_bias, double p, double eps, c10::SymInt seed, c10::SymInt offset,
+                               std::optional<at::ScalarType> out_dtype) {
   CKPT_EXT_CALL("bias_dropout_add_layer_norm",
                 T5(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const OptTensor&, double, double,
-                   c10::SymInt, c10::SymInt),
-                x, bias, residual, weight, ln_bias, p, eps, seed, offset);
+                   c10::SymInt, c10::SymInt, std::optional<at::ScalarType>),
+                x, bias, residual, weight, ln_bias, p, eps, seed, offset, out_dtype);
+}
+T6 bias_dropout_add_layer_norm_dual(const Tensor& x, const OptTensor& bias, const Tensor& residual,
+                                    const Tensor& weight, const OptTensor& ln_bias, double p, double eps,
+                                    c10::SymInt seed, c10::SymInt offset, at::ScalarType out2_dtype) {
+  CKPT_EXT_CALL("bias_dropout_add_layer_norm_dual",
+                T6(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const OptTensor&, double, double,
+                   c10::SymInt, c10::SymInt, at::ScalarType),
+                x, bias, residual, weight, ln_bias, p, eps, seed, offset, out2_dtype);
 }
 T5 bias_dropout_add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_pre_norm, const Tensor& pre_norm,
                                         const Tensor& weight, const Tensor& mean, const Tensor& rstd, double p,
                                         c10::SymInt seed, c10::SymInt offset, const OptTensor& keep_bits,
-                                        bool grad_bias, std::optional<at::ScalarType> x_dtype) {
+                                        bool grad_bias, std::optional<at::ScalarType> x_dtype,
+                                        const OptTensor& grad_out2) {
   CKPT_EXT_CALL("bias_dropout_add_layer_norm_backward",
                 T5(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                   c10::SymInt, c10::SymInt, const OptTensor&, bool, std::optional<at::ScalarType>),
-                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias, x_dtype);
+                   c10::SymInt, c10::SymInt, const OptTensor&, bool, std::optional<at::ScalarType>, const OptTensor&),
+                grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, p, seed, offset, keep_bits, grad_bias, x_dtype,
+                grad_out2);
 }
 T4 add_layer_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
                   double eps) {
@@ -116,14 +134,17 @@ T3 add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum, co
                 T3(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&),
                 grad_out, grad_sum, sum, weight, mean, rstd);
 }
-T3 add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, double eps) {
-  CKPT_EXT_CALL("add_rms_norm", T3(const Tensor&, const OptTensor&, const Tensor&, double), x, residual, weight, eps);
+T3 add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, double eps,
+                std::optional<at::ScalarType> out_dtype) {
+  CKPT_EXT_CALL("add_rms_norm",
+                T3(const Tensor&, const OptTensor&, const Tensor&, double, std::optional<at::ScalarType>), x,
+                residual, weight, eps, out_dtype);
 }
 T2 add_rms_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum, const Tensor& sum, const Tensor& weight,
-                         const Tensor& rstd) {
+                         const Tensor& rstd, const OptTensor& grad_out2) {
   CKPT_EXT_CALL("add_rms_norm_backward",
-                T2(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&), grad_out, grad_sum,
-                sum, weight, rstd);
+                T2(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&),
+                grad_out, grad_sum, sum, weight, rstd, grad_out2);
 }
 Tensor swiglu(const Tensor& gate, const Tensor& up) {
   CKPT_EXT_CALL("swiglu", Tensor(const Tensor&, const Tensor&), gate, up);

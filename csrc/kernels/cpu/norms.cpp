@@ -139,12 +139,42 @@ class LowpRows {
   at::ScalarType dtype_;
 };
 
+// A norm backward's grad_out rows in T: grad_out itself, or (issue 32) grad_out in a lower-precision dtype than the
+// stream (an out written in out_dtype), converted into a T row (LowpRows), plus an optional second gradient of out
+// (grad_out2, either dtype) added in T -- autograd's sum of the two gradients of a T out.
+template <typename T>
+class GradRows {
+ public:
+  GradRows(const at::Tensor& g, const at::Tensor& g2, at::ScalarType stream)
+      : lowp_(g, stream), lowp2_(g2, stream), g_(lowp_.mixed() ? nullptr : g.const_data_ptr<T>()),
+        g2_(g2.defined() && !lowp2_.mixed() ? g2.const_data_ptr<T>() : nullptr), two_(g2.defined()) {}
+
+  // whether rows go through the caller's buffers (hidden T each)
+  bool copies() const { return lowp_.mixed() || two_; }
+
+  // the row at element `base`; buf, buf2: hidden T each when copies()
+  const T* row(int64_t base, int64_t n, T* buf, T* buf2) const {
+    if (!copies()) return g_ + base;
+    const T* a = lowp_.mixed() ? lowp_.load(base, n, buf) : g_ + base;
+    if (!two_) return a;
+    const T* b = lowp2_.mixed() ? lowp2_.load(base, n, buf2) : g2_ + base;
+    for (int64_t j = 0; j < n; ++j) buf[j] = a[j] + b[j];
+    return buf;
+  }
+
+ private:
+  LowpRows<T> lowp_, lowp2_;
+  const T* g_;
+  const T* g2_;
+  bool two_;
+};
+
 }  // namespace
 
 void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
                         const DropoutArgs& dropout, const at::Tensor& weight, const at::Tensor& ln_bias, double eps,
                         const at::Tensor& out, const at::Tensor& pre_norm, const at::Tensor& mean,
-                        const at::Tensor& rstd, const at::Tensor& keep_bits) {
+                        const at::Tensor& rstd, const at::Tensor& keep_bits, const at::Tensor& out2) {
   const KeepBits kb(keep_bits, dropout, weight.numel());
   // The stream's dtype (pre_norm's); x may be a lower-precision one (LowpRows).
   const auto stream = pre_norm.scalar_type();
@@ -155,7 +185,9 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
         const T* xp = lowp_x.mixed() ? nullptr : x.const_data_ptr<T>();
         const T* bp = ptr_or_null<T>(bias);
         const T* rp = ptr_or_null<T>(residual);
-        T* op = out.mutable_data_ptr<T>();
+        const LowpRows<T> lowp_out(out, stream);  // out in out_dtype: the T row rounded into it
+        const LowpRows<T> lowp_out2(out2, stream);  // a second, lower-precision out (the same row rounded)
+        T* op = lowp_out.mixed() ? nullptr : out.mutable_data_ptr<T>();
         T* pp = pre_norm.mutable_data_ptr<T>();
         float* mp = mean.mutable_data_ptr<float>();
         float* sp = rstd.mutable_data_ptr<float>();
@@ -163,7 +195,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
         const FloatParams params(weight, ln_bias);
         at::parallel_for(0, x.numel() / hidden, row_grain(hidden), [&](int64_t begin, int64_t end) {
           std::vector<float> scratch(hidden);
-          std::vector<T> x_row(lowp_x.mixed() ? hidden : 0);
+          std::vector<T> x_row(lowp_x.mixed() ? hidden : 0), out_row(lowp_out.mixed() ? hidden : 0);
           DropoutWords mask(dropout.philox());
           NormRow<T> row{};
           row.bias = bp;
@@ -176,11 +208,13 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
             const int64_t base = r * hidden;
             row.x = lowp_x.mixed() ? lowp_x.load(base, hidden, x_row.data()) : xp + base;
             row.residual = rp ? rp + base : nullptr;
-            row.out = op + base;
+            row.out = lowp_out.mixed() ? out_row.data() : op + base;
             row.pre = pp + base;
             row.drop = vec_dropout(mask, dropout.enabled(), scale, base, hidden);
             kb.store(r, row.drop.words, mask.threshold());
             k.layer_norm_forward(row);
+            if (lowp_out.mixed()) lowp_out.store(base, hidden, out_row.data());
+            if (lowp_out2.mixed()) lowp_out2.store(base, hidden, row.out);
             mp[r] = row.mean;
             sp[r] = row.rstd;
           }
@@ -197,7 +231,8 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
     const scalar_t* rp = ptr_or_null<scalar_t>(residual);
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
     const scalar_t* lbp = ptr_or_null<scalar_t>(ln_bias);
-    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    const LowpRows<scalar_t> lowp_out(out, stream), lowp_out2(out2, stream);
+    scalar_t* op = lowp_out.mixed() ? nullptr : out.mutable_data_ptr<scalar_t>();
     scalar_t* pp = pre_norm.mutable_data_ptr<scalar_t>();
     A* mp = mean.mutable_data_ptr<A>();
     A* sp = rstd.mutable_data_ptr<A>();
@@ -206,7 +241,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
     const philox::Dropout ph = dropout.philox();
     at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
       std::vector<A> v(hidden);
-      std::vector<scalar_t> x_buf(lowp_x.mixed() ? hidden : 0);
+      std::vector<scalar_t> x_buf(lowp_x.mixed() ? hidden : 0), out_buf(lowp_out.mixed() ? hidden : 0);
       DropoutWords mask(ph);
       for (int64_t r = begin; r < end; ++r) {
         const int64_t base = r * hidden;
@@ -229,11 +264,14 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
         const A rs = static_cast<A>(1 / std::sqrt(var / hidden + eps));
         mp[r] = mu;
         sp[r] = rs;
+        scalar_t* out_row = lowp_out.mixed() ? out_buf.data() : op + base;
         for (int64_t j = 0; j < hidden; ++j) {
           A y = (v[j] - mu) * rs * static_cast<A>(wp[j]);
           if (lbp) y += static_cast<A>(lbp[j]);
-          op[base + j] = static_cast<scalar_t>(y);
+          out_row[j] = static_cast<scalar_t>(y);
         }
+        if (lowp_out.mixed()) lowp_out.store(base, hidden, out_buf.data());
+        if (lowp_out2.mixed()) lowp_out2.store(base, hidden, out_row);
       }
     });
   });
@@ -243,7 +281,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
                          const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
                          const DropoutArgs& dropout, const at::Tensor& keep_bits, const at::Tensor& grad_pre,
                          const at::Tensor& grad_x, const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias,
-                         const at::Tensor& grad_bias) {
+                         const at::Tensor& grad_bias, const at::Tensor& grad_out2) {
   const KeepBits kb(keep_bits, dropout, weight.numel());
   const bool bias_sums = grad_bias.defined() && grad_x.defined();
   const bool want_dx = grad_x.defined();
@@ -251,7 +289,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         using T = typename std::decay_t<decltype(k)>::Scalar;
         const int64_t hidden = weight.numel();
         const int64_t rows = pre_norm.numel() / hidden;
-        const T* gp = grad_out.const_data_ptr<T>();
+        const GradRows<T> grads(grad_out, grad_out2, pre_norm.scalar_type());  // out_dtype's, or two of them
         const T* gsp = ptr_or_null<T>(grad_pre_norm);
         const T* vp = pre_norm.const_data_ptr<T>();
         const float* mp = mean.const_data_ptr<float>();
@@ -267,7 +305,8 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         const FloatParams params(weight, at::Tensor());
         at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
           DropoutWords mask(dropout.philox());
-          std::vector<T> dx_row(lowp_dx.mixed() ? hidden : 0);
+          std::vector<T> dx_row(lowp_dx.mixed() ? hidden : 0), g_row(grads.copies() ? hidden : 0),
+              g2_row(grads.copies() ? hidden : 0);
           NormRow<T> row{};
           row.weight = params.weight;
           row.hidden = hidden;
@@ -278,7 +317,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
             const int64_t r_end = std::min(rows, (c + 1) * chunks.rows_per_chunk);
             for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
               const int64_t base = r * hidden;
-              row.grad = gp + base;
+              row.grad = grads.row(base, hidden, g_row.data(), g2_row.data());
               row.grad_pre = gsp ? gsp + base : nullptr;
               row.x = vp + base;
               row.out = dpre + base;
@@ -302,7 +341,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
     using A = at::opmath_type<scalar_t>;
     const int64_t hidden = weight.numel();
     const int64_t rows = pre_norm.numel() / hidden;
-    const scalar_t* gp = grad_out.const_data_ptr<scalar_t>();
+    const GradRows<scalar_t> grads(grad_out, grad_out2, dtype);
     const scalar_t* gsp = ptr_or_null<scalar_t>(grad_pre_norm);
     const scalar_t* vp = pre_norm.const_data_ptr<scalar_t>();
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
@@ -319,7 +358,8 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
     std::vector<A> partial_x(bias_sums ? chunks.count * hidden : 0, A(0));
     at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
       DropoutWords mask(ph);
-      std::vector<scalar_t> dx_buf(lowp_dx.mixed() ? hidden : 0);
+      std::vector<scalar_t> dx_buf(lowp_dx.mixed() ? hidden : 0), g_buf(grads.copies() ? hidden : 0),
+          g2_buf(grads.copies() ? hidden : 0);
       for (int64_t c = c0; c < c1; ++c) {
         A* pw = partial_w.data() + c * hidden;
         A* pb = partial_b.data() + c * hidden;
@@ -328,9 +368,10 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
         for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
           const int64_t base = r * hidden;
           const A mu = mp[r], rs = sp[r];
+          const scalar_t* g_row = grads.row(base, hidden, g_buf.data(), g2_buf.data());
           RowSum sum_dy = 0, sum_dy_xhat = 0;  // dy = grad_out * weight
           for (int64_t j = 0; j < hidden; ++j) {
-            const A g = static_cast<A>(gp[base + j]);
+            const A g = static_cast<A>(g_row[j]);
             const A xhat = (static_cast<A>(vp[base + j]) - mu) * rs;
             const A dy = g * static_cast<A>(wp[j]);
             sum_dy += dy;
@@ -344,7 +385,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
           scalar_t* dx_row = lowp_dx.mixed() ? dx_buf.data() : dx ? dx + base : nullptr;
           for (int64_t j = 0; j < hidden; ++j) {
             const A xhat = (static_cast<A>(vp[base + j]) - mu) * rs;
-            A d = rs * (static_cast<A>(gp[base + j]) * static_cast<A>(wp[j]) - c_mean - xhat * c_xhat);
+            A d = rs * (static_cast<A>(g_row[j]) * static_cast<A>(wp[j]) - c_mean - xhat * c_xhat);
             if (gsp) d += static_cast<A>(gsp[base + j]);
             dpre[base + j] = static_cast<scalar_t>(d);
             if (dx_row) {
@@ -371,12 +412,13 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
         const LowpRows<T> lowp_x(x, stream);
         const T* xp = lowp_x.mixed() ? nullptr : x.const_data_ptr<T>();
         const T* rp = ptr_or_null<T>(residual);
-        T* op = out.mutable_data_ptr<T>();
+        const LowpRows<T> lowp_out(out, stream);  // out in out_dtype: the T row rounded into it
+        T* op = lowp_out.mixed() ? nullptr : out.mutable_data_ptr<T>();
         T* sump = sum.mutable_data_ptr<T>();
         float* sp = rstd.mutable_data_ptr<float>();
         const FloatParams params(weight, at::Tensor());
         at::parallel_for(0, x.numel() / hidden, row_grain(hidden), [&](int64_t begin, int64_t end) {
-          std::vector<T> x_row(lowp_x.mixed() ? hidden : 0);
+          std::vector<T> x_row(lowp_x.mixed() ? hidden : 0), out_row(lowp_out.mixed() ? hidden : 0);
           NormRow<T> row{};
           row.weight = params.weight;
           row.hidden = hidden;
@@ -385,9 +427,10 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
             const int64_t base = r * hidden;
             row.x = lowp_x.mixed() ? lowp_x.load(base, hidden, x_row.data()) : xp + base;
             row.residual = rp ? rp + base : nullptr;
-            row.out = op + base;
+            row.out = lowp_out.mixed() ? out_row.data() : op + base;
             row.pre = sump + base;
             k.rms_norm_forward(row);
+            if (lowp_out.mixed()) lowp_out.store(base, hidden, out_row.data());
             sp[r] = row.rstd;
           }
         });
@@ -401,11 +444,12 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
     const scalar_t* xp = lowp_x.mixed() ? nullptr : x.const_data_ptr<scalar_t>();
     const scalar_t* rp = ptr_or_null<scalar_t>(residual);
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
-    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    const LowpRows<scalar_t> lowp_out(out, stream);
+    scalar_t* op = lowp_out.mixed() ? nullptr : out.mutable_data_ptr<scalar_t>();
     scalar_t* sump = sum.mutable_data_ptr<scalar_t>();
     A* sp = rstd.mutable_data_ptr<A>();
     at::parallel_for(0, rows, row_grain(hidden), [&](int64_t begin, int64_t end) {
-      std::vector<scalar_t> x_buf(lowp_x.mixed() ? hidden : 0);
+      std::vector<scalar_t> x_buf(lowp_x.mixed() ? hidden : 0), out_buf(lowp_out.mixed() ? hidden : 0);
       for (int64_t r = begin; r < end; ++r) {
         const int64_t base = r * hidden;
         const scalar_t* x_row = lowp_x.mixed() ? lowp_x.load(base, hidden, x_buf.data()) : xp + base;
@@ -419,24 +463,26 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
         }
         const A rs = static_cast<A>(1 / std::sqrt(sum_sq / hidden + eps));
         sp[r] = rs;
+        scalar_t* out_row = lowp_out.mixed() ? out_buf.data() : op + base;
         for (int64_t j = 0; j < hidden; ++j) {
           // LlamaRMSNorm: normalise in float, cast back to the input dtype, then multiply by the weight.
           const scalar_t normed = static_cast<scalar_t>(static_cast<A>(sump[base + j]) * rs);
-          op[base + j] = static_cast<scalar_t>(static_cast<A>(wp[j]) * static_cast<A>(normed));
+          out_row[j] = static_cast<scalar_t>(static_cast<A>(wp[j]) * static_cast<A>(normed));
         }
+        if (lowp_out.mixed()) lowp_out.store(base, hidden, out_buf.data());
       }
     });
   });
 }
 
-void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, const at::Tensor& sum,
-                       const at::Tensor& weight, const at::Tensor& rstd, const at::Tensor& grad_input,
-                       const at::Tensor& grad_weight) {
+void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_out2, const at::Tensor& grad_sum,
+                       const at::Tensor& sum, const at::Tensor& weight, const at::Tensor& rstd,
+                       const at::Tensor& grad_input, const at::Tensor& grad_weight) {
   if (with_vec(sum.scalar_type(), [&](const auto& k) {
         using T = typename std::decay_t<decltype(k)>::Scalar;
         const int64_t hidden = weight.numel();
         const int64_t rows = sum.numel() / hidden;
-        const T* gp = grad_out.const_data_ptr<T>();
+        const GradRows<T> grads(grad_out, grad_out2, sum.scalar_type());  // out_dtype's, or two of them
         const T* gsp = ptr_or_null<T>(grad_sum);
         const T* vp = sum.const_data_ptr<T>();
         const float* sp = rstd.const_data_ptr<float>();
@@ -445,6 +491,7 @@ void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, c
         std::vector<float> partial_w(chunks.count * hidden, 0.f);
         const FloatParams params(weight, at::Tensor());
         at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
+          std::vector<T> g_row(grads.copies() ? hidden : 0), g2_row(grads.copies() ? hidden : 0);
           NormRow<T> row{};
           row.weight = params.weight;
           row.hidden = hidden;
@@ -453,7 +500,7 @@ void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, c
             const int64_t r_end = std::min(rows, (c + 1) * chunks.rows_per_chunk);
             for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
               const int64_t base = r * hidden;
-              row.grad = gp + base;
+              row.grad = grads.row(base, hidden, g_row.data(), g2_row.data());
               row.grad_pre = gsp ? gsp + base : nullptr;
               row.x = vp + base;
               row.out = dinp + base;
@@ -469,7 +516,7 @@ void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, c
     using A = at::opmath_type<scalar_t>;
     const int64_t hidden = weight.numel();
     const int64_t rows = sum.numel() / hidden;
-    const scalar_t* gp = grad_out.const_data_ptr<scalar_t>();
+    const GradRows<scalar_t> grads(grad_out, grad_out2, sum.scalar_type());
     const scalar_t* gsp = ptr_or_null<scalar_t>(grad_sum);
     const scalar_t* vp = sum.const_data_ptr<scalar_t>();
     const scalar_t* wp = weight.const_data_ptr<scalar_t>();
@@ -478,15 +525,17 @@ void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, c
     const RowChunks chunks(rows);
     std::vector<A> partial_w(chunks.count * hidden, A(0));
     at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
+      std::vector<scalar_t> g_buf(grads.copies() ? hidden : 0), g2_buf(grads.copies() ? hidden : 0);
       for (int64_t c = c0; c < c1; ++c) {
         A* pw = partial_w.data() + c * hidden;
         const int64_t r_end = std::min(rows, (c + 1) * chunks.rows_per_chunk);
         for (int64_t r = c * chunks.rows_per_chunk; r < r_end; ++r) {
           const int64_t base = r * hidden;
           const A rs = sp[r];
+          const scalar_t* g_row = grads.row(base, hidden, g_buf.data(), g2_buf.data());
           RowSum sum_dn_n = 0;  // dn = grad_out * weight, n = sum * rstd
           for (int64_t j = 0; j < hidden; ++j) {
-            const A g = static_cast<A>(gp[base + j]);
+            const A g = static_cast<A>(g_row[j]);
             const A n = static_cast<A>(vp[base + j]) * rs;
             sum_dn_n += g * static_cast<A>(wp[j]) * n;
             pw[j] += g * static_cast<A>(static_cast<scalar_t>(n));  // out = weight * to_dtype(n)
@@ -494,7 +543,7 @@ void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, c
           const A c_n = static_cast<A>(sum_dn_n / hidden);
           for (int64_t j = 0; j < hidden; ++j) {
             const A n = static_cast<A>(vp[base + j]) * rs;
-            A d = rs * (static_cast<A>(gp[base + j]) * static_cast<A>(wp[j]) - n * c_n);
+            A d = rs * (static_cast<A>(g_row[j]) * static_cast<A>(wp[j]) - n * c_n);
             if (gsp) d += static_cast<A>(gsp[base + j]);
             dinp[base + j] = static_cast<scalar_t>(d);
           }

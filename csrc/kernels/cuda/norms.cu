@@ -130,9 +130,12 @@ void launch_column_sum(const at::Tensor& partial_w, const at::Tensor& partial_b,
 void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
                         const DropoutArgs& dropout, const at::Tensor& weight, const at::Tensor& ln_bias, double eps,
                         const at::Tensor& out, const at::Tensor& pre_norm, const at::Tensor& mean,
-                        const at::Tensor& rstd, const at::Tensor& keep_bits) {
+                        const at::Tensor& rstd, const at::Tensor& keep_bits, const at::Tensor& out2) {
   // The CUDA kernels regenerate the mask in backward (Philox is cheap next to the row's memory traffic).
   TORCH_INTERNAL_ASSERT(!keep_bits.defined(), "ckpt_ext: keep bits are stored by the CPU kernels only");
+  // ops/norms.cpp writes out in the stream's dtype here, and out2 (or a lower-precision out) from it.
+  TORCH_INTERNAL_ASSERT(!out2.defined() && out.scalar_type() == pre_norm.scalar_type(),
+                        "ckpt_ext: the CUDA LayerNorm kernels write out in the stream's dtype");
   const c10::DeviceGuard guard(x.device());
   const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
   const auto dtype = pre_norm.scalar_type();  // the stream's; x may be a narrower one (rowwise::LayerNormForwardArgs)
@@ -146,7 +149,7 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
     // accesses (the element-by-element instantiations would spill on sm_90): x converted first (a correct,
     // slower path for the widest rows and for unaligned ones).
     layer_norm_forward(x.to(dtype), bias, residual, dropout, weight, ln_bias, eps, out, pre_norm, mean, rstd,
-                       keep_bits);
+                       keep_bits, out2);
     return;
   }
   const cudaStream_t stream = current_stream(x.device());
@@ -187,8 +190,11 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
                          const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd,
                          const DropoutArgs& dropout, const at::Tensor& keep_bits, const at::Tensor& grad_pre,
                          const at::Tensor& grad_x, const at::Tensor& grad_weight, const at::Tensor& grad_ln_bias,
-                         const at::Tensor& grad_bias) {
+                         const at::Tensor& grad_bias, const at::Tensor& grad_out2) {
   TORCH_INTERNAL_ASSERT(!keep_bits.defined(), "ckpt_ext: keep bits are read by the CPU kernels only");
+  // ops/norms.cpp hands these kernels one gradient of out, in the stream's dtype.
+  TORCH_INTERNAL_ASSERT(!grad_out2.defined() && grad_out.scalar_type() == pre_norm.scalar_type(),
+                        "ckpt_ext: the CUDA LayerNorm kernels read one gradient in the stream's dtype");
   const bool bias_sums = grad_bias.defined() && grad_x.defined();
   bool bias_summed = false;  // false: by at::sum_out after the kernel (a row too wide for the BIAS kernels)
   const c10::DeviceGuard guard(pre_norm.device());
@@ -212,7 +218,7 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
     if (!direct) {
       const at::Tensor grad_x_float = at::empty_like(grad_x, grad_x.options().dtype(dtype));
       layer_norm_backward(grad_out, grad_pre_norm, pre_norm, weight, mean, rstd, dropout, keep_bits, grad_pre,
-                          grad_x_float, grad_weight, grad_ln_bias, grad_bias);
+                          grad_x_float, grad_weight, grad_ln_bias, grad_bias, grad_out2);
       grad_x.copy_(grad_x_float);
       return;
     }
@@ -283,6 +289,8 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
   if (bias_sums && !bias_summed) grad_bias.copy_(grad_x.view({rows, hidden}).sum(0));
 }
 
+// out may be bfloat16/float16 beside a float32 sum (issue 32): the register kernels store it rounded (TO); rows
+// too wide for them write a float32 out first, converted after (a correct, slower path).
 void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
                       const at::Tensor& out, const at::Tensor& sum, const at::Tensor& rstd) {
   const c10::DeviceGuard guard(x.device());
@@ -290,52 +298,85 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
   const cudaStream_t stream = current_stream(x.device());
   CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::rms_norm_forward", [&] {
     using T = scalar_t;
-    rowwise::RmsNormForwardArgs<T> a{x.const_data_ptr<T>(), ptr_or_null<T>(residual), weight.const_data_ptr<T>(),
-                                     out.mutable_data_ptr<T>(), sum.mutable_data_ptr<T>(), rstd.mutable_data_ptr<float>(),
-                                     rows, static_cast<int>(hidden), static_cast<float>(eps), false};
-    a.vec = vector_ok<T>(hidden, {a.x, a.residual, a.weight, a.out, a.sum});
-    const bool fits = with_row_shape<T, rowwise::ForwardLimits>(hidden, a.vec, [&](auto shape) {
-      using S = decltype(shape);
-      const auto kernel = rowwise::rms_norm_forward_kernel<T, S::iters, S::warps, S::vec>;
-      const int threads = rowwise::cta_threads(S::warps);
-      const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
-      kernel<<<grid, threads, 0, stream>>>(a);
-      CKPT_EXT_CUDA_LAUNCH_CHECK();
+    with_x_type<T>(out.scalar_type(), [&](auto tag) {
+      using TO = typename decltype(tag)::type;
+      rowwise::RmsNormForwardArgs<T, TO> a{x.const_data_ptr<T>(), ptr_or_null<T>(residual), weight.const_data_ptr<T>(),
+                                           out.mutable_data_ptr<TO>(), sum.mutable_data_ptr<T>(),
+                                           rstd.mutable_data_ptr<float>(), rows, static_cast<int>(hidden),
+                                           static_cast<float>(eps), false};
+      a.vec = vector_ok<T>(hidden, {a.x, a.residual, a.weight, a.out, a.sum});
+      const bool fits = with_row_shape<T, rowwise::ForwardLimits>(hidden, a.vec, [&](auto shape) {
+        using S = decltype(shape);
+        const auto kernel = rowwise::rms_norm_forward_kernel<T, S::iters, S::warps, S::vec, TO>;
+        const int threads = rowwise::cta_threads(S::warps);
+        const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
+        kernel<<<grid, threads, 0, stream>>>(a);
+        CKPT_EXT_CUDA_LAUNCH_CHECK();
+      });
+      if (fits) return;
+      if constexpr (std::is_same_v<TO, T>) {
+        multipass::rms_norm_forward<T>(a, stream);
+      } else {
+        const at::Tensor tmp = at::empty_like(sum);
+        rowwise::RmsNormForwardArgs<T> f{a.x, a.residual, a.weight, tmp.mutable_data_ptr<T>(), a.sum, a.rstd,
+                                         rows, a.hidden, a.eps, a.vec};
+        multipass::rms_norm_forward<T>(f, stream);
+        out.copy_(tmp);
+      }
     });
-    if (!fits) multipass::rms_norm_forward<T>(a, stream);
   });
 }
 
-void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_sum, const at::Tensor& sum,
-                       const at::Tensor& weight, const at::Tensor& rstd, const at::Tensor& grad_input,
-                       const at::Tensor& grad_weight) {
+void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_out2, const at::Tensor& grad_sum,
+                       const at::Tensor& sum, const at::Tensor& weight, const at::Tensor& rstd,
+                       const at::Tensor& grad_input, const at::Tensor& grad_weight) {
+  // grad_out (and grad_out2, then of grad_out's dtype: ops/norms.cpp adds any other pair itself) may be bfloat16 /
+  // float16 beside a float32 sum (issue 32): the register kernels read them (TG); rows too wide for them read the
+  // float32 sum of the two, converted first (a correct, slower path).
+  TORCH_INTERNAL_ASSERT(!grad_out2.defined() ||
+                            (grad_out2.scalar_type() == grad_out.scalar_type() &&
+                             grad_out.scalar_type() != sum.scalar_type()),
+                        "ckpt_ext: the CUDA rms_norm_backward reads a second gradient only in out's lower precision");
   const c10::DeviceGuard guard(sum.device());
   const int64_t hidden = weight.numel(), rows = sum.numel() / hidden;
   const cudaStream_t stream = current_stream(sum.device());
   CKPT_EXT_DISPATCH_CUDA_FLOATING(sum.scalar_type(), "ckpt_ext::rms_norm_backward", [&] {
     using T = scalar_t;
-    rowwise::RmsNormBackwardArgs<T> a{grad_out.const_data_ptr<T>(), ptr_or_null<T>(grad_sum), sum.const_data_ptr<T>(),
-                                      weight.const_data_ptr<T>(), rstd.const_data_ptr<float>(),
-                                      grad_input.mutable_data_ptr<T>(), nullptr, rows, static_cast<int>(hidden), false};
-    a.vec = vector_ok<T>(hidden, {a.grad_out, a.grad_sum, a.sum, a.weight, a.grad_input});
-    at::Tensor partial_w;
-    const bool fits = with_row_shape<T, rowwise::BackwardLimits>(hidden, a.vec, [&](auto shape) {
-      using S = decltype(shape);
-      const auto kernel = rowwise::rms_norm_backward_kernel<T, S::iters, S::warps, S::vec>;
-      const int threads = rowwise::cta_threads(S::warps);
-      const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
-      partial_w = column_partials(grid, hidden, sum, false);
-      a.partial_w = partial_w.mutable_data_ptr<float>();
-      kernel<<<grid, threads, 0, stream>>>(a);
-      CKPT_EXT_CUDA_LAUNCH_CHECK();
+    with_x_type<T>(grad_out.scalar_type(), [&](auto tag) {
+      using TG = typename decltype(tag)::type;
+      rowwise::RmsNormBackwardArgs<T, TG> a{grad_out.const_data_ptr<TG>(), ptr_or_null<TG>(grad_out2),
+                                            ptr_or_null<T>(grad_sum), sum.const_data_ptr<T>(),
+                                            weight.const_data_ptr<T>(), rstd.const_data_ptr<float>(),
+                                            grad_input.mutable_data_ptr<T>(), nullptr, rows, static_cast<int>(hidden),
+                                            false};
+      a.vec = vector_ok<T>(hidden, {a.grad_out, a.grad_out2, a.grad_sum, a.sum, a.weight, a.grad_input});
+      at::Tensor partial_w;
+      const bool fits = with_row_shape<T, rowwise::BackwardLimits>(hidden, a.vec, [&](auto shape) {
+        using S = decltype(shape);
+        const auto kernel = rowwise::rms_norm_backward_kernel<T, S::iters, S::warps, S::vec, TG>;
+        const int threads = rowwise::cta_threads(S::warps);
+        const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(S::warps));
+        partial_w = column_partials(grid, hidden, sum, false);
+        a.partial_w = partial_w.mutable_data_ptr<float>();
+        kernel<<<grid, threads, 0, stream>>>(a);
+        CKPT_EXT_CUDA_LAUNCH_CHECK();
+      });
+      if (!fits) {
+        const int grid = multipass::backward_grid(rows);
+        partial_w = column_partials(grid, hidden, sum, true);
+        if constexpr (std::is_same_v<TG, T>) {
+          a.partial_w = partial_w.mutable_data_ptr<float>();
+          multipass::rms_norm_backward<T>(a, grid, stream);
+        } else {
+          at::Tensor g = grad_out.to(sum.scalar_type());
+          if (grad_out2.defined()) g.add_(grad_out2.to(sum.scalar_type()));
+          rowwise::RmsNormBackwardArgs<T> f{g.const_data_ptr<T>(), nullptr, a.grad_sum, a.sum, a.weight, a.rstd,
+                                            a.grad_input, partial_w.mutable_data_ptr<float>(), rows, a.hidden, a.vec};
+          multipass::rms_norm_backward<T>(f, grid, stream);
+        }
+      }
+      launch_column_sum<T>(partial_w, at::Tensor(), grad_weight, at::Tensor(), stream);
     });
-    if (!fits) {
-      const int grid = multipass::backward_grid(rows);
-      partial_w = column_partials(grid, hidden, sum, true);
-      a.partial_w = partial_w.mutable_data_ptr<float>();
-      multipass::rms_norm_backward<T>(a, grid, stream);
-    }
-    launch_column_sum<T>(partial_w, at::Tensor(), grad_weight, at::Tensor(), stream);
   });
 }
 

@@ -19,6 +19,8 @@
 // so its flags are V/4 whole keep4 groups: one Philox call per four elements, as on the CPU.
 #pragma once
 
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace ckpt_ext {
@@ -363,10 +365,13 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(c
   if constexpr (BIAS) write_column_partials<ITERS, WPR, V>(a.partial_x, dx, hidden, VEC, red[2], 2 % RPC);
 }
 
-template <typename T>
+// TO: out's element type, T's or (autocast, issue 32: an out that only feeds GEMMs) bfloat16/float16 beside a
+// float32 stream, the float value rounded once on the store (norms.cu instantiates TO != T only for T = float).
+template <typename T, typename TO = T>
 struct RmsNormForwardArgs {
   const T *x, *residual, *weight;
-  T *out, *sum;
+  TO* out;
+  T* sum;
   float* rstd;
   int64_t rows;
   int hidden;
@@ -374,8 +379,8 @@ struct RmsNormForwardArgs {
   bool vec;  // the host's choice of the kernel's VEC
 };
 
-template <typename T, int ITERS, int WPR, bool VEC>
-__global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_forward_kernel(const RmsNormForwardArgs<T> a) {
+template <typename T, int ITERS, int WPR, bool VEC, typename TO = T>
+__global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_forward_kernel(const RmsNormForwardArgs<T, TO> a) {
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[kWarpSize];
   const int t = threadIdx.x % TPR, hidden = a.hidden;
@@ -409,14 +414,17 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_forward_kernel(cons
 #pragma unroll
       for (int k = 0; k < V; ++k)  // LlamaRMSNorm: normalise in float, round to T, then scale by the weight
         y[k] = static_cast<float>(w[it].v[k]) * static_cast<float>(static_cast<T>(static_cast<float>(v[it].v[k]) * rs));
-      store_slot<T, V>(a.out, base, (it * TPR + t) * V, hidden, VEC, y);
+      store_slot<TO, V>(a.out, base, (it * TPR + t) * V, hidden, VEC, y);
     }
   }
 }
 
-template <typename T>
+// TG: grad_out's element type, T's or the TO of the forward's out (bfloat16/float16 beside a float32 stream, read
+// as float); grad_out2 (TG != T only, may be null): a second gradient of out, added to grad_out in float.
+template <typename T, typename TG = T>
 struct RmsNormBackwardArgs {
-  const T *grad_out, *grad_sum, *sum, *weight;
+  const TG *grad_out, *grad_out2;
+  const T *grad_sum, *sum, *weight;
   const float* rstd;
   T* grad_input;
   float* partial_w;  // [gridDim.x, hidden]
@@ -425,8 +433,8 @@ struct RmsNormBackwardArgs {
   bool vec;  // the host's choice of the kernel's VEC
 };
 
-template <typename T, int ITERS, int WPR, bool VEC>
-__global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_backward_kernel(const RmsNormBackwardArgs<T> a) {
+template <typename T, int ITERS, int WPR, bool VEC, typename TG = T>
+__global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_backward_kernel(const RmsNormBackwardArgs<T, TG> a) {
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[kWarpSize];
   const int t = threadIdx.x % TPR, hidden = a.hidden;
@@ -446,7 +454,17 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_backward_kernel(con
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int col = (it * TPR + t) * V;
-      gs[it] = load_slot<T, V>(a.grad_out, base, col, hidden, VEC);
+      if constexpr (std::is_same_v<TG, T>) {
+        gs[it] = load_slot<T, V>(a.grad_out, base, col, hidden, VEC);
+      } else {  // in T (float): exact, and the two gradients added as autograd adds the float ones
+        const Vec<TG, V> g1 = load_slot<TG, V>(a.grad_out, base, col, hidden, VEC);
+        const Vec<TG, V> g2 = load_slot<TG, V>(a.grad_out2, base, col, hidden, VEC);  // null: zeros
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const float g = static_cast<float>(g1.v[k]);
+          gs[it].v[k] = static_cast<T>(a.grad_out2 != nullptr ? g + static_cast<float>(g2.v[k]) : g);
+        }
+      }
       ss[it] = load_slot<T, V>(a.sum, base, col, hidden, VEC);
 #pragma unroll
       for (int k = 0; k < V; ++k) {

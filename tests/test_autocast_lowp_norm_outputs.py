@@ -1,0 +1,465 @@
+"""The norm ops writing their normalised output in the GEMMs' dtype (issue 32, autocast with float32 master weights):
+`add_rms_norm(..., out_dtype=)` and `bias_dropout_add_layer_norm(..., out_dtype=)` write `out` in bfloat16/float16
+beside the float32 stream (the float result rounded once: the bits of `.to(out_dtype)`), and their backward ops read
+the gradient of `out` in that dtype as float (exact: the bits of autograd's ToCopyBackward, then the float kernel);
+`add_rms_norm_backward(..., grad_out2=)` adds a second gradient of `out` in float, as autograd adds the float
+gradients of an output cast twice. The fused pre-norm layers (Llama / Qwen2 / Mistral / Qwen3 / Gemma: n1 and n2;
+GPT-2: ln_2) write their GEMM-only norm outputs so (_C.mixed_dtype_norm_outputs, on by default); off: float32, cast by
+autocast's linear as before.
+
+Checked: op level -- bit-identical to the float op followed by `.to(out_dtype)` (forward, every gradient), with and
+without residual, a float32 or lower-precision x, dropout off and on, odd / wide rows, the two-gradient backward, the
+portable CPU loops (ATEN_CPU_CAPABILITY=default), the fake kernels, bad out_dtype errors. Layer level -- Llama, Qwen2,
+Qwen3, Gemma and GPT-2 fused models under CPU autocast bfloat16: loss, output, input gradient and every parameter's
+gradient bit-identical with the switch on and off, fused alone and checkpointed (every=1, all layers in one segment,
+keep="gemms"), dropout off and on, and fewer aten._to_copy calls with it on; peft LoRA on the norms' consumers (with
+adapter dropout) keeps the float32 output (same bits, same casts); torch.compile (aot_eager, no graph break) of a
+checkpointed fused Llama equals eager. CUDA-marked: the op and layer parity on the GPU (the ops convert around the
+kernels there).
+"""
+import copy
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ckpt_ext
+from ckpt_ext import _C, fuse, ops
+
+from helpers.devices import requires_cuda
+from helpers.fused import switched
+
+LOWP = [torch.bfloat16, torch.float16]
+
+
+def switch(on):
+    """_C.mixed_dtype_norm_outputs set for a block, restored after."""
+    return switched(_C.mixed_dtype_norm_outputs, on)
+
+
+def test_switch_defaults_on_and_returns_the_previous_setting():
+    assert _C.mixed_dtype_norm_outputs() is True
+    assert _C.mixed_dtype_norm_outputs(False) is True
+    try:
+        assert _C.mixed_dtype_norm_outputs() is False
+    finally:
+        assert _C.mixed_dtype_norm_outputs(True) is False
+
+
+# ---- the ops --------------------------------------------------------------------------------------------------------
+
+
+def _inputs(rows, hidden, x_dtype, device):
+    g = torch.Generator().manual_seed(rows * 7919 + hidden)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device)
+
+    return dict(x=rnd(rows, hidden, scale=3.0).to(x_dtype), bias=rnd(hidden, scale=0.5),
+                residual=rnd(rows, hidden, scale=2.0), weight=1 + rnd(hidden, scale=0.1),
+                ln_bias=rnd(hidden, scale=0.1))
+
+
+def _grads(rows, hidden, out_dtype, device):
+    g = torch.Generator().manual_seed(hidden + 3)
+    return (torch.randn(rows, hidden, generator=g).to(device, out_dtype),
+            torch.randn(rows, hidden, generator=g).to(device))
+
+
+def _ln_run(t, p, out_dtype, g_out, g_pre):
+    """Forward + backward of bias_dropout_add_layer_norm, out written in out_dtype (None: float32, then cast by
+    .to(), autograd's ToCopyBackward taking the gradient back)."""
+    leaves = {k: v.detach().requires_grad_() for k, v in t.items()}
+    out, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm(leaves["x"], leaves["bias"], leaves["residual"],
+                                                              leaves["weight"], leaves["ln_bias"], p, 1e-5, 11, 5,
+                                                              out_dtype=out_dtype)
+    if out_dtype is None:
+        out = out.to(g_out.dtype)
+    torch.autograd.backward([out, pre], [g_out, g_pre])
+    return (out, pre, mean, rstd), {k: v.grad for k, v in leaves.items()}
+
+
+def _assert_ln_matches_cast(rows, hidden, x_dtype, out_dtype, p, device):
+    t = _inputs(rows, hidden, x_dtype, device)
+    g_out, g_pre = _grads(rows, hidden, out_dtype, device)
+    fwd, grads = _ln_run(t, p, out_dtype, g_out, g_pre)
+    ref_fwd, ref_grads = _ln_run(t, p, None, g_out, g_pre)
+    assert fwd[0].dtype == out_dtype and fwd[1].dtype == torch.float32
+    for a, b in zip(fwd, ref_fwd):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for k in grads:
+        assert grads[k].dtype == ref_grads[k].dtype and torch.equal(grads[k], ref_grads[k]), k
+    # The backward op called directly with the lower-precision gradient: the float gradient's bits.
+    pre, mean, rstd = fwd[1].detach(), fwd[2], fwd[3]
+    direct = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
+                                                      grad_bias=True, x_dtype=x_dtype)
+    ref = ops.bias_dropout_add_layer_norm_backward(g_out.float(), g_pre, pre, t["weight"], mean, rstd, p, 11, 5,
+                                                   None, grad_bias=True, x_dtype=x_dtype)
+    for a, b in zip(direct, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["nodrop", "drop"])
+@pytest.mark.parametrize("hidden", [72, 1023, 1024, 8200])
+@pytest.mark.parametrize("x_dtype", ["same", "float32"])
+@pytest.mark.parametrize("out_dtype", LOWP, ids=["bf16", "fp16"])
+def test_layer_norm_lowp_out_is_the_cast_bit_for_bit(out_dtype, x_dtype, hidden, p):
+    """x the GEMM's dtype (GPT-2's ln_2: c_proj's output) or float32."""
+    x_dtype = out_dtype if x_dtype == "same" else torch.float32
+    _assert_ln_matches_cast(6 if hidden > 2000 else 37, hidden, x_dtype, out_dtype, p, "cpu")
+
+
+def _dual_run(t, p, out2_dtype, dual, g_out, g_out2, g_pre):
+    """bias_dropout_add_layer_norm_dual (out float32 and out2), or the plain op with out2 = out.to(out2_dtype)."""
+    leaves = {k: v.detach().requires_grad_() for k, v in t.items()}
+    args = (leaves["x"], leaves["bias"], leaves["residual"], leaves["weight"], leaves["ln_bias"], p, 1e-5, 11, 5)
+    if dual:
+        out, out2, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm_dual(*args, out2_dtype=out2_dtype)
+    else:
+        out, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm(*args)
+        out2 = out.to(out2_dtype)
+    torch.autograd.backward([out, out2, pre], [g_out, g_out2, g_pre])
+    return (out, out2, pre, mean, rstd), {k: v.grad for k, v in leaves.items()}
+
+
+def _assert_dual_matches_cast(rows, hidden, x_dtype, out2_dtype, p, device):
+    """BERT's h1: the float32 out and its lower-precision copy, their two gradients added in float."""
+    t = _inputs(rows, hidden, x_dtype, device)
+    g_out2, g_pre = _grads(rows, hidden, out2_dtype, device)
+    g_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(13)).to(device)
+    fwd, grads = _dual_run(t, p, out2_dtype, True, g_out, g_out2, g_pre)
+    ref_fwd, ref_grads = _dual_run(t, p, out2_dtype, False, g_out, g_out2, g_pre)
+    assert fwd[0].dtype == torch.float32 and fwd[1].dtype == out2_dtype
+    for a, b in zip(fwd, ref_fwd):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for k in grads:
+        assert grads[k].dtype == ref_grads[k].dtype and torch.equal(grads[k], ref_grads[k]), k
+    pre, mean, rstd = fwd[2].detach(), fwd[3], fwd[4]
+    direct = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
+                                                      grad_bias=True, x_dtype=x_dtype, grad_out2=g_out2)
+    ref = ops.bias_dropout_add_layer_norm_backward(g_out + g_out2.float(), g_pre, pre, t["weight"], mean, rstd, p, 11,
+                                                   5, None, grad_bias=True, x_dtype=x_dtype)
+    for a, b in zip(direct, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["nodrop", "drop"])
+@pytest.mark.parametrize("hidden", [72, 1023, 8200])
+@pytest.mark.parametrize("out2_dtype", LOWP, ids=["bf16", "fp16"])
+def test_layer_norm_dual_is_the_cast_bit_for_bit(out2_dtype, hidden, p):
+    """x the GEMM's dtype (BERT's attention output with mixed_dtype_norms) and float32."""
+    for x_dtype in (out2_dtype, torch.float32):
+        _assert_dual_matches_cast(6 if hidden > 2000 else 37, hidden, x_dtype, out2_dtype, p, "cpu")
+
+
+def _rms_run(t, with_residual, out_dtype, g_out, g_sum, g_out2=None):
+    """Forward + backward of add_rms_norm (out in out_dtype, or float32 then .to()); g_out2: a second use of out."""
+    x = t["x"].detach().requires_grad_()
+    r = t["residual"].detach().requires_grad_() if with_residual else None
+    w = t["weight"].detach().requires_grad_()
+    out, s, rstd = ops.add_rms_norm(x, r, w, 1e-6, out_dtype=out_dtype)
+    outs = [out.to(g_out.dtype) if out_dtype is None else out]
+    grads = [g_out]
+    if g_out2 is not None:
+        outs.append(out.to(g_out.dtype) if out_dtype is None else out)
+        grads.append(g_out2)
+    if with_residual:
+        outs.append(s)
+        grads.append(g_sum)
+    torch.autograd.backward(outs, grads)
+    return (outs[0], s, rstd), (x.grad, r.grad if r is not None else None, w.grad)
+
+
+def _assert_rms_matches_cast(rows, hidden, x_dtype, out_dtype, with_residual, device):
+    t = _inputs(rows, hidden, x_dtype, device)
+    g_out, g_sum = _grads(rows, hidden, out_dtype, device)
+    fwd, grads = _rms_run(t, with_residual, out_dtype, g_out, g_sum)
+    ref_fwd, ref_grads = _rms_run(t, with_residual, None, g_out, g_sum)
+    assert fwd[0].dtype == out_dtype and fwd[1].dtype == torch.float32
+    for a, b in zip(fwd, ref_fwd):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(grads, ref_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    # Two gradients of out (grad_out2): added in float, as autograd adds those of a float out cast twice.
+    g_out2 = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(9)).to(device, out_dtype)
+    ref_two = _rms_run(t, with_residual, None, g_out, g_sum, g_out2)[1]
+    sum_, rstd = fwd[1].detach(), fwd[2]
+    direct = ops.add_rms_norm_backward(g_out, g_sum if with_residual else None, sum_, t["weight"], rstd,
+                                       grad_out2=g_out2)
+    assert torch.equal(direct[1], ref_two[2])
+    gx = direct[0].to(x_dtype) if x_dtype != torch.float32 else direct[0]
+    assert torch.equal(gx, ref_two[0])
+    both = ops.add_rms_norm_backward(g_out.float() + g_out2.float(), g_sum if with_residual else None, sum_,
+                                     t["weight"], rstd)
+    assert all(torch.equal(a, b) for a, b in zip(direct, both))
+
+
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "noresidual"])
+@pytest.mark.parametrize("hidden", [64, 1023, 8200])
+@pytest.mark.parametrize("x_dtype", ["same", "float32"])
+@pytest.mark.parametrize("out_dtype", LOWP, ids=["bf16", "fp16"])
+def test_rms_norm_lowp_out_is_the_cast_bit_for_bit(out_dtype, x_dtype, hidden, with_residual):
+    """x float32 without residual (Llama's n1: the stream), x the GEMM's dtype beside a residual (n2: o_proj's)."""
+    x_dtype = out_dtype if x_dtype == "same" else torch.float32
+    _assert_rms_matches_cast(6 if hidden > 2000 else 37, hidden, x_dtype, out_dtype, with_residual, "cpu")
+
+
+def test_lowp_out_on_the_portable_path():
+    """The portable loops (ATEN_CPU_CAPABILITY=default) in a subprocess: the same checks, a SIMD tail and none."""
+    script = (
+        "import sys, torch; sys.path[:0] = [{tests!r}]\n"
+        "import test_autocast_lowp_norm_outputs as t\n"
+        "for dt in (torch.bfloat16, torch.float16):\n"
+        "    for hidden in (40, 1023):\n"
+        "        for p in (0.0, 0.3):\n"
+        "            t._assert_ln_matches_cast(7, hidden, dt, dt, p, 'cpu')\n"
+        "            t._assert_dual_matches_cast(7, hidden, dt, dt, p, 'cpu')\n"
+        "        t._assert_rms_matches_cast(7, hidden, torch.float32, dt, False, 'cpu')\n"
+        "        t._assert_rms_matches_cast(7, hidden, dt, dt, True, 'cpu')\n"
+        "print('ok')\n").format(tests=os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_no_rows_and_stream_dtype_out():
+    t = _inputs(1, 16, torch.float32, "cpu")
+    x = t["x"][:0].requires_grad_()
+    out, s, _ = ops.add_rms_norm(x, None, t["weight"], 1e-6, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and s.dtype == torch.float32 and out.shape == (0, 16)
+    out.float().sum().backward()
+    assert x.grad.shape == (0, 16)
+    # out_dtype equal to the stream's: the plain op
+    a = ops.add_rms_norm(t["x"], None, t["weight"], 1e-6, out_dtype=torch.float32)
+    b = ops.add_rms_norm(t["x"], None, t["weight"], 1e-6)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_bad_out_dtype_gives_clear_errors():
+    t = _inputs(4, 8, torch.float32, "cpu")
+    x, r, w = t["x"], t["residual"], t["weight"]
+    with pytest.raises(RuntimeError, match="out_dtype must be the stream's dtype"):
+        ops.add_rms_norm(x, r, w, 1e-6, out_dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="out_dtype must be the stream's dtype"):
+        ops.add_rms_norm(x.bfloat16(), r.bfloat16(), w.bfloat16(), 1e-6, out_dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="out_dtype must be the stream's dtype"):
+        ops.bias_dropout_add_layer_norm(x, t["bias"], r, w, t["ln_bias"], out_dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="out2_dtype must be bfloat16 or float16 beside a float32 stream"):
+        ops.bias_dropout_add_layer_norm_dual(x, t["bias"], r, w, t["ln_bias"], out2_dtype=torch.float32)
+    out, s, rstd = ops.add_rms_norm(x, r, w, 1e-6)
+    with pytest.raises(RuntimeError, match="grad_out must have the dtype of sum"):
+        ops.add_rms_norm_backward(out.double(), None, s, w, rstd)
+    with pytest.raises(RuntimeError, match="grad_out2 must have the shape of sum"):
+        ops.add_rms_norm_backward(out.bfloat16(), None, s, w, rstd, grad_out2=out[:2].bfloat16())
+
+
+def test_fake_kernels_follow_out_dtype():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    t = _inputs(4, 8, torch.bfloat16, "cpu")
+    with FakeTensorMode() as mode:
+        f = {k: mode.from_tensor(v) for k, v in t.items()}
+        out, pre, *_ = torch.ops.ckpt_ext.bias_dropout_add_layer_norm(
+            f["x"], f["bias"], f["residual"], f["weight"], f["ln_bias"], 0.1, 1e-5, 0, 0, torch.bfloat16)
+        assert out.dtype == torch.bfloat16 and pre.dtype == torch.float32
+        out, out2, pre, *_ = torch.ops.ckpt_ext.bias_dropout_add_layer_norm_dual(
+            f["x"], f["bias"], f["residual"], f["weight"], f["ln_bias"], 0.1, 1e-5, 0, 0, torch.bfloat16)
+        assert out.dtype == pre.dtype == torch.float32 and out2.dtype == torch.bfloat16
+        gx = torch.ops.ckpt_ext.bias_dropout_add_layer_norm_backward(out, None, pre, f["weight"], pre[..., 0], pre[..., 0],
+                                                                     0.1, 0, 0, None, True, torch.bfloat16, out2)[0]
+        assert gx.dtype == torch.bfloat16
+        out, s, rstd = torch.ops.ckpt_ext.add_rms_norm(f["x"], f["residual"], f["weight"], 1e-6, torch.float16)
+        assert out.dtype == torch.float16 and s.dtype == torch.float32
+        out, s, rstd = torch.ops.ckpt_ext.add_rms_norm(f["residual"], None, f["weight"], 1e-6, torch.bfloat16)
+        assert out.dtype == torch.bfloat16 and s.dtype == torch.float32
+        gi, gw = torch.ops.ckpt_ext.add_rms_norm_backward(out, None, s, f["weight"], rstd, out)
+        assert gi.dtype == gw.dtype == torch.float32
+        with pytest.raises(RuntimeError, match="out_dtype must be the stream's dtype"):
+            torch.ops.ckpt_ext.add_rms_norm(f["residual"], None, f["weight"], 1e-6, torch.float64)
+        # meta tensors, as bench_work's trace runs them
+    m = {k: v.to("meta") for k, v in t.items()}
+    out = torch.ops.ckpt_ext.add_rms_norm(m["residual"], None, m["weight"], 1e-6, torch.bfloat16)[0]
+    assert out.dtype == torch.bfloat16 and out.device.type == "meta"
+
+
+# ---- the layers -----------------------------------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+from helpers.fused import _seed  # noqa: E402,F401  (_seed: an autouse fixture)
+from helpers.hf_models import embeds_call, inputs_for, make_model  # noqa: E402
+
+
+class CountCasts(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.casts += func._overloadpacket is torch.ops.aten._to_copy
+        return func(*args, **(kwargs or {}))
+
+
+def _step(model, family, kw, device="cpu", dtype=torch.bfloat16):
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with torch.autocast(device, dtype=dtype):
+            torch.manual_seed(7)
+            emb, out = embeds_call(model, family, kw)
+            loss = (out.float() * torch.linspace(-1, 1, out.shape[-1], device=device)).sum()
+    loss.backward()
+    grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), out.detach(), emb.grad.clone(), grads
+
+
+def _assert_identical(a, b):
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    assert a[3].keys() == b[3].keys() and len(a[3]) > 0
+    for name in a[3]:
+        assert a[3][name].dtype == b[3][name].dtype and torch.equal(a[3][name], b[3][name]), name
+
+
+# Casts a layer's forward saves (the step's forward and backward both lose them; counted over the whole step):
+# Llama and relatives: n1's (one q/k/v GEMM) and n2's two (gate, up); GPT-2: ln_2's (c_fc); BERT / RoBERTa: h1's
+# (the intermediate GEMM; the dual op writes it beside the float32 h1, LN2's residual). Each forward cast also
+# had a ToCopyBackward cast in backward, and a checkpointed replay runs the forward's casts again.
+FORWARD_CASTS_SAVED = {"llama": 3, "qwen2": 3, "qwen3": 3, "gemma": 3, "gpt2": 1, "bert": 1, "roberta": 1}
+FAMILIES = list(FORWARD_CASTS_SAVED)
+DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "gemma")
+
+
+def _on_off(model, family, kw, layers, device="cpu", dtype=torch.bfloat16, saved=None):
+    runs, casts = {}, {}
+    for on in (True, False):
+        with switch(on), CountCasts() as count:
+            runs[on] = _step(model, family, kw, device, dtype)
+        casts[on] = count.casts
+    _assert_identical(runs[True], runs[False])
+    saved = FORWARD_CASTS_SAVED[family] * 2 * layers if saved is None else saved
+    assert casts[False] - casts[True] >= saved, casts
+    return runs[True], casts
+
+
+def _checkpointed(model, **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ckpt_ext.enable_checkpointing(model, **options)
+    return model
+
+
+CHECKPOINTING = {"fuse": None, "every1": dict(every=1), "all": dict(every=3), "gemms": dict(every=1, keep="gemms")}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["nodrop", "dropout"])
+@pytest.mark.parametrize("checkpointing", list(CHECKPOINTING))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layers_switch_on_equals_off_bitwise(family, checkpointing, dropout):
+    if family not in ("gpt2", "bert", "roberta") and dropout:
+        pytest.skip("Llama and its relatives have no hidden dropout (attention dropout is covered by gpt2)")
+    assert _C.pre_norm_boundaries() is True  # BERT's pre-norm boundary on (checkpointed: its replay path runs)
+    model = fuse(make_model(family, dropout=dropout, layers=3)).train()
+    kw = inputs_for(family, padding=True)
+    plain, _ = _on_off(model, family, kw, 3)
+    if CHECKPOINTING[checkpointing] is not None:
+        ck, casts = _on_off(_checkpointed(copy.deepcopy(model), **CHECKPOINTING[checkpointing]), family, kw, 3)
+        _assert_identical(ck, plain)  # and the replay as without checkpointing
+
+
+@pytest.mark.parametrize("lora_dropout", [0.0, 0.1], ids=["nodrop", "dropout"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_lora_on_the_norms_consumers_keeps_float_outputs(family, lora_dropout):
+    """peft LoRA on the GEMMs a norm feeds (q/k/v, gate/up; c_attn, c_fc), with adapter dropout (which, on a
+    bfloat16 input, would round differently) and without (another consumer, whose gradient autograd would add in
+    bfloat16): the float32 output is kept there (same bits, switch on and off; no cast saved on those norms)."""
+    peft = pytest.importorskip("peft")
+    targets = {"gpt2": ["c_attn", "c_fc"], "llama": ["q_proj", "v_proj", "gate_proj"],
+               "bert": ["query", "intermediate.dense"]}[family]
+    model = make_model(family, dropout=0.0 if family == "llama" else 0.2, layers=2)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout,
+                                                       target_modules=targets, fan_in_fan_out=family == "gpt2"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # peft's B is zero: non-zero B makes every adapter gradient informative
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    fused = ckpt_ext.fuse(model).train()
+    _checkpointed(fused, every=1)
+    kw = inputs_for(family, padding=False)
+
+    def step():
+        fused.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(3)
+            out = fused(**kw).last_hidden_state
+        out.float().pow(2).mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in fused.named_parameters() if p.grad is not None}
+
+    runs, casts = {}, {}
+    for on in (True, False):
+        with switch(on), CountCasts() as count:
+            runs[on] = step()
+        casts[on] = count.casts
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert runs[True][1].keys() == runs[False][1].keys() and any("lora" in n for n in runs[True][1])
+    for n in runs[True][1]:
+        assert torch.equal(runs[True][1][n], runs[False][1][n]), n
+    # GPT-2: ln_2 feeds c_fc (adapted): nothing saved. Llama: n1 (q/v adapted) and n2 (gate adapted) keep float.
+    assert casts[True] == casts[False], casts
+
+
+def test_compiled_checkpointed_llama_equals_eager_without_graph_breaks():
+    from torch._dynamo.utils import counters
+
+    model = fuse(make_model("llama", layers=2)).train()
+    _checkpointed(model, every=1)
+    kw = inputs_for("llama", padding=False)
+    eager = {}
+    for on in (True, False):
+        with switch(on):
+            eager[on] = _step(model, "llama", kw)
+    _assert_identical(eager[True], eager[False])
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with switch(True):
+        got = _step(compiled, "llama", kw)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    _assert_identical(got, eager[True])
+    torch._dynamo.reset()
+
+
+# ---- CUDA (the GPU report) ------------------------------------------------------------------------------------------
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden", [72, 1023, 4096, 8200])
+@pytest.mark.parametrize("out_dtype", LOWP, ids=["bf16", "fp16"])
+def test_cuda_lowp_out_is_the_cast_bit_for_bit(out_dtype, hidden):
+    rows = 6 if hidden > 2000 else 37
+    for p in (0.0, 0.3):
+        _assert_ln_matches_cast(rows, hidden, out_dtype, out_dtype, p, "cuda")
+        _assert_dual_matches_cast(rows, hidden, out_dtype, out_dtype, p, "cuda")
+    _assert_rms_matches_cast(rows, hidden, torch.float32, out_dtype, False, "cuda")
+    _assert_rms_matches_cast(rows, hidden, out_dtype, out_dtype, True, "cuda")
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOWP, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("checkpointing", ["fuse", "every1"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_layers_switch_on_equals_off_bitwise(family, checkpointing, dtype):
+    model = fuse(make_model(family, dropout=0.0 if family in DECODER_FAMILIES else 0.2, layers=2)).train().cuda()
+    if checkpointing != "fuse":
+        _checkpointed(model, every=1)
+    kw = inputs_for(family, padding=True, device="cuda")
+    # The casts counted are the step's own (the mode does not see inside the ops, which on CUDA convert around the
+    # LayerNorm kernels and the widest RMSNorm rows).
+    _on_off(model, family, kw, 2, device="cuda", dtype=dtype)
