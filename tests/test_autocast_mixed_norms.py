@@ -21,13 +21,13 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckpt_ext
 from ckpt_ext import _C, fuse, ops
 
+import helpers.fused
 from helpers.devices import requires_cuda
-from helpers.fused import switched
+from helpers.fused import assert_switch_defaults_on, switched
 
 LOWP = [torch.bfloat16, torch.float16]
 
@@ -38,12 +38,7 @@ def switch(on):
 
 
 def test_switch_defaults_on_and_returns_the_previous_setting():
-    assert _C.mixed_dtype_norms() is True
-    assert _C.mixed_dtype_norms(False) is True
-    try:
-        assert _C.mixed_dtype_norms() is False
-    finally:
-        assert _C.mixed_dtype_norms(True) is False
+    assert_switch_defaults_on(_C.mixed_dtype_norms)
 
 
 # ---- the op ----------------------------------------------------------------------------------------------------------
@@ -243,14 +238,7 @@ from helpers.hf_models import embeds_call, inputs_for, make_model  # noqa: E402
 from helpers.fused import _seed  # noqa: E402,F401  (an autouse fixture)
 
 
-class CountCasts(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.casts = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.casts += func is torch.ops.aten._to_copy.default
-        return func(*args, **(kwargs or {}))
+CountCasts = helpers.fused.CountCasts
 
 
 def _step(model, family, kw, device, dtype, count=None):

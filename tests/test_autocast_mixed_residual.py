@@ -17,11 +17,11 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckpt_ext
 from ckpt_ext import _C, fuse, ops
 
+import helpers.fused
 from helpers.devices import requires_cuda
 from helpers.fused import switched
 
@@ -135,40 +135,16 @@ def test_op_compiles_without_graph_breaks():
 # ---- layers ---------------------------------------------------------------------------------------------------------
 
 transformers = pytest.importorskip("transformers")
-from helpers.fused import _seed  # noqa: E402,F401  (_seed: an autouse fixture)
-from helpers.hf_models import embeds_call, inputs_for, make_model  # noqa: E402
+from helpers.fused import _seed, assert_identical_steps, autocast_step  # noqa: E402,F401  (_seed: autouse)
+from helpers.hf_models import inputs_for, make_model  # noqa: E402
 
 FAMILIES = ["gpt2", "llama", "qwen2"]
 
 
-def _step(model, family, kw, device="cpu", dtype=torch.bfloat16):
-    model.zero_grad(set_to_none=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        with torch.autocast(device, dtype=dtype):
-            torch.manual_seed(7)
-            emb, out = embeds_call(model, family, kw)
-            loss = (out.float() * torch.linspace(-1, 1, out.shape[-1], device=device)).sum()
-    loss.backward()
-    grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), out.detach(), emb.grad.clone(), grads
+_step, _assert_identical = autocast_step, assert_identical_steps
 
 
-def _assert_identical(a, b):
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
-    assert a[3].keys() == b[3].keys() and len(a[3]) > 0
-    for name in a[3]:
-        assert torch.equal(a[3][name], b[3][name]), name
-
-
-class CountCasts(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.casts = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.casts += func._overloadpacket is torch.ops.aten._to_copy
-        return func(*args, **(kwargs or {}))
+CountCasts = helpers.fused.CountCasts
 
 
 def _on_off(model, family, kw, device="cpu", dtype=torch.bfloat16):

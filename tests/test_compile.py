@@ -271,6 +271,14 @@ def _hf_step(model, kw, seed, compiled=None):
     return run_step(lambda: target(**kw).last_hidden_state, [], params=dict(model.named_parameters()), seed=seed)
 
 
+def _autocast_step(target, model, kw, seed):
+    """run_step of `target` (the model, or its compiled form) under CPU autocast (bfloat16), `model`'s parameters."""
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return target(**kw).last_hidden_state.float()
+    return run_step(forward, [], params=dict(model.named_parameters()), seed=seed)
+
+
 def _checkpointing(model, every):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' is_gradient_checkpointing rename
@@ -337,17 +345,10 @@ def test_fused_segment_under_autocast_equals_eager():
     model, kw = _hf("llama", dropout=0.0, layers=2)
     ckpt_ext.fuse(model)
     reference = copy.deepcopy(model)
-
-    def step(target, params):
-        def forward():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return target(**kw).last_hidden_state.float()
-        return run_step(forward, [], params=params, seed=0)
-
-    eager = step(reference, dict(reference.named_parameters()))
+    eager = _autocast_step(reference, reference, kw, seed=0)
     _checkpointing(model, every=2)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    assert_grads_close(step(compiled, dict(model.named_parameters())), eager, exact=True)
+    assert_grads_close(_autocast_step(compiled, model, kw, seed=0), eager, exact=True)
     assert not counters["graph_break"]
 
 
@@ -411,17 +412,10 @@ def test_fused_layers_not_checkpointed_under_compile_autocast_lora_and_eval():
     model, kw = _lora("llama", lora_dropout=0.1, layers=2)
     ckpt_ext.fuse(model)
     reference = copy.deepcopy(model)
-
-    def step(target, params):
-        def forward():
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return target(**kw).last_hidden_state.float()
-        return run_step(forward, [], params=params, seed=2)
-
-    eager = step(reference, dict(reference.named_parameters()))
+    eager = _autocast_step(reference, reference, kw, seed=2)
     backend = Recorder()
     compiled = torch.compile(model, backend=backend)
-    assert_grads_close(step(compiled, dict(model.named_parameters())), eager, exact=True)
+    assert_grads_close(_autocast_step(compiled, model, kw, seed=2), eager, exact=True)
     assert backend.count(SEGMENT_OP) == 0
     assert any(EAGER_LAYER in reason for reason in counters["graph_break"])
 

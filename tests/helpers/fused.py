@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ckpt_ext
 from ckpt_ext import fuse
 
-from helpers.hf_models import layers_of, make_model
+from helpers.hf_models import embeds_call, layers_of, make_model
 
 
 @pytest.fixture(autouse=True)
@@ -28,6 +28,51 @@ def switched(setting, on):
         yield
     finally:
         setting(before)
+
+
+def assert_switch_defaults_on(setting):
+    """A process-wide ``_C`` switch is on by default and returns the setting before when set."""
+    assert setting() is True
+    assert setting(False) is True
+    try:
+        assert setting() is False
+    finally:
+        assert setting(True) is False
+
+
+class CountCasts(TorchDispatchMode):
+    """Counts ``aten._to_copy`` calls (autocast's and autograd's casts) under the mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.casts += func._overloadpacket is torch.ops.aten._to_copy
+        return func(*args, **(kwargs or {}))
+
+
+def autocast_step(model, family, kw, device="cpu", dtype=torch.bfloat16):
+    """One training step of a Hugging Face model (tests/helpers/hf_models.embeds_call) under autocast: (loss, output,
+    the input embeddings' gradient, {parameter: gradient}); names without torch.compile's ``_orig_mod.``."""
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with torch.autocast(device, dtype=dtype):
+            torch.manual_seed(7)
+            emb, out = embeds_call(model, family, kw)
+            loss = (out.float() * torch.linspace(-1, 1, out.shape[-1], device=device)).sum()
+    loss.backward()
+    grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), out.detach(), emb.grad.clone(), grads
+
+
+def assert_identical_steps(a, b):
+    """Two autocast_step results: bit-identical, every gradient of the same dtype."""
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    assert a[3].keys() == b[3].keys() and len(a[3]) > 0
+    for name in a[3]:
+        assert a[3][name].dtype == b[3][name].dtype and torch.equal(a[3][name], b[3][name]), name
 
 
 def assert_same_step(a, b):
