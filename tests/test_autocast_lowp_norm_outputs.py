@@ -21,7 +21,6 @@ import copy
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -286,7 +285,8 @@ def test_fake_kernels_follow_out_dtype():
 # ---- the layers -----------------------------------------------------------------------------------------------------
 
 transformers = pytest.importorskip("transformers")
-from helpers.fused import _seed, assert_identical_steps, autocast_step  # noqa: E402,F401  (_seed: autouse)
+from helpers.fused import (_seed, CHECKPOINTING, assert_identical_steps, autocast_step,  # noqa: E402,F401
+                           checkpointed, lora_switch_steps)  # (_seed: an autouse fixture)
 from helpers.hf_models import inputs_for, make_model  # noqa: E402
 
 
@@ -317,14 +317,7 @@ def _on_off(model, family, kw, layers, device="cpu", dtype=torch.bfloat16, saved
     return runs[True], casts
 
 
-def _checkpointed(model, **options):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        ckpt_ext.enable_checkpointing(model, **options)
-    return model
-
-
-CHECKPOINTING = {"fuse": None, "every1": dict(every=1), "all": dict(every=3), "gemms": dict(every=1, keep="gemms")}
+_checkpointed = checkpointed
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["nodrop", "dropout"])
@@ -348,38 +341,9 @@ def test_lora_on_the_norms_consumers_keeps_float_outputs(family, lora_dropout):
     """peft LoRA on the GEMMs a norm feeds (q/k/v, gate/up; c_attn, c_fc), with adapter dropout (which, on a
     bfloat16 input, would round differently) and without (another consumer, whose gradient autograd would add in
     bfloat16): the float32 output is kept there (same bits, switch on and off; no cast saved on those norms)."""
-    peft = pytest.importorskip("peft")
     targets = {"gpt2": ["c_attn", "c_fc"], "llama": ["q_proj", "v_proj", "gate_proj"],
                "bert": ["query", "intermediate.dense"]}[family]
-    model = make_model(family, dropout=0.0 if family == "llama" else 0.2, layers=2)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout,
-                                                       target_modules=targets, fan_in_fan_out=family == "gpt2"))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # peft's B is zero: non-zero B makes every adapter gradient informative
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    fused = ckpt_ext.fuse(model).train()
-    _checkpointed(fused, every=1)
-    kw = inputs_for(family, padding=False)
-
-    def step():
-        fused.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            torch.manual_seed(3)
-            out = fused(**kw).last_hidden_state
-        out.float().pow(2).mean().backward()
-        return out.detach(), {n: p.grad.clone() for n, p in fused.named_parameters() if p.grad is not None}
-
-    runs, casts = {}, {}
-    for on in (True, False):
-        with switch(on), CountCasts() as count:
-            runs[on] = step()
-        casts[on] = count.casts
-    assert torch.equal(runs[True][0], runs[False][0])
-    assert runs[True][1].keys() == runs[False][1].keys() and any("lora" in n for n in runs[True][1])
-    for n in runs[True][1]:
-        assert torch.equal(runs[True][1][n], runs[False][1][n]), n
+    casts = lora_switch_steps(family, targets, switch, 0.0 if family == "llama" else 0.2, lora_dropout, dict(every=1))
     # GPT-2: ln_2 feeds c_fc (adapted): nothing saved. Llama: n1 (q/v adapted) and n2 (gate adapted) keep float.
     assert casts[True] == casts[False], casts
 

@@ -13,7 +13,6 @@ GPT-2 / Llama-family layer, csrc/layers/residual_linear.cpp).
 * CUDA (marked `cuda`): the op and layer parity on the GPU.
 """
 import copy
-import warnings
 
 import pytest
 import torch
@@ -135,7 +134,8 @@ def test_op_compiles_without_graph_breaks():
 # ---- layers ---------------------------------------------------------------------------------------------------------
 
 transformers = pytest.importorskip("transformers")
-from helpers.fused import _seed, assert_identical_steps, autocast_step  # noqa: E402,F401  (_seed: autouse)
+from helpers.fused import (_seed, CHECKPOINTING, assert_identical_steps, autocast_step,  # noqa: E402,F401
+                           checkpointed, lora_switch_steps)  # (_seed: an autouse fixture)
 from helpers.hf_models import inputs_for, make_model  # noqa: E402
 
 FAMILIES = ["gpt2", "llama", "qwen2"]
@@ -160,14 +160,7 @@ def _on_off(model, family, kw, device="cpu", dtype=torch.bfloat16):
     return runs[True]
 
 
-def _checkpointed(model, **options):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        ckpt_ext.enable_checkpointing(model, **options)
-    return model
-
-
-CHECKPOINTING = {"fuse": None, "every1": dict(every=1), "all": dict(every=3), "gemms": dict(every=1, keep="gemms")}
+_checkpointed = checkpointed
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["nodrop", "dropout"])
@@ -189,39 +182,10 @@ def test_layers_switch_on_equals_off_bitwise(family, checkpointing, dropout):
 def test_lora_switch_on_equals_off_bitwise(family, checkpointing):
     """peft LoRA on the last linear (c_proj / down_proj): the adapter path of last_linear_tail, autograd through
     bias_dropout_add with a bfloat16 x, and (checkpointed) the no_grad forward into a pool slot."""
-    peft = pytest.importorskip("peft")
     targets = {"gpt2": ["c_attn", "c_proj"], "llama": ["q_proj", "v_proj", "o_proj", "down_proj"]}[family]
-    model = make_model(family, dropout=0.2 if family == "gpt2" else 0.0, layers=2)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=targets,
-                                                       fan_in_fan_out=family == "gpt2"))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # peft's B is zero: non-zero B makes every adapter gradient informative
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    fused = ckpt_ext.fuse(model).train()
-    if CHECKPOINTING[checkpointing] is not None:
-        _checkpointed(fused, **CHECKPOINTING[checkpointing])
-    kw = inputs_for(family, padding=False)
-
-    def step():
-        fused.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            torch.manual_seed(3)
-            out = fused(**kw).last_hidden_state
-        out.float().pow(2).mean().backward()
-        return out.detach(), {n: p.grad.clone() for n, p in fused.named_parameters() if p.grad is not None}
-
-    runs, casts = {}, {}
-    for on in (True, False):
-        with mixed_residual(on), CountCasts() as count:
-            runs[on] = step()
-        casts[on] = count.casts
+    casts = lora_switch_steps(family, targets, mixed_residual, 0.2 if family == "gpt2" else 0.0, 0.1,
+                              CHECKPOINTING[checkpointing])
     assert casts[True] < casts[False], casts
-    assert torch.equal(runs[True][0], runs[False][0])
-    assert runs[True][1].keys() == runs[False][1].keys() and any("lora" in n for n in runs[True][1])
-    for n in runs[True][1]:
-        assert torch.equal(runs[True][1][n], runs[False][1][n]), n
 
 
 def test_compiled_fused_model_switch_on_equals_off_without_graph_breaks():

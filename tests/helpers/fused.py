@@ -75,6 +75,58 @@ def assert_identical_steps(a, b):
         assert a[3][name].dtype == b[3][name].dtype and torch.equal(a[3][name], b[3][name]), name
 
 
+def checkpointed(model, **options):
+    """ckpt_ext.enable_checkpointing(model, **options), transformers' rename warnings silenced; the model."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ckpt_ext.enable_checkpointing(model, **options)
+    return model
+
+
+# The checkpointing variants the autocast switch tests run (enable_checkpointing's options; None: fuse alone).
+CHECKPOINTING = {"fuse": None, "every1": dict(every=1), "all": dict(every=3), "gemms": dict(every=1, keep="gemms")}
+
+
+def lora_switch_steps(family, targets, switch, dropout, lora_dropout, checkpointing=None):
+    """A tiny `family` model with peft LoRA (r=4) on `targets`, B not zero (peft's is: every adapter gradient
+    informative), fused and checkpointed with `checkpointing` (None: not), one CPU-autocast bfloat16 step with
+    ``switch(True)`` and one with ``switch(False)``. Asserts the two bit-identical (output, every gradient, adapters
+    among them); returns the `aten._to_copy` counts {on: casts}."""
+    peft = pytest.importorskip("peft")
+    model = make_model(family, dropout=dropout, layers=2)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout,
+                                                       target_modules=targets, fan_in_fan_out=family == "gpt2"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    fused = fuse(model).train()
+    if checkpointing is not None:
+        checkpointed(fused, **checkpointing)
+    from helpers.hf_models import inputs_for
+    kw = inputs_for(family, padding=False)
+
+    def step():
+        fused.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(3)
+            out = fused(**kw).last_hidden_state
+        out.float().pow(2).mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in fused.named_parameters() if p.grad is not None}
+
+    runs, casts = {}, {}
+    for on in (True, False):
+        with switch(on), CountCasts() as count:
+            runs[on] = step()
+        casts[on] = count.casts
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert runs[True][1].keys() == runs[False][1].keys() and any("lora" in n for n in runs[True][1])
+    for n in runs[True][1]:
+        assert torch.equal(runs[True][1][n], runs[False][1][n]), n
+    return casts
+
+
 def assert_same_step(a, b):
     """(output, {name: gradient}) of two steps: bit-identical, the same parameters."""
     assert torch.equal(a[0], b[0])
