@@ -47,6 +47,11 @@ def _grad(fn, *inputs):
     return lambda: torch.autograd.grad(out, leaves, g, retain_graph=True)
 
 
+def _and_bf16(out):
+    """A float32 result and its bfloat16 copy (what autocast's cast of a GEMM input made)."""
+    return out, out.to(torch.bfloat16)
+
+
 def _fwd(fn, *inputs, grad: bool = True):
     """A forward as in training: fn on copies of inputs that require grad (None, ints: passed as they are)."""
     if grad:
@@ -112,6 +117,7 @@ def cases(rows: int, hidden: int, dtype, device, grad_forward: bool = True) -> L
     _, pre, mean, rstd, keep_bits = ops.bias_dropout_add_layer_norm(x, b, r, w, b, P, EPS, SEED, 0)
     _, s_ln, m_ln, r_ln = ops.add_layer_norm(x, r, w, b, EPS)
     _, s_rms, r_rms = ops.add_rms_norm(x, r, w, EPS)
+    r32, w32, b32 = r.float(), w.float(), b.float()
     return _autocast_cases(x, rows, hidden, device, fwd) + [
         ("bias_gelu", fwd(ops.bias_gelu, xi, bi), fwd(lambda t, u: F.gelu(t + u), xi, bi), 2 * ni * e),
         ("bias_gelu_backward", lambda: ops.bias_gelu_backward(gi, xi, bi), _grad(lambda t: F.gelu(t + bi), xi),
@@ -129,6 +135,13 @@ def cases(rows: int, hidden: int, dtype, device, grad_forward: bool = True) -> L
          lambda: ops.bias_dropout_add_layer_norm_backward(g, None, pre, w, mean, rstd, P, SEED, 0, keep_bits),
          _grad(lambda t, u, v, lb: F.layer_norm(F.dropout(t + b, P) + u, (hidden,), v, lb, EPS), x, r, w, b),
          4 * n * e),
+        # BERT's h1 under autocast (docs/autocast.md): out in float32 and bfloat16, beside a float32 stream; reads x
+        # and the residual, writes out, pre_norm (float32) and out2 (bfloat16)
+        ("bias_dropout_add_layer_norm_dual",
+         fwd(lambda t, u, v, ww, bb: ops.bias_dropout_add_layer_norm_dual(t, u, v, ww, bb, P, EPS, SEED, 0,
+                                                                          torch.bfloat16), x, b32, r32, w32, b32),
+         fwd(lambda t, u, v, ww, bb: _and_bf16(F.layer_norm(F.dropout(t.float() + u, P) + v, (hidden,), ww, bb, EPS)),
+             x, b32, r32, w32, b32), n * (e + 14)),
         ("add_layer_norm", fwd(lambda t, u, ww, bb: ops.add_layer_norm(t, u, ww, bb, EPS), x, r, w, b),
          fwd(lambda t, u, ww, bb: F.layer_norm(t + u, (hidden,), ww, bb, EPS), x, r, w, b), 4 * n * e),
         ("add_layer_norm_backward", lambda: ops.add_layer_norm_backward(g, None, s_ln, w, m_ln, r_ln),
