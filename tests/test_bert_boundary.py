@@ -13,6 +13,7 @@ falls back correctly."""
 import contextlib
 import copy
 import re
+import time
 import warnings
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckpt_ext
-from ckpt_ext import _C, fuse
+from ckpt_ext import _C, fuse, stack_plan
 
 transformers = pytest.importorskip("transformers")
 from helpers.devices import DEVICES, requires_cuda  # noqa: E402
@@ -382,11 +383,19 @@ def test_explain_says_what_is_kept_and_budget_plans_use_it_where_planned():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 ckpt_ext.enable_checkpointing(planned, budget=budget, keep="boundaries")
-            for _ in range(2):  # measures, plans; then runs the plan
-                _, out = embeds_call(planned, "bert", kw)
-                seen.clear()
-                with Spy():
-                    out.sum().backward()
+            # The probe timed in this process's CPU seconds on one thread (stack_plan.probe_clock), not wall time: on
+            # a loaded machine wall time moves the measured costs, and with them the plans below, from run to run.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                with stack_plan.probe_clock(time.process_time):
+                    for _ in range(2):  # measures, plans; then runs the plan
+                        _, out = embeds_call(planned, "bert", kw)
+                        seen.clear()
+                        with Spy():
+                            out.sum().backward()
+            finally:
+                torch.set_num_threads(threads)
             p = layers_of(planned)[0].__dict__["_ckpt_ext_group"].planner
             return p, p.plan, ckpt_ext.explain(planned)
 
