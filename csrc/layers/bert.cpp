@@ -55,7 +55,10 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
                     const LayerRng& rng, const Tensor& out_slot, bool stop, KeptAttention* kept) {
   const double hidden_p = effective(s.hidden_p, rng);
   const int64_t H = s.hidden;
-  // Without adapters, the projection's own node (qkv.cpp: no gradient concatenation in backward).
+  // Without adapters, the projection's own node (qkv.cpp: no gradient concatenation in backward), which also hands
+  // out x's handle for LN1's residual (x_res: under autocast the node's alias, so that x's two gradients meet in its
+  // backward, issue 32; else x).
+  Tensor x_res = x;
   const auto [q, k, v] =
       any_adapter(s, w, {kLoraQ, kLoraK, kLoraV})
           ? split_qkv(plus_lora_qkv(s, w, {kLoraQ, kLoraK, kLoraV}, x,
@@ -63,20 +66,27 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
                                                 cat_or_undefined({w[kQB], w[kKB], w[kVB]}), KeptGemms::kQkv),
                                     {H, H, H}, rng),
                       s.num_heads, s.num_heads, s.head_dim)
-          : qkv_heads(x, {w[kQW], w[kKW], w[kVW]}, {w[kQB], w[kKB], w[kVB]}, s.num_heads, s.num_heads, s.head_dim);
+          : qkv_heads(x, {w[kQW], w[kKW], w[kVW]}, {w[kQB], w[kKB], w[kVB]}, s.num_heads, s.num_heads, s.head_dim,
+                      &x_res);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/false, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept));
   const Tensor attn_out = norm_input(
       plus_lora(gemm_linear(ctx, w[kAttnOutW], Tensor(), kSiteAttnOut), lora_delta(s, w, kLoraAttnOut, ctx, rng)), x);
   // h1 is LN2's float32 residual and the intermediate GEMM's input: under autocast the norm also writes it in the
   // GEMM's dtype (the dual op; gemm_input_dtype), which the GEMM reads without a cast, unless a LoRA adapter reads it.
-  const auto h1_dtype = any_adapter(s, w, {kLoraInter, kLoraInter, kLoraInter}) ? std::nullopt : gemm_input_dtype(x);
+  // Otherwise the norm hands h1 out twice (the fanout op), so that its backward adds the two gradients instead of
+  // autograd's add (issue 32).
+  const bool inter_adapter = any_adapter(s, w, {kLoraInter, kLoraInter, kLoraInter});
+  const auto h1_dtype = inter_adapter ? std::nullopt : gemm_input_dtype(x);
   Tensor h1, h1_gemm;
   if (h1_dtype) {
     std::tie(h1, h1_gemm, std::ignore, std::ignore, std::ignore, std::ignore) = ops::bias_dropout_add_layer_norm_dual(
-        attn_out, opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]), hidden_p, s.eps, rng.seed, kAttnOut, *h1_dtype);
+        attn_out, opt(w[kAttnOutB]), x_res, w[kLn1W], opt(w[kLn1B]), hidden_p, s.eps, rng.seed, kAttnOut, *h1_dtype);
+  } else if (!inter_adapter) {
+    std::tie(h1, h1_gemm, std::ignore, std::ignore, std::ignore, std::ignore) = ops::bias_dropout_add_layer_norm_fanout(
+        attn_out, opt(w[kAttnOutB]), x_res, w[kLn1W], opt(w[kLn1B]), hidden_p, s.eps, rng.seed, kAttnOut);
   } else {
-    h1 = std::get<0>(ops::bias_dropout_add_layer_norm(attn_out, opt(w[kAttnOutB]), x, w[kLn1W], opt(w[kLn1B]),
+    h1 = std::get<0>(ops::bias_dropout_add_layer_norm(attn_out, opt(w[kAttnOutB]), x_res, w[kLn1W], opt(w[kLn1B]),
                                                       hidden_p, s.eps, rng.seed, kAttnOut));
     h1_gemm = h1;
   }

@@ -129,9 +129,11 @@ std::array<Tensor, 3> split_qkv(const Tensor& qkv, int64_t q_heads, int64_t kv_h
 // autograd node (qkv.cpp): one GEMM over the concatenated weights; its backward takes dq, dk, dv apart
 // (no [T, q + 2 kv] gradient concatenated, no concatenated weight saved). Casts as linear under autocast.
 // Under a KeptGemms (site kQkv), the projection is kept in forward, and the replay returns the kept one as a node
-// with the same backward.
+// with the same backward. `residual` (x also a residual, BERT's LN1): set to the handle of x to use as that residual
+// -- under autocast, where x is cast for the GEMM, an alias of x returned by the node, whose backward adds its
+// gradient to dx in one mixed-dtype add instead of the cast's backward and autograd's add (issue 32); else x.
 std::array<Tensor, 3> qkv_heads(const Tensor& x, std::array<Tensor, 3> w, std::array<Tensor, 3> b, int64_t q_heads,
-                                int64_t kv_heads, int64_t head_dim);
+                                int64_t kv_heads, int64_t head_dim, Tensor* residual = nullptr);
 // [B, heads, S, D] -> [B, S, heads * D] (contiguous).
 Tensor merge_heads(const Tensor& ctx);
 

@@ -92,7 +92,11 @@ LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const
   // Under autocast n1 and n2 feed only GEMMs: written in their dtype (gemm_input_dtype), unless a LoRA adapter
   // reads them (its dropout would round differently; it keeps the float32 output and the casts).
   const auto n1_dtype = any_adapter(s, w, {kLoraQ, kLoraK, kLoraV}) ? std::nullopt : gemm_input_dtype(x);
-  const Tensor n1 = std::get<0>(ops::add_rms_norm(x, std::nullopt, norm_weight(d, w[kLn1W]), s.eps, n1_dtype));
+  // x is also the post-attention norm's residual: that norm takes the copy of x this one writes anyway (its `sum`,
+  // the same bits), so that x's two gradients meet in this norm's backward kernel (its grad_sum) instead of
+  // autograd's add (issue 32).
+  const auto [n1, x_res, n1_rstd] = ops::add_rms_norm(x, std::nullopt, norm_weight(d, w[kLn1W]), s.eps, n1_dtype);
+  (void)n1_rstd;
   const Tensor wqkv = at::cat({w[kQW], w[kKW], w[kVW]}, 0);
   const Tensor bqkv = cat_or_undefined({w[kQB], w[kKB], w[kVB]});
   const int64_t qw = s.num_heads * s.head_dim, kvw = s.num_kv_heads * s.head_dim;
@@ -110,14 +114,17 @@ LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const
                                            rng.seed, kAttnProbs, kept));
   const Tensor o = norm_input(
       plus_lora(gemm_linear(ctx, w[kOW], w[kOB], kSiteO), lora_delta(s, w, kLoraO, ctx, rng)), x);
-  const auto n2_dtype = any_adapter(s, w, {kLoraGate, kLoraUp, kLoraUp}) ? std::nullopt : gemm_input_dtype(x);
+  const bool mlp_adapter = any_adapter(s, w, {kLoraGate, kLoraUp, kLoraUp});
+  const auto n2_dtype = mlp_adapter ? std::nullopt : gemm_input_dtype(x);
   Tensor n2, n2_up, h1;
-  if (n2_dtype) {
+  if (!mlp_adapter) {
     // n2 feeds two GEMMs: one handle each (add_rms_norm_fanout), so that the backward adds their two gradients
-    // in float32, as autograd added the casts' float32 gradients (summed in bfloat16 they would round).
-    std::tie(n2, n2_up, h1, std::ignore) = ops::add_rms_norm_fanout(o, x, norm_weight(d, w[kLn2W]), s.eps, *n2_dtype);
+    // (in float32 for a lower-precision n2, as autograd added the casts' float32 gradients -- summed in bfloat16 they
+    // would round; in the stream's dtype otherwise, autograd's add in the kernel, issue 32).
+    std::tie(n2, n2_up, h1, std::ignore) = ops::add_rms_norm_fanout(o, x_res, norm_weight(d, w[kLn2W]), s.eps,
+                                                                    n2_dtype.value_or(x_res.scalar_type()));
   } else {
-    std::tie(n2, h1, std::ignore) = ops::add_rms_norm(o, x, norm_weight(d, w[kLn2W]), s.eps);
+    std::tie(n2, h1, std::ignore) = ops::add_rms_norm(o, x_res, norm_weight(d, w[kLn2W]), s.eps);
     n2_up = n2;
   }
   // Two GEMMs rather than one over [gate; up]: the gated activation reads contiguous halves without a copy.

@@ -169,10 +169,11 @@ struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAd
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& bias, const Tensor& residual,
                                const Tensor& weight, const OptTensor& ln_bias, double p, double eps,
                                c10::SymInt seed, c10::SymInt offset, std::optional<at::ScalarType> out_dtype,
-                               std::optional<at::ScalarType> out2_dtype) {
+                               std::optional<at::ScalarType> out2_dtype, bool fanout) {
     at::AutoDispatchBelowADInplaceOrView below;
     // out in out_dtype (ops.h): its gradient comes in that dtype, which the backward op reads as float. out2_dtype
-    // (the dual op): out also written in it, a sixth output, whose gradient the backward op adds in float.
+    // (the dual op): out also written in it, a sixth output, whose gradient the backward op adds in float. fanout
+    // (bias_dropout_add_layer_norm_fanout, ops.h): out handed out a second time, as an alias (the sixth output).
     Tensor out, out2, pre_norm, mean, rstd, keep_bits;
     if (out2_dtype.has_value())
       std::tie(out, out2, pre_norm, mean, rstd, keep_bits) =
@@ -192,14 +193,15 @@ struct BiasDropoutAddLayerNormFunction : torch::autograd::Function<BiasDropoutAd
     ctx->mark_non_differentiable({mean, rstd, keep_bits});
     ctx->set_materialize_grads(false);
     if (out2.defined()) return {out, pre_norm, mean, rstd, keep_bits, out2};
+    if (fanout) return {out, pre_norm, mean, rstd, keep_bits, out.alias()};
     return {out, pre_norm, mean, rstd, keep_bits};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto e = load_edges(ctx);
-    variable_list out(11);
-    // out2's gradient (the dual op), added to out's by the backward op.
+    variable_list out(12);
+    // out2's gradient (the dual op; fanout: the alias's), added to out's by the backward op.
     Tensor g0 = grads[0], g5 = grads.size() > 5 ? grads[5] : Tensor();
     if (!g0.defined()) std::swap(g0, g5);
     if (!g0.defined() && !grads[1].defined()) return out;
@@ -391,7 +393,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_a
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
     double p, double eps, c10::SymInt seed, c10::SymInt offset, std::optional<at::ScalarType> out_dtype) {
   auto r = BiasDropoutAddLayerNormFunction::apply(x, bias, residual, weight, ln_bias, p, eps, seed, offset, out_dtype,
-                                                  std::nullopt);
+                                                  std::nullopt, false);
   return {r[0], r[1], r[2], r[3], r[4]};
 }
 
@@ -399,7 +401,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_laye
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
     double p, double eps, c10::SymInt seed, c10::SymInt offset, at::ScalarType out2_dtype) {
   auto r = BiasDropoutAddLayerNormFunction::apply(x, bias, residual, weight, ln_bias, p, eps, seed, offset,
-                                                  std::nullopt, std::optional<at::ScalarType>(out2_dtype));
+                                                  std::nullopt, std::optional<at::ScalarType>(out2_dtype), false);
   return {r[0], r[5], r[1], r[2], r[3], r[4]};
 }
 
@@ -430,6 +432,14 @@ Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 }  // namespace
 
 namespace ops {
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_fanout(
+    const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
+    double p, double eps, int64_t seed, int64_t offset) {
+  auto r = BiasDropoutAddLayerNormFunction::apply(x, bias, residual, weight, ln_bias, p, eps, c10::SymInt(seed),
+                                                  c10::SymInt(offset), std::nullopt, std::nullopt, true);
+  return {r[0], r[5], r[1], r[2], r[3], r[4]};
+}
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_rms_norm_fanout(const Tensor& x, const OptTensor& residual,
                                                                const Tensor& weight, double eps,

@@ -64,6 +64,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_b
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_dual(
     const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
     double p, double eps, c10::SymInt seed, c10::SymInt offset, at::ScalarType out2_dtype);
+// No schema of its own (C++ callers, the layers): bias_dropout_add_layer_norm with out handed out twice, (out, out2,
+// pre_norm, mean, rstd, keep_bits), out2 an alias of out, for an out with two uses (issue 32: BERT's h1, the input of a
+// GEMM and the next norm's residual): autograd then hands the op's backward the two gradients, which it adds (the
+// backward op's grad_out2: CPU kernels row by row in out's dtype, the bits of autograd's add; CUDA one add before
+// the kernel) instead of a separate add of autograd's.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_fanout(
+    const Tensor& x, const OptTensor& bias, const Tensor& residual, const Tensor& weight, const OptTensor& ln_bias,
+    double p, double eps, int64_t seed, int64_t offset);
 std::tuple<Tensor, Tensor, Tensor, Tensor> add_layer_norm(const Tensor& x, const OptTensor& residual,
                                                           const Tensor& weight, const OptTensor& bias, double eps);
 std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_out, const OptTensor& grad_sum,
