@@ -14,8 +14,9 @@ Qwen3, Gemma and GPT-2 fused models under CPU autocast bfloat16: loss, output, i
 gradient bit-identical with the switch on and off, fused alone and checkpointed (every=1, all layers in one segment,
 keep="gemms"), dropout off and on, and fewer aten._to_copy calls with it on; peft LoRA on the norms' consumers (with
 adapter dropout) keeps the float32 output (same bits, same casts); torch.compile (aot_eager, no graph break) of a
-checkpointed fused Llama equals eager. CUDA-marked: the op and layer parity on the GPU (the ops convert around the
-kernels there).
+checkpointed fused Llama equals eager. CUDA-marked: the op and layer parity on the GPU (the register kernels write
+the lower-precision out / out2 and read their gradients themselves; odd, misaligned, float32-x and the widest rows
+convert around the float kernels in the launchers), the dual op's backward with each gradient present and absent.
 """
 import copy
 import os
@@ -89,12 +90,13 @@ def _assert_ln_matches_cast(rows, hidden, x_dtype, out_dtype, p, device):
         assert grads[k].dtype == ref_grads[k].dtype and torch.equal(grads[k], ref_grads[k]), k
     # The backward op called directly with the lower-precision gradient: the float gradient's bits.
     pre, mean, rstd = fwd[1].detach(), fwd[2], fwd[3]
-    direct = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
-                                                      grad_bias=True, x_dtype=x_dtype)
-    ref = ops.bias_dropout_add_layer_norm_backward(g_out.float(), g_pre, pre, t["weight"], mean, rstd, p, 11, 5,
-                                                   None, grad_bias=True, x_dtype=x_dtype)
-    for a, b in zip(direct, ref):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    for grad_bias in (True, False):  # with and without the dense bias's column sums
+        direct = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
+                                                          grad_bias=grad_bias, x_dtype=x_dtype)
+        ref = ops.bias_dropout_add_layer_norm_backward(g_out.float(), g_pre, pre, t["weight"], mean, rstd, p, 11, 5,
+                                                       None, grad_bias=grad_bias, x_dtype=x_dtype)
+        for a, b in zip(direct, ref):
+            assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["nodrop", "drop"])
@@ -108,7 +110,8 @@ def test_layer_norm_lowp_out_is_the_cast_bit_for_bit(out_dtype, x_dtype, hidden,
 
 
 def _dual_run(t, p, out2_dtype, dual, g_out, g_out2, g_pre):
-    """bias_dropout_add_layer_norm_dual (out float32 and out2), or the plain op with out2 = out.to(out2_dtype)."""
+    """bias_dropout_add_layer_norm_dual (out float32 and out2), or the plain op with out2 = out.to(out2_dtype).
+    g_out / g_out2 None: that output takes no part in the backward (its gradient absent)."""
     leaves = {k: v.detach().requires_grad_() for k, v in t.items()}
     args = (leaves["x"], leaves["bias"], leaves["residual"], leaves["weight"], leaves["ln_bias"], p, 1e-5, 11, 5)
     if dual:
@@ -116,7 +119,8 @@ def _dual_run(t, p, out2_dtype, dual, g_out, g_out2, g_pre):
     else:
         out, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm(*args)
         out2 = out.to(out2_dtype)
-    torch.autograd.backward([out, out2, pre], [g_out, g_out2, g_pre])
+    used = [(o, g) for o, g in ((out, g_out), (out2, g_out2), (pre, g_pre)) if g is not None]
+    torch.autograd.backward([o for o, _ in used], [g for _, g in used])
     return (out, out2, pre, mean, rstd), {k: v.grad for k, v in leaves.items()}
 
 
@@ -125,20 +129,25 @@ def _assert_dual_matches_cast(rows, hidden, x_dtype, out2_dtype, p, device):
     t = _inputs(rows, hidden, x_dtype, device)
     g_out2, g_pre = _grads(rows, hidden, out2_dtype, device)
     g_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(13)).to(device)
-    fwd, grads = _dual_run(t, p, out2_dtype, True, g_out, g_out2, g_pre)
-    ref_fwd, ref_grads = _dual_run(t, p, out2_dtype, False, g_out, g_out2, g_pre)
-    assert fwd[0].dtype == torch.float32 and fwd[1].dtype == out2_dtype
-    for a, b in zip(fwd, ref_fwd):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    for k in grads:
-        assert grads[k].dtype == ref_grads[k].dtype and torch.equal(grads[k], ref_grads[k]), k
+    # Both gradients (BERT's h1: the residual's and the GEMM's), out2's alone (the backward op then reads it as
+    # grad_out), out's alone.
+    for g1, g2 in ((g_out, g_out2), (None, g_out2), (g_out, None)):
+        fwd, grads = _dual_run(t, p, out2_dtype, True, g1, g2, g_pre)
+        ref_fwd, ref_grads = _dual_run(t, p, out2_dtype, False, g1, g2, g_pre)
+        assert fwd[0].dtype == torch.float32 and fwd[1].dtype == out2_dtype
+        for a, b in zip(fwd, ref_fwd):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        for k in grads:
+            assert grads[k].dtype == ref_grads[k].dtype and torch.equal(grads[k], ref_grads[k]), (k, g1 is None)
     pre, mean, rstd = fwd[2].detach(), fwd[3], fwd[4]
-    direct = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
-                                                      grad_bias=True, x_dtype=x_dtype, grad_out2=g_out2)
-    ref = ops.bias_dropout_add_layer_norm_backward(g_out + g_out2.float(), g_pre, pre, t["weight"], mean, rstd, p, 11,
-                                                   5, None, grad_bias=True, x_dtype=x_dtype)
-    for a, b in zip(direct, ref):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    # The backward op called directly: grad_out2 beside a float32 grad_out, and beside one of its own dtype.
+    for g1 in (g_out, g_out.to(out2_dtype)):
+        direct = ops.bias_dropout_add_layer_norm_backward(g1, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
+                                                          grad_bias=True, x_dtype=x_dtype, grad_out2=g_out2)
+        ref = ops.bias_dropout_add_layer_norm_backward(g1.float() + g_out2.float(), g_pre, pre, t["weight"], mean,
+                                                       rstd, p, 11, 5, None, grad_bias=True, x_dtype=x_dtype)
+        for a, b in zip(direct, ref):
+            assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["nodrop", "drop"])
@@ -148,6 +157,46 @@ def test_layer_norm_dual_is_the_cast_bit_for_bit(out2_dtype, hidden, p):
     """x the GEMM's dtype (BERT's attention output with mixed_dtype_norms) and float32."""
     for x_dtype in (out2_dtype, torch.float32):
         _assert_dual_matches_cast(6 if hidden > 2000 else 37, hidden, x_dtype, out2_dtype, p, "cpu")
+
+
+def _misaligned(t):
+    """t's values in a contiguous view one element past the start of its allocation (not 16-byte aligned)."""
+    v = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+    v.copy_(t)
+    assert v.data_ptr() % 16 != 0
+    return v
+
+
+def _assert_misaligned_views_match(dtype, device):
+    """LayerNorm with out_dtype / the dual op on an x, and its backward on gradients, that are misaligned views (on
+    CUDA: the launchers' conversion around the float kernels): the float op's bits."""
+    rows, hidden, p = 37, 1024, 0.3
+    t = _inputs(rows, hidden, dtype, device)
+    g_out2, g_pre = _grads(rows, hidden, dtype, device)
+    g_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(13)).to(device)
+    args = (t["bias"], t["residual"], t["weight"], t["ln_bias"], p, 1e-5, 11, 5)
+    ref = ops.bias_dropout_add_layer_norm(t["x"], *args)
+    x = _misaligned(t["x"])
+    out, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm(x, *args, out_dtype=dtype)
+    assert out.dtype == dtype and torch.equal(out, ref[0].to(dtype))
+    assert all(torch.equal(a, b) for a, b in zip((pre, mean, rstd), ref[1:4]))
+    dual = ops.bias_dropout_add_layer_norm_dual(x, *args, out2_dtype=dtype)
+    assert torch.equal(dual[0], ref[0]) and dual[1].dtype == dtype and torch.equal(dual[1], ref[0].to(dtype))
+    assert all(torch.equal(a, b) for a, b in zip(dual[2:5], ref[1:4]))
+    for g1, g2 in ((g_out2, None), (g_out, g_out2)):
+        total = g1.float() if g2 is None else g1.float() + g2.float()
+        want = ops.bias_dropout_add_layer_norm_backward(total, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
+                                                        grad_bias=True, x_dtype=dtype)
+        views = [(_misaligned(g1), g2)] + ([(g1, _misaligned(g2))] if g2 is not None else [])
+        for m1, m2 in views:
+            got = ops.bias_dropout_add_layer_norm_backward(m1, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
+                                                           grad_bias=True, x_dtype=dtype, grad_out2=m2)
+            assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=["bf16", "fp16"])
+def test_layer_norm_lowp_out_on_misaligned_views(dtype):
+    _assert_misaligned_views_match(dtype, "cpu")
 
 
 def _rms_run(t, with_residual, out_dtype, g_out, g_sum, g_out2=None):
@@ -374,15 +423,29 @@ def test_compiled_checkpointed_llama_equals_eager_without_graph_breaks():
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("hidden", [72, 1023, 4096, 8200])
+@pytest.mark.parametrize("hidden", [72, 1023, 1024, 4096, 6000, 8200])
 @pytest.mark.parametrize("out_dtype", LOWP, ids=["bf16", "fp16"])
 def test_cuda_lowp_out_is_the_cast_bit_for_bit(out_dtype, hidden):
+    """The LayerNorm register kernels write out / out2 and read their gradients in out_dtype where x has it and the
+    row is aligned (72, 1024, 4096; 6000: forward, and backward without the bias's sums, which convert); 1023
+    (unaligned), 8200 (multi-pass) and a float32 x convert around the float kernels. Each the float op's bits."""
     rows = 6 if hidden > 2000 else 37
     for p in (0.0, 0.3):
-        _assert_ln_matches_cast(rows, hidden, out_dtype, out_dtype, p, "cuda")
-        _assert_dual_matches_cast(rows, hidden, out_dtype, out_dtype, p, "cuda")
+        for x_dtype in (out_dtype, torch.float32):
+            _assert_ln_matches_cast(rows, hidden, x_dtype, out_dtype, p, "cuda")
+            _assert_dual_matches_cast(rows, hidden, x_dtype, out_dtype, p, "cuda")
+        # More rows than the resident grid holds at once (grid-stride; column partials of several rows per block).
+        _assert_ln_matches_cast(4099, hidden, out_dtype, out_dtype, p, "cuda")
+        _assert_dual_matches_cast(4099, hidden, out_dtype, out_dtype, p, "cuda")
     _assert_rms_matches_cast(rows, hidden, torch.float32, out_dtype, False, "cuda")
     _assert_rms_matches_cast(rows, hidden, out_dtype, out_dtype, True, "cuda")
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOWP, ids=["bf16", "fp16"])
+def test_cuda_layer_norm_lowp_out_on_misaligned_views(dtype):
+    _assert_misaligned_views_match(dtype, "cuda")
 
 
 @requires_cuda
@@ -395,6 +458,6 @@ def test_cuda_layers_switch_on_equals_off_bitwise(family, checkpointing, dtype):
     if checkpointing != "fuse":
         _checkpointed(model, every=1)
     kw = inputs_for(family, padding=True, device="cuda")
-    # The casts counted are the step's own (the mode does not see inside the ops, which on CUDA convert around the
-    # LayerNorm kernels and the widest RMSNorm rows).
+    # The casts counted are the step's own (the mode does not see inside the ops, whose CUDA launchers convert around
+    # the float kernels for the rows the register kernels do not take).
     _on_off(model, family, kw, 2, device="cuda", dtype=dtype)
