@@ -48,7 +48,7 @@ struct DropoutArgs {
   /* pre_norm = residual + dropout(x + bias); out = layer_norm(pre_norm) * weight + ln_bias; keep_bits     */ \
   /* (CPU only; undefined = not stored): uint8 [rows, ceil(hidden / 8)], bit j % 8 of byte j / 8 of row r  */ \
   /* = element (r, j) kept. x: pre_norm's dtype, or bfloat16/float16 beside a float32 stream, read as      */ \
-  /* float; the same for rms_norm_forward's x beside sum (CPU only; ops/norms.cpp converts it for CUDA)     */ \
+  /* float; the same for rms_norm_forward's x beside sum                                                    */ \
   /* out: pre_norm's dtype or bfloat16/float16 beside a float32 one (issue 32: out_dtype); out2           */ \
   /* (undefined = none): out again, bfloat16/float16 beside a float32 out (the dual op)                     */ \
   void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,            \
@@ -72,9 +72,9 @@ struct DropoutArgs {
   /* sum = x + residual; out = weight * to_dtype(float(sum) * rstd) (Hugging Face LlamaRMSNorm) */           \
   void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,           \
                         double eps, const at::Tensor& out, const at::Tensor& sum, const at::Tensor& rstd);    \
-  /* grad_out (+ grad_out2, undefined = none; CPU only): sum's dtype or, beside a float32 sum, bfloat16 / */ \
-  /* float16, read as float (and added in float). The forwards' out may be bfloat16/float16 beside a       */ \
-  /* float32 stream the same way (CPU only; ops/norms.cpp converts around the CUDA kernels)                */ \
+  /* grad_out, grad_out2 (undefined = none; either dtype): sum's dtype or, beside a float32 sum, bfloat16 / */ \
+  /* float16, read as float; grad_out2 added to grad_out as autograd adds the two (in sum's dtype). The    */ \
+  /* forwards' out may be bfloat16/float16 beside a float32 stream the same way                            */ \
   void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_out2, const at::Tensor& grad_sum, \
                          const at::Tensor& sum, const at::Tensor& weight, const at::Tensor& rstd,             \
                          const at::Tensor& grad_input, const at::Tensor& grad_weight);                        \

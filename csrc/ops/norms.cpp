@@ -4,7 +4,6 @@
 // for float64 inputs).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/add.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
@@ -194,8 +193,8 @@ std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_ou
 
 // x may be in a lower-precision dtype than the float32 stream (residual, or weight without one: autocast's GEMM
 // output joining the stream, or Qwen3's per-head norm of a projection), read as float as in
-// bias_dropout_add_layer_norm; out and sum are in the stream's dtype. The CPU kernel reads it row by row; on
-// CUDA the op converts it first (a correct, slower path: the CUDA RMSNorm kernels read one dtype).
+// bias_dropout_add_layer_norm; out and sum are in the stream's dtype. The CPU kernel reads it row by row, the CUDA
+// register kernels in their pass (rows they do not take: the launcher converts it first).
 // out_dtype: out's dtype (check_out_dtype: bfloat16/float16 beside a float32 stream, rounded once on the store).
 std::tuple<Tensor, Tensor, Tensor> add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
                                                 double eps, std::optional<at::ScalarType> out_dtype) {
@@ -213,7 +212,7 @@ std::tuple<Tensor, Tensor, Tensor> add_rms_norm(const Tensor& x, const OptTensor
   TORCH_CHECK(eps >= 0, "ckpt_ext::", op, ": eps must be >= 0, got ", eps);
   const auto stream = ref.scalar_type();
   const auto out_type = check_out_dtype(op, out_dtype, stream);
-  const Tensor xc = mixed && x.is_cuda() ? x.to(stream).contiguous() : x.contiguous();
+  const Tensor xc = x.contiguous();
   const auto opts = xc.options().dtype(stream);
   // A lower-precision out: the kernels round each element once on its store (CUDA rows wider than the register
   // kernels: a float32 out converted after, in the launcher).
@@ -240,16 +239,11 @@ std::tuple<Tensor, Tensor> add_rms_norm_backward(const Tensor& grad_out, const O
   check_row_stats(op, "rstd", rstd, sum);
   const Tensor sc = sum.contiguous();
   Tensor grad_input = at::empty_like(sc), grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
-  // The kernels read a lower-precision grad_out (and a second one of its dtype) as float, adding the two (CPU: row by
-  // row; CUDA: the register kernels, or the launcher converts first). CUDA: any other pair is added here first.
-  Tensor g = grad_out, g2 = present(grad_out2) ? *grad_out2 : Tensor();
-  if (sc.is_cuda() && g2.defined() &&
-      (g.scalar_type() == sc.scalar_type() || g2.scalar_type() != g.scalar_type())) {
-    g = at::add(g.to(sc.scalar_type()), g2.to(sc.scalar_type()));
-    g2 = Tensor();
-  }
+  // The kernels read a lower-precision grad_out as float and add grad_out2 (either dtype) as autograd adds the two
+  // gradients (CPU: row by row; CUDA: the register kernels, or the launcher adds them first for rows they do not take).
+  const Tensor g2 = present(grad_out2) ? grad_out2->contiguous() : Tensor();
   if (sc.numel() > 0)
-    CKPT_EXT_LAUNCH(sc.device(), rms_norm_backward, g.contiguous(), g2.defined() ? g2.contiguous() : g2,
+    CKPT_EXT_LAUNCH(sc.device(), rms_norm_backward, grad_out.contiguous(), g2,
                     contiguous_or_undefined(grad_sum), sc, weight.contiguous(), rstd.contiguous(), grad_input,
                     grad_weight);
   else
