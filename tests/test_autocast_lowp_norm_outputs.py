@@ -17,6 +17,9 @@ adapter dropout) keeps the float32 output (same bits, same casts); torch.compile
 checkpointed fused Llama equals eager. CUDA-marked: the op and layer parity on the GPU (the register kernels write
 the lower-precision out / out2 and read their gradients themselves; odd, misaligned, float32-x and the widest rows
 convert around the float kernels in the launchers), the dual op's backward with each gradient present and absent.
+The fanout (CPU and CUDA-marked): both backward ops' grad_out2 in the stream's dtype beside a grad_out of it (bfloat16,
+float16, float32 streams; autocast's lower-precision grad_x), bit-identical to the op on grad_out + grad_out2
+(autograd's add, rounded to the stream's dtype), with and without the bias sums, misaligned views.
 """
 import copy
 import os
@@ -418,6 +421,59 @@ def test_compiled_checkpointed_llama_equals_eager_without_graph_breaks():
     torch._dynamo.reset()
 
 
+# ---- the fanout: a second gradient of out in the stream's dtype -----------------------------------------------------
+
+
+def _fanout_inputs(rows, hidden, stream, x_dtype, device):
+    t = _inputs(rows, hidden, x_dtype, device)
+    return {k: (v if k == "x" else v.to(stream)) for k, v in t.items()}
+
+
+def _assert_fanout_matches_add(stream, hidden, device, rows=None, misaligned=False):
+    """A norm output with two uses whose backward receives both gradients in the stream's dtype (gradfold's fanout:
+    BERT's h1 in bfloat16, or float32 under autocast; Llama's n2): the backward ops' grad_out2 beside a grad_out of the
+    stream's dtype give the bits of the op on grad_out + grad_out2 (autograd's add: rounded to the stream's dtype).
+    CUDA: the register kernels add them (aligned rows they take), other rows add them first."""
+    rows = rows or (6 if hidden > 2000 else 37)
+    gen = torch.Generator().manual_seed(hidden + 17)
+
+    def rnd():
+        return torch.randn(rows, hidden, generator=gen).to(device, stream)
+
+    g1, g2, g_pre = rnd(), rnd(), rnd()
+    views = [(g1, g2)] + ([(_misaligned(g1), g2), (g1, _misaligned(g2))] if misaligned else [])
+    x_dtypes = [stream] + (LOWP if stream == torch.float32 else [])  # autocast: x (and grad_x) the GEMMs' dtype
+    for x_dtype in x_dtypes:
+        t = _fanout_inputs(rows, hidden, stream, x_dtype, device)
+        for p in (0.0, 0.3):
+            _, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm(t["x"], t["bias"], t["residual"], t["weight"],
+                                                                    t["ln_bias"], p, 1e-5, 11, 5)
+            for grad_bias in (True, False):  # 4097..8192: the BIAS kernels do not take the row, the others do
+                args = (pre, t["weight"], mean, rstd, p, 11, 5, None)
+                kw = dict(grad_bias=grad_bias, x_dtype=x_dtype)
+                want = ops.bias_dropout_add_layer_norm_backward(g1 + g2, g_pre, *args, **kw)
+                for m1, m2 in views:
+                    got = ops.bias_dropout_add_layer_norm_backward(m1, g_pre, *args, **kw, grad_out2=m2)
+                    for a, b in zip(got, want):
+                        assert a.dtype == b.dtype and torch.equal(a, b), (x_dtype, p, grad_bias)
+    s_x = _fanout_inputs(rows, hidden, stream, stream, device)
+    for with_residual in (True, False):
+        r = s_x["residual"] if with_residual else None
+        _, s, rstd = ops.add_rms_norm(s_x["x"], r, s_x["weight"], 1e-6)
+        g_sum = g_pre if with_residual else None
+        want = ops.add_rms_norm_backward(g1 + g2, g_sum, s, s_x["weight"], rstd)
+        for m1, m2 in views:
+            got = ops.add_rms_norm_backward(m1, g_sum, s, s_x["weight"], rstd, grad_out2=m2)
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and torch.equal(a, b), with_residual
+
+
+@pytest.mark.parametrize("hidden", [72, 1023, 8200])
+@pytest.mark.parametrize("stream", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_fanout_grad_out2_in_the_stream_dtype_is_the_add(stream, hidden):
+    _assert_fanout_matches_add(stream, hidden, "cpu", misaligned=hidden == 72)
+
+
 # ---- CUDA (the GPU report) ------------------------------------------------------------------------------------------
 
 
@@ -461,3 +517,16 @@ def test_cuda_layers_switch_on_equals_off_bitwise(family, checkpointing, dtype):
     # The casts counted are the step's own (the mode does not see inside the ops, whose CUDA launchers convert around
     # the float kernels for the rows the register kernels do not take).
     _on_off(model, family, kw, 2, device="cuda", dtype=dtype)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden", [72, 1023, 1024, 4096, 6000, 8200])
+@pytest.mark.parametrize("stream", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_cuda_fanout_grad_out2_in_the_stream_dtype_is_the_add(stream, hidden):
+    """The register kernels add grad_out2 of the stream's dtype (G2) on aligned rows (72, 1024, 4096; 6000 without
+    the bias sums; misaligned views at 1024 and 1023's odd rows add first, as do 8200 and 6000 with the bias sums):
+    the bits of the op on the ATen sum, one and several rows per block."""
+    _assert_fanout_matches_add(stream, hidden, "cuda", misaligned=hidden == 1024)
+    if hidden == 1024:
+        _assert_fanout_matches_add(stream, hidden, "cuda", rows=4099)  # grid-stride: more rows than resident blocks
