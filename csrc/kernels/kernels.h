@@ -62,7 +62,8 @@ struct DropoutArgs {
   /* computed): grad_x's column sums, of the values stored, in float. grad_x may be bfloat16 /            */ \
   /* float16 beside a float32 pre_norm: rounded once from the float value, which grad_bias sums            */ \
   /* grad_out: pre_norm's dtype or a lower-precision out's; grad_out2 (undefined = none): a second        */ \
-  /* gradient of out (of out2), added to grad_out in float                                                  */ \
+  /* gradient of out (of out2; or the fanout's, in pre_norm's dtype), added to grad_out as autograd       */ \
+  /* adds them: in pre_norm's dtype                                                                       */ \
   void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_norm,                      \
                            const at::Tensor& pre_norm, const at::Tensor& weight, const at::Tensor& mean,      \
                            const at::Tensor& rstd, const DropoutArgs& dropout, const at::Tensor& keep_bits,   \
