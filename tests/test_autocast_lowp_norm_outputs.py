@@ -14,8 +14,12 @@ Qwen3, Gemma and GPT-2 fused models under CPU autocast bfloat16: loss, output, i
 gradient bit-identical with the switch on and off, fused alone and checkpointed (every=1, all layers in one segment,
 keep="gemms"), dropout off and on, and fewer aten._to_copy calls with it on; peft LoRA on the norms' consumers (with
 adapter dropout) keeps the float32 output (same bits, same casts); torch.compile (aot_eager, no graph break) of a
-checkpointed fused Llama equals eager. CUDA-marked: the op and layer parity on the GPU (the ops convert around the
-kernels there).
+checkpointed fused Llama equals eager. CUDA-marked: the op and layer parity on the GPU (the register kernels write
+the lower-precision out / out2 and read their gradients themselves; odd, misaligned, float32-x and the widest rows
+convert around the float kernels in the launchers), the dual op's backward with each gradient present and absent.
+The fanout (CPU and CUDA-marked): both backward ops' grad_out2 in the stream's dtype beside a grad_out of it (bfloat16,
+float16, float32 streams; autocast's lower-precision grad_x), bit-identical to the op on grad_out + grad_out2
+(autograd's add, rounded to the stream's dtype), with and without the bias sums, misaligned views.
 """
 import copy
 import os
@@ -89,12 +93,13 @@ def _assert_ln_matches_cast(rows, hidden, x_dtype, out_dtype, p, device):
         assert grads[k].dtype == ref_grads[k].dtype and torch.equal(grads[k], ref_grads[k]), k
     # The backward op called directly with the lower-precision gradient: the float gradient's bits.
     pre, mean, rstd = fwd[1].detach(), fwd[2], fwd[3]
-    direct = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
-                                                      grad_bias=True, x_dtype=x_dtype)
-    ref = ops.bias_dropout_add_layer_norm_backward(g_out.float(), g_pre, pre, t["weight"], mean, rstd, p, 11, 5,
-                                                   None, grad_bias=True, x_dtype=x_dtype)
-    for a, b in zip(direct, ref):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    for grad_bias in (True, False):  # with and without the dense bias's column sums
+        direct = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
+                                                          grad_bias=grad_bias, x_dtype=x_dtype)
+        ref = ops.bias_dropout_add_layer_norm_backward(g_out.float(), g_pre, pre, t["weight"], mean, rstd, p, 11, 5,
+                                                       None, grad_bias=grad_bias, x_dtype=x_dtype)
+        for a, b in zip(direct, ref):
+            assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["nodrop", "drop"])
@@ -108,7 +113,8 @@ def test_layer_norm_lowp_out_is_the_cast_bit_for_bit(out_dtype, x_dtype, hidden,
 
 
 def _dual_run(t, p, out2_dtype, dual, g_out, g_out2, g_pre):
-    """bias_dropout_add_layer_norm_dual (out float32 and out2), or the plain op with out2 = out.to(out2_dtype)."""
+    """bias_dropout_add_layer_norm_dual (out float32 and out2), or the plain op with out2 = out.to(out2_dtype).
+    g_out / g_out2 None: that output takes no part in the backward (its gradient absent)."""
     leaves = {k: v.detach().requires_grad_() for k, v in t.items()}
     args = (leaves["x"], leaves["bias"], leaves["residual"], leaves["weight"], leaves["ln_bias"], p, 1e-5, 11, 5)
     if dual:
@@ -116,7 +122,8 @@ def _dual_run(t, p, out2_dtype, dual, g_out, g_out2, g_pre):
     else:
         out, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm(*args)
         out2 = out.to(out2_dtype)
-    torch.autograd.backward([out, out2, pre], [g_out, g_out2, g_pre])
+    used = [(o, g) for o, g in ((out, g_out), (out2, g_out2), (pre, g_pre)) if g is not None]
+    torch.autograd.backward([o for o, _ in used], [g for _, g in used])
     return (out, out2, pre, mean, rstd), {k: v.grad for k, v in leaves.items()}
 
 
@@ -125,20 +132,25 @@ def _assert_dual_matches_cast(rows, hidden, x_dtype, out2_dtype, p, device):
     t = _inputs(rows, hidden, x_dtype, device)
     g_out2, g_pre = _grads(rows, hidden, out2_dtype, device)
     g_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(13)).to(device)
-    fwd, grads = _dual_run(t, p, out2_dtype, True, g_out, g_out2, g_pre)
-    ref_fwd, ref_grads = _dual_run(t, p, out2_dtype, False, g_out, g_out2, g_pre)
-    assert fwd[0].dtype == torch.float32 and fwd[1].dtype == out2_dtype
-    for a, b in zip(fwd, ref_fwd):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    for k in grads:
-        assert grads[k].dtype == ref_grads[k].dtype and torch.equal(grads[k], ref_grads[k]), k
+    # Both gradients (BERT's h1: the residual's and the GEMM's), out2's alone (the backward op then reads it as
+    # grad_out), out's alone.
+    for g1, g2 in ((g_out, g_out2), (None, g_out2), (g_out, None)):
+        fwd, grads = _dual_run(t, p, out2_dtype, True, g1, g2, g_pre)
+        ref_fwd, ref_grads = _dual_run(t, p, out2_dtype, False, g1, g2, g_pre)
+        assert fwd[0].dtype == torch.float32 and fwd[1].dtype == out2_dtype
+        for a, b in zip(fwd, ref_fwd):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        for k in grads:
+            assert grads[k].dtype == ref_grads[k].dtype and torch.equal(grads[k], ref_grads[k]), (k, g1 is None)
     pre, mean, rstd = fwd[2].detach(), fwd[3], fwd[4]
-    direct = ops.bias_dropout_add_layer_norm_backward(g_out, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
-                                                      grad_bias=True, x_dtype=x_dtype, grad_out2=g_out2)
-    ref = ops.bias_dropout_add_layer_norm_backward(g_out + g_out2.float(), g_pre, pre, t["weight"], mean, rstd, p, 11,
-                                                   5, None, grad_bias=True, x_dtype=x_dtype)
-    for a, b in zip(direct, ref):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    # The backward op called directly: grad_out2 beside a float32 grad_out, and beside one of its own dtype.
+    for g1 in (g_out, g_out.to(out2_dtype)):
+        direct = ops.bias_dropout_add_layer_norm_backward(g1, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
+                                                          grad_bias=True, x_dtype=x_dtype, grad_out2=g_out2)
+        ref = ops.bias_dropout_add_layer_norm_backward(g1.float() + g_out2.float(), g_pre, pre, t["weight"], mean,
+                                                       rstd, p, 11, 5, None, grad_bias=True, x_dtype=x_dtype)
+        for a, b in zip(direct, ref):
+            assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["nodrop", "drop"])
@@ -148,6 +160,46 @@ def test_layer_norm_dual_is_the_cast_bit_for_bit(out2_dtype, hidden, p):
     """x the GEMM's dtype (BERT's attention output with mixed_dtype_norms) and float32."""
     for x_dtype in (out2_dtype, torch.float32):
         _assert_dual_matches_cast(6 if hidden > 2000 else 37, hidden, x_dtype, out2_dtype, p, "cpu")
+
+
+def _misaligned(t):
+    """t's values in a contiguous view one element past the start of its allocation (not 16-byte aligned)."""
+    v = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+    v.copy_(t)
+    assert v.data_ptr() % 16 != 0
+    return v
+
+
+def _assert_misaligned_views_match(dtype, device):
+    """LayerNorm with out_dtype / the dual op on an x, and its backward on gradients, that are misaligned views (on
+    CUDA: the launchers' conversion around the float kernels): the float op's bits."""
+    rows, hidden, p = 37, 1024, 0.3
+    t = _inputs(rows, hidden, dtype, device)
+    g_out2, g_pre = _grads(rows, hidden, dtype, device)
+    g_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(13)).to(device)
+    args = (t["bias"], t["residual"], t["weight"], t["ln_bias"], p, 1e-5, 11, 5)
+    ref = ops.bias_dropout_add_layer_norm(t["x"], *args)
+    x = _misaligned(t["x"])
+    out, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm(x, *args, out_dtype=dtype)
+    assert out.dtype == dtype and torch.equal(out, ref[0].to(dtype))
+    assert all(torch.equal(a, b) for a, b in zip((pre, mean, rstd), ref[1:4]))
+    dual = ops.bias_dropout_add_layer_norm_dual(x, *args, out2_dtype=dtype)
+    assert torch.equal(dual[0], ref[0]) and dual[1].dtype == dtype and torch.equal(dual[1], ref[0].to(dtype))
+    assert all(torch.equal(a, b) for a, b in zip(dual[2:5], ref[1:4]))
+    for g1, g2 in ((g_out2, None), (g_out, g_out2)):
+        total = g1.float() if g2 is None else g1.float() + g2.float()
+        want = ops.bias_dropout_add_layer_norm_backward(total, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
+                                                        grad_bias=True, x_dtype=dtype)
+        views = [(_misaligned(g1), g2)] + ([(g1, _misaligned(g2))] if g2 is not None else [])
+        for m1, m2 in views:
+            got = ops.bias_dropout_add_layer_norm_backward(m1, g_pre, pre, t["weight"], mean, rstd, p, 11, 5, None,
+                                                           grad_bias=True, x_dtype=dtype, grad_out2=m2)
+            assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=["bf16", "fp16"])
+def test_layer_norm_lowp_out_on_misaligned_views(dtype):
+    _assert_misaligned_views_match(dtype, "cpu")
 
 
 def _rms_run(t, with_residual, out_dtype, g_out, g_sum, g_out2=None):
@@ -369,20 +421,87 @@ def test_compiled_checkpointed_llama_equals_eager_without_graph_breaks():
     torch._dynamo.reset()
 
 
+# ---- the fanout: a second gradient of out in the stream's dtype -----------------------------------------------------
+
+
+def _fanout_inputs(rows, hidden, stream, x_dtype, device):
+    t = _inputs(rows, hidden, x_dtype, device)
+    return {k: (v if k == "x" else v.to(stream)) for k, v in t.items()}
+
+
+def _assert_fanout_matches_add(stream, hidden, device, rows=None, misaligned=False):
+    """A norm output with two uses whose backward receives both gradients in the stream's dtype (gradfold's fanout:
+    BERT's h1 in bfloat16, or float32 under autocast; Llama's n2): the backward ops' grad_out2 beside a grad_out of the
+    stream's dtype give the bits of the op on grad_out + grad_out2 (autograd's add: rounded to the stream's dtype).
+    CUDA: the register kernels add them (aligned rows they take), other rows add them first."""
+    rows = rows or (6 if hidden > 2000 else 37)
+    gen = torch.Generator().manual_seed(hidden + 17)
+
+    def rnd():
+        return torch.randn(rows, hidden, generator=gen).to(device, stream)
+
+    g1, g2, g_pre = rnd(), rnd(), rnd()
+    views = [(g1, g2)] + ([(_misaligned(g1), g2), (g1, _misaligned(g2))] if misaligned else [])
+    x_dtypes = [stream] + (LOWP if stream == torch.float32 else [])  # autocast: x (and grad_x) the GEMMs' dtype
+    for x_dtype in x_dtypes:
+        t = _fanout_inputs(rows, hidden, stream, x_dtype, device)
+        for p in (0.0, 0.3):
+            _, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm(t["x"], t["bias"], t["residual"], t["weight"],
+                                                                    t["ln_bias"], p, 1e-5, 11, 5)
+            for grad_bias in (True, False):  # 4097..8192: the BIAS kernels do not take the row, the others do
+                args = (pre, t["weight"], mean, rstd, p, 11, 5, None)
+                kw = dict(grad_bias=grad_bias, x_dtype=x_dtype)
+                want = ops.bias_dropout_add_layer_norm_backward(g1 + g2, g_pre, *args, **kw)
+                for m1, m2 in views:
+                    got = ops.bias_dropout_add_layer_norm_backward(m1, g_pre, *args, **kw, grad_out2=m2)
+                    for a, b in zip(got, want):
+                        assert a.dtype == b.dtype and torch.equal(a, b), (x_dtype, p, grad_bias)
+    s_x = _fanout_inputs(rows, hidden, stream, stream, device)
+    for with_residual in (True, False):
+        r = s_x["residual"] if with_residual else None
+        _, s, rstd = ops.add_rms_norm(s_x["x"], r, s_x["weight"], 1e-6)
+        g_sum = g_pre if with_residual else None
+        want = ops.add_rms_norm_backward(g1 + g2, g_sum, s, s_x["weight"], rstd)
+        for m1, m2 in views:
+            got = ops.add_rms_norm_backward(m1, g_sum, s, s_x["weight"], rstd, grad_out2=m2)
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and torch.equal(a, b), with_residual
+
+
+@pytest.mark.parametrize("hidden", [72, 1023, 8200])
+@pytest.mark.parametrize("stream", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_fanout_grad_out2_in_the_stream_dtype_is_the_add(stream, hidden):
+    _assert_fanout_matches_add(stream, hidden, "cpu", misaligned=hidden == 72)
+
+
 # ---- CUDA (the GPU report) ------------------------------------------------------------------------------------------
 
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("hidden", [72, 1023, 4096, 8200])
+@pytest.mark.parametrize("hidden", [72, 1023, 1024, 4096, 6000, 8200])
 @pytest.mark.parametrize("out_dtype", LOWP, ids=["bf16", "fp16"])
 def test_cuda_lowp_out_is_the_cast_bit_for_bit(out_dtype, hidden):
+    """The LayerNorm register kernels write out / out2 and read their gradients in out_dtype where x has it and the
+    row is aligned (72, 1024, 4096; 6000: forward, and backward without the bias's sums, which convert); 1023
+    (unaligned), 8200 (multi-pass) and a float32 x convert around the float kernels. Each the float op's bits."""
     rows = 6 if hidden > 2000 else 37
     for p in (0.0, 0.3):
-        _assert_ln_matches_cast(rows, hidden, out_dtype, out_dtype, p, "cuda")
-        _assert_dual_matches_cast(rows, hidden, out_dtype, out_dtype, p, "cuda")
+        for x_dtype in (out_dtype, torch.float32):
+            _assert_ln_matches_cast(rows, hidden, x_dtype, out_dtype, p, "cuda")
+            _assert_dual_matches_cast(rows, hidden, x_dtype, out_dtype, p, "cuda")
+        # More rows than the resident grid holds at once (grid-stride; column partials of several rows per block).
+        _assert_ln_matches_cast(4099, hidden, out_dtype, out_dtype, p, "cuda")
+        _assert_dual_matches_cast(4099, hidden, out_dtype, out_dtype, p, "cuda")
     _assert_rms_matches_cast(rows, hidden, torch.float32, out_dtype, False, "cuda")
     _assert_rms_matches_cast(rows, hidden, out_dtype, out_dtype, True, "cuda")
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", LOWP, ids=["bf16", "fp16"])
+def test_cuda_layer_norm_lowp_out_on_misaligned_views(dtype):
+    _assert_misaligned_views_match(dtype, "cuda")
 
 
 @requires_cuda
@@ -395,6 +514,19 @@ def test_cuda_layers_switch_on_equals_off_bitwise(family, checkpointing, dtype):
     if checkpointing != "fuse":
         _checkpointed(model, every=1)
     kw = inputs_for(family, padding=True, device="cuda")
-    # The casts counted are the step's own (the mode does not see inside the ops, which on CUDA convert around the
-    # LayerNorm kernels and the widest RMSNorm rows).
+    # The casts counted are the step's own (the mode does not see inside the ops, whose CUDA launchers convert around
+    # the float kernels for the rows the register kernels do not take).
     _on_off(model, family, kw, 2, device="cuda", dtype=dtype)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden", [72, 1023, 1024, 4096, 6000, 8200])
+@pytest.mark.parametrize("stream", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_cuda_fanout_grad_out2_in_the_stream_dtype_is_the_add(stream, hidden):
+    """The register kernels add grad_out2 of the stream's dtype (G2) on aligned rows (72, 1024, 4096; 6000 without
+    the bias sums; misaligned views at 1024 and 1023's odd rows add first, as do 8200 and 6000 with the bias sums):
+    the bits of the op on the ATen sum, one and several rows per block."""
+    _assert_fanout_matches_add(stream, hidden, "cuda", misaligned=hidden == 1024)
+    if hidden == 1024:
+        _assert_fanout_matches_add(stream, hidden, "cuda", rows=4099)  # grid-stride: more rows than resident blocks

@@ -11,7 +11,9 @@ bad dtype combinations give clear errors. Layer level -- BERT, RoBERTa and GPT-2
 bfloat16: the output, the input gradient and every parameter's gradient bit-identical with the switch on and off,
 fused alone and fused + checkpointed (every=1 and all, BERT's pre-norm boundary on), dropout off and on; with the
 switch on the casts are gone (fewer aten._to_copy calls); torch.compile of a checkpointed fused BERT under autocast
-(no graph break) equals the eager model. CUDA-marked: the op and layer parity on the GPU (bfloat16, float16).
+(no graph break) equals the eager model. CUDA-marked: the op and layer parity on the GPU (bfloat16, float16); the
+RMSNorm register kernels reading x themselves (aligned rows up to 8192, out in the stream's dtype or x's; other rows,
+a third out dtype and misaligned views convert x first), each against the op on x.float().
 """
 import copy
 import os
@@ -176,6 +178,29 @@ def _assert_rms_matches_float(rows, hidden, x_dtype, with_residual, device):
 @pytest.mark.parametrize("x_dtype", LOWP, ids=["bf16", "fp16"])
 def test_rms_norm_mixed_x_is_the_float_op_bit_for_bit(x_dtype, hidden, with_residual):
     _assert_rms_matches_float(6 if hidden > 2000 else 37, hidden, x_dtype, with_residual, "cpu")
+
+
+def _assert_rms_out_dtypes_match_float(rows, hidden, x_dtype, device):
+    """add_rms_norm's forward with a lower-precision x, out in the stream's dtype, in x's and in the other
+    lower-precision dtype (CUDA: read in the kernels' pass, TO = TX; the third converts x first), and on a misaligned
+    view of x: the bits of the op on x.float()."""
+    t = _inputs(rows, hidden, x_dtype, device)
+    xm = torch.empty(t["x"].numel() + 1, dtype=x_dtype, device=device)[1:].view(t["x"].shape)
+    xm.copy_(t["x"])
+    assert xm.data_ptr() % 16 != 0
+    for r in (t["residual"], None):
+        for out_dtype in (None, *LOWP):
+            ref = ops.add_rms_norm(t["x"].float(), r, t["weight"], 1e-6, out_dtype=out_dtype)
+            for x in (t["x"], xm):
+                got = ops.add_rms_norm(x, r, t["weight"], 1e-6, out_dtype=out_dtype)
+                for a, b in zip(got, ref):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (r is None, out_dtype)
+
+
+@pytest.mark.parametrize("hidden", [64, 1023])
+@pytest.mark.parametrize("x_dtype", LOWP, ids=["bf16", "fp16"])
+def test_rms_norm_mixed_x_out_dtypes_and_misaligned_x(x_dtype, hidden):
+    _assert_rms_out_dtypes_match_float(37, hidden, x_dtype, "cpu")
 
 
 def test_rms_norm_bad_dtypes():
@@ -351,11 +376,16 @@ def test_cuda_mixed_x_is_the_float_op_bit_for_bit(x_dtype, hidden, p):
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("hidden", [64, 8200])
+@pytest.mark.parametrize("hidden", [64, 72, 1023, 1024, 4096, 6000, 8200])
 @pytest.mark.parametrize("x_dtype", LOWP, ids=["bf16", "fp16"])
 def test_cuda_rms_norm_mixed_x_is_the_float_op_bit_for_bit(x_dtype, hidden):
+    """The RMSNorm register kernels read a bfloat16/float16 x beside a float32 residual / weight (TX) on aligned rows
+    up to 8192 (64, 72, 1024, 4096, 6000); 1023 (unaligned), 8200 and misaligned views convert x first."""
     _assert_rms_matches_float(6, hidden, x_dtype, True, "cuda")
     _assert_rms_matches_float(6, hidden, x_dtype, False, "cuda")
+    _assert_rms_out_dtypes_match_float(6 if hidden > 2000 else 37, hidden, x_dtype, "cuda")
+    if hidden == 1024:
+        _assert_rms_out_dtypes_match_float(4099, hidden, x_dtype, "cuda")  # grid-stride
 
 
 @requires_cuda

@@ -48,8 +48,9 @@ struct DropoutArgs {
   /* pre_norm = residual + dropout(x + bias); out = layer_norm(pre_norm) * weight + ln_bias; keep_bits     */ \
   /* (CPU only; undefined = not stored): uint8 [rows, ceil(hidden / 8)], bit j % 8 of byte j / 8 of row r  */ \
   /* = element (r, j) kept. x: pre_norm's dtype, or bfloat16/float16 beside a float32 stream, read as      */ \
-  /* float; the same for rms_norm_forward's x beside sum (CPU only; ops/norms.cpp converts it for CUDA)     */ \
-  /* out2 (CPU only; undefined = none): out again, bfloat16/float16 beside a float32 out (issue 32)         */ \
+  /* float; the same for rms_norm_forward's x beside sum                                                    */ \
+  /* out: pre_norm's dtype or bfloat16/float16 beside a float32 one (issue 32: out_dtype); out2           */ \
+  /* (undefined = none): out again, bfloat16/float16 beside a float32 out (the dual op)                     */ \
   void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,            \
                           const DropoutArgs& dropout, const at::Tensor& weight, const at::Tensor& ln_bias,    \
                           double eps, const at::Tensor& out, const at::Tensor& pre_norm,                      \
@@ -60,8 +61,9 @@ struct DropoutArgs {
   /* grad_weight/grad_ln_bias summed over rows in float; grad_bias (only with grad_x; undefined = not      */ \
   /* computed): grad_x's column sums, of the values stored, in float. grad_x may be bfloat16 /            */ \
   /* float16 beside a float32 pre_norm: rounded once from the float value, which grad_bias sums            */ \
-  /* grad_out: pre_norm's dtype or (CPU only) a lower-precision out's; grad_out2 (CPU only; undefined =    */ \
-  /* none): a second gradient of out (of out2), added to grad_out in float                                  */ \
+  /* grad_out: pre_norm's dtype or a lower-precision out's; grad_out2 (undefined = none): a second        */ \
+  /* gradient of out (of out2; or the fanout's, in pre_norm's dtype), added to grad_out as autograd       */ \
+  /* adds them: in pre_norm's dtype                                                                       */ \
   void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_norm,                      \
                            const at::Tensor& pre_norm, const at::Tensor& weight, const at::Tensor& mean,      \
                            const at::Tensor& rstd, const DropoutArgs& dropout, const at::Tensor& keep_bits,   \
@@ -71,9 +73,9 @@ struct DropoutArgs {
   /* sum = x + residual; out = weight * to_dtype(float(sum) * rstd) (Hugging Face LlamaRMSNorm) */           \
   void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,           \
                         double eps, const at::Tensor& out, const at::Tensor& sum, const at::Tensor& rstd);    \
-  /* grad_out (+ grad_out2, undefined = none; CPU only): sum's dtype or, beside a float32 sum, bfloat16 / */ \
-  /* float16, read as float (and added in float). The forwards' out may be bfloat16/float16 beside a       */ \
-  /* float32 stream the same way (CPU only; ops/norms.cpp converts around the CUDA kernels)                */ \
+  /* grad_out, grad_out2 (undefined = none; either dtype): sum's dtype or, beside a float32 sum, bfloat16 / */ \
+  /* float16, read as float; grad_out2 added to grad_out as autograd adds the two (in sum's dtype). The    */ \
+  /* forwards' out may be bfloat16/float16 beside a float32 stream the same way                            */ \
   void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_out2, const at::Tensor& grad_sum, \
                          const at::Tensor& sum, const at::Tensor& weight, const at::Tensor& rstd,             \
                          const at::Tensor& grad_input, const at::Tensor& grad_weight);                        \

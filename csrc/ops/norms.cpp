@@ -4,7 +4,6 @@
 // for float64 inputs).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/add.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
@@ -45,12 +44,6 @@ void check_grad_out(const char* op, const char* name, const Tensor& g, const cha
               ref.sizes(), ", got ", g.sizes());
 }
 
-// The CUDA LayerNorm kernels read grad_out in the stream's dtype: a lower-precision one is converted first (a correct,
-// slower path; CPU kernels read it row by row).
-Tensor grad_for_kernel(const Tensor& g, const Tensor& ref) {
-  return g.is_cuda() && g.scalar_type() != ref.scalar_type() ? g.to(ref.scalar_type()) : g;
-}
-
 // `out`: where to write the normalised output; undefined = allocate it (and, where the kernel stores them,
 // the keep bits: the *_into calls run without autograd, so nothing would read them).
 // x may be in a lower-precision dtype than the float32 stream (residual, weights: check_norm_x): out and
@@ -79,26 +72,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_i
   const auto out_type = check_out_dtype(op, out_dtype, ref.scalar_type());
   const Tensor xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
   if (!into) out = at::empty_like(rc, rc.options().dtype(out_type));
-  // CUDA: a lower-precision out is written from the float32 one (the CPU kernels round each row on their store).
-  const Tensor out_k = out.is_cuda() && out.scalar_type() != ref.scalar_type() ? at::empty_like(rc) : out;
-  // out2 (the dual op): out again in a lower-precision dtype, written by the CPU kernels beside out (CUDA: from out).
+  // A lower-precision out is rounded once on the kernels' store (CPU: each row; CUDA: the register kernels, or the
+  // launcher converts a float32 one for the rows they do not take). out2 (the dual op): out again in a
+  // lower-precision dtype, written by the kernels beside out in the same pass (the same fallback on CUDA).
   if (out2) {
     TORCH_CHECK(is_lowp_beside_float(out2_dtype, ref.scalar_type()), "ckpt_ext::", op,
                 "_dual: out2_dtype must be bfloat16 or float16 beside a float32 stream; got ", out2_dtype, " beside ",
                 ref.scalar_type());
     *out2 = at::empty_like(rc, rc.options().dtype(out2_dtype));
   }
-  const Tensor out2_k = out2 && !x.is_cuda() ? *out2 : Tensor();
   Tensor pre_norm = at::empty_like(rc), mean = empty_row_stats(rc), rstd = empty_row_stats(rc);
   const bool store_bits = !into && stores_keep_bits(xc, p);
   Tensor keep_bits = empty_keep_bits(xc, store_bits);
   if (xc.numel() > 0) {
     CKPT_EXT_LAUNCH(x.device(), layer_norm_forward, xc, contiguous_or_undefined(bias), rc,
-                    DropoutArgs{p, seed, offset}, wc, contiguous_or_undefined(ln_bias), eps, out_k, pre_norm, mean,
-                    rstd, store_bits ? keep_bits : Tensor(), out2_k);
-    if (out2 && !out2_k.defined()) out2->copy_(out_k);
+                    DropoutArgs{p, seed, offset}, wc, contiguous_or_undefined(ln_bias), eps, out, pre_norm, mean,
+                    rstd, store_bits ? keep_bits : Tensor(), out2 ? *out2 : Tensor());
   }
-  if (!out_k.is_same(out)) out.copy_(out_k);
   return {out, pre_norm, mean, rstd, keep_bits};
 }
 
@@ -151,16 +141,13 @@ void layer_norm_backward_checked(const char* op, const char* pre_name, const Ten
     if (grad_bias) grad_bias->zero_();
     return;
   }
-  // grad_out2 (a second gradient of out: the dual op's out2): CPU kernels add it row by row; CUDA adds it here.
-  Tensor g = grad_for_kernel(grad_out, pc), g2 = present(grad_out2) ? *grad_out2 : Tensor();
-  if (g2.defined() && pc.is_cuda()) {
-    g = at::add(g, grad_for_kernel(g2, pc));
-    g2 = Tensor();
-  }
-  CKPT_EXT_LAUNCH(pc.device(), layer_norm_backward, g.contiguous(), contiguous_or_undefined(grad_pre_norm), pc,
+  // grad_out2 (a second gradient of out: the dual op's out2): added to grad_out in float by the kernels (CPU: row by
+  // row; CUDA: the register kernels, or the launcher adds them first for the rows they do not take).
+  const Tensor g2 = present(grad_out2) ? grad_out2->contiguous() : Tensor();
+  CKPT_EXT_LAUNCH(pc.device(), layer_norm_backward, grad_out.contiguous(), contiguous_or_undefined(grad_pre_norm), pc,
                   weight.contiguous(), mean.contiguous(), rstd.contiguous(), dropout,
                   read_bits ? *keep_bits : Tensor(), grad_pre, grad_x ? *grad_x : Tensor(), grad_weight, grad_ln_bias,
-                  grad_bias ? *grad_bias : Tensor(), g2.defined() ? g2.contiguous() : g2);
+                  grad_bias ? *grad_bias : Tensor(), g2);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_add_layer_norm_backward(
@@ -206,8 +193,8 @@ std::tuple<Tensor, Tensor, Tensor> add_layer_norm_backward(const Tensor& grad_ou
 
 // x may be in a lower-precision dtype than the float32 stream (residual, or weight without one: autocast's GEMM
 // output joining the stream, or Qwen3's per-head norm of a projection), read as float as in
-// bias_dropout_add_layer_norm; out and sum are in the stream's dtype. The CPU kernel reads it row by row; on
-// CUDA the op converts it first (a correct, slower path: the CUDA RMSNorm kernels read one dtype).
+// bias_dropout_add_layer_norm; out and sum are in the stream's dtype. The CPU kernel reads it row by row, the CUDA
+// register kernels in their pass (rows they do not take: the launcher converts it first).
 // out_dtype: out's dtype (check_out_dtype: bfloat16/float16 beside a float32 stream, rounded once on the store).
 std::tuple<Tensor, Tensor, Tensor> add_rms_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
                                                 double eps, std::optional<at::ScalarType> out_dtype) {
@@ -225,7 +212,7 @@ std::tuple<Tensor, Tensor, Tensor> add_rms_norm(const Tensor& x, const OptTensor
   TORCH_CHECK(eps >= 0, "ckpt_ext::", op, ": eps must be >= 0, got ", eps);
   const auto stream = ref.scalar_type();
   const auto out_type = check_out_dtype(op, out_dtype, stream);
-  const Tensor xc = mixed && x.is_cuda() ? x.to(stream).contiguous() : x.contiguous();
+  const Tensor xc = x.contiguous();
   const auto opts = xc.options().dtype(stream);
   // A lower-precision out: the kernels round each element once on its store (CUDA rows wider than the register
   // kernels: a float32 out converted after, in the launcher).
@@ -252,16 +239,11 @@ std::tuple<Tensor, Tensor> add_rms_norm_backward(const Tensor& grad_out, const O
   check_row_stats(op, "rstd", rstd, sum);
   const Tensor sc = sum.contiguous();
   Tensor grad_input = at::empty_like(sc), grad_weight = at::empty_like(weight, at::MemoryFormat::Contiguous);
-  // The kernels read a lower-precision grad_out (and a second one of its dtype) as float, adding the two (CPU: row by
-  // row; CUDA: the register kernels, or the launcher converts first). CUDA: any other pair is added here first.
-  Tensor g = grad_out, g2 = present(grad_out2) ? *grad_out2 : Tensor();
-  if (sc.is_cuda() && g2.defined() &&
-      (g.scalar_type() == sc.scalar_type() || g2.scalar_type() != g.scalar_type())) {
-    g = at::add(g.to(sc.scalar_type()), g2.to(sc.scalar_type()));
-    g2 = Tensor();
-  }
+  // The kernels read a lower-precision grad_out as float and add grad_out2 (either dtype) as autograd adds the two
+  // gradients (CPU: row by row; CUDA: the register kernels, or the launcher adds them first for rows they do not take).
+  const Tensor g2 = present(grad_out2) ? grad_out2->contiguous() : Tensor();
   if (sc.numel() > 0)
-    CKPT_EXT_LAUNCH(sc.device(), rms_norm_backward, g.contiguous(), g2.defined() ? g2.contiguous() : g2,
+    CKPT_EXT_LAUNCH(sc.device(), rms_norm_backward, grad_out.contiguous(), g2,
                     contiguous_or_undefined(grad_sum), sc, weight.contiguous(), rstd.contiguous(), grad_input,
                     grad_weight);
   else

@@ -153,7 +153,10 @@ __device__ __forceinline__ void row_sum(float (&v)[N], float* shared) {
 
 // TX: x's element type, T's or (autocast, a GEMM's output joining a float32 stream) bfloat16/float16, read
 // as float like every other input (norms.cu instantiates TX != T only for T = float).
-template <typename T, typename TX = T>
+// TO (issue 32; T's, or TX's where TX != T): out2's element type. With TO != T the kernel writes the normalised
+// value rounded once into out2 (an out written in out_dtype, or the dual op's out2) and, where out is not null,
+// also in T into out (the dual op's float32 out): one pass, the bits of the float out's .to(TO).
+template <typename T, typename TX = T, typename TO = T>
 struct LayerNormForwardArgs {
   const TX* x;
   const T *bias, *residual, *weight, *ln_bias;
@@ -164,11 +167,13 @@ struct LayerNormForwardArgs {
   float eps;
   philox::Dropout dropout;
   bool drop;
-  bool vec;  // the host's choice of the kernel's VEC
+  bool vec;    // the host's choice of the kernel's VEC
+  TO* out2;    // TO != T only (not null there); out may then be null
 };
 
-template <typename T, int ITERS, int WPR, bool VEC, typename TX = T>
-__global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_forward_kernel(const LayerNormForwardArgs<T, TX> a) {
+template <typename T, int ITERS, int WPR, bool VEC, typename TX = T, typename TO = T>
+__global__ void __launch_bounds__(cta_threads(WPR))
+    layer_norm_forward_kernel(const LayerNormForwardArgs<T, TX, TO> a) {
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[kWarpSize];
   const int t = threadIdx.x % TPR, hidden = a.hidden;
@@ -227,7 +232,12 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_forward_kernel(co
 #pragma unroll
       for (int k = 0; k < V; ++k)
         y[k] = (static_cast<float>(v[it].v[k]) - mu) * rs * static_cast<float>(w[it].v[k]) + static_cast<float>(lb[it].v[k]);
-      store_slot<T, V>(a.out, base, (it * TPR + t) * V, hidden, VEC, y);
+      if constexpr (std::is_same_v<TO, T>) {
+        store_slot<T, V>(a.out, base, (it * TPR + t) * V, hidden, VEC, y);
+      } else {  // the same float y: out in T (the dual op) and out2 rounded once
+        if (a.out != nullptr) store_slot<T, V>(a.out, base, (it * TPR + t) * V, hidden, VEC, y);
+        store_slot<TO, V>(a.out2, base, (it * TPR + t) * V, hidden, VEC, y);
+      }
     }
   }
 }
@@ -273,7 +283,14 @@ __device__ __forceinline__ float layer_norm_xhat(T x, float mu, float rs, bool i
 
 // TX: grad_x's element type (the forward's x's, as LayerNormForwardArgs): rounded once from the float
 // gradient, whose unrounded value the dense bias's column sums add.
-template <typename T, typename TX = T>
+// TG (issue 32; T's, or TX's where TX != T): grad_out2's element type. With TG != T the gradient of out is
+// float(grad_out) + float(grad_out2) (the dual op: out's float32 gradient and out2's), or float(grad_out2) alone
+// where grad_out is null (an out written in out_dtype: its one gradient is passed as grad_out2): the float values
+// autograd's sum and ToCopyBackward give, as the CPU kernels add them (GradRows).
+// G2 (the kernel's; TG == T): a second gradient of out in the stream's dtype (a norm output with two uses, whose
+// backward receives both: the fanout), added as autograd adds two T tensors: T(float(grad_out) + float(grad_out2)),
+// read back as float (the CPU's GradRows adds them in T; for T = float the float sum).
+template <typename T, typename TX = T, typename TG = T>
 struct LayerNormBackwardArgs {
   const T *grad_out, *grad_pre_norm, *pre_norm, *weight;
   const float *mean, *rstd;
@@ -285,13 +302,20 @@ struct LayerNormBackwardArgs {
   int hidden;
   philox::Dropout dropout;
   bool drop;
-  bool vec;  // the host's choice of the kernel's VEC
+  bool vec;              // the host's choice of the kernel's VEC
+  const TG* grad_out2;  // TG != T (not null there; grad_out may then be null), or G2 (not null, nor is grad_out)
 };
 
 // BIAS: also the column sums of grad_x as stored (a.partial_x; a.grad_x defined), one more float per element
 // held across rows -- instantiated only where the row's slots leave the registers for it (norms.cu).
-template <typename T, int ITERS, int WPR, bool VEC, bool BIAS = false, typename TX = T>
-__global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(const LayerNormBackwardArgs<T, TX> a) {
+// G2: grad_out2 of T's dtype added to grad_out (LayerNormBackwardArgs; instantiated with VEC only). With BIAS on
+// 8-warp rows, one block per SM is asked for (min blocks 1; 0 = none given, the other kernels): ptxas otherwise
+// held the 16-bit ones to 128 registers on sm_80 and spilled 4 bytes; they take 146-149 (sm_90 gives them 148).
+template <typename T, int ITERS, int WPR, bool VEC, bool BIAS = false, typename TX = T, typename TG = T,
+          bool G2 = false>
+__global__ void __launch_bounds__(cta_threads(WPR), G2 && BIAS && WPR == BackwardLimits::kWarpsPerRow ? 1 : 0)
+    layer_norm_backward_kernel(const LayerNormBackwardArgs<T, TX, TG> a) {
+  static_assert(!G2 || std::is_same_v<TG, T>, "G2: a second gradient of the stream's dtype");
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[2 * kWarpSize];
   const int t = threadIdx.x % TPR, hidden = a.hidden;
@@ -321,11 +345,20 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(c
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int col = (it * TPR + t) * V;
-      const Vec<T, V> gs = load_slot<T, V>(a.grad_out, base, col, hidden, VEC);
+      Vec<T, V> gs = load_slot<T, V>(a.grad_out, base, col, hidden, VEC);  // null: zeros
+      [[maybe_unused]] Vec<TG, V> g2s;
+      if constexpr (!std::is_same_v<TG, T>) g2s = load_slot<TG, V>(a.grad_out2, base, col, hidden, VEC);
+      if constexpr (G2) {  // autograd's add of two T gradients: rounded to T (exact for T = float)
+        const Vec<T, V> gs2 = load_slot<T, V>(a.grad_out2, base, col, hidden, VEC);
+#pragma unroll
+        for (int k = 0; k < V; ++k) gs.v[k] = static_cast<T>(static_cast<float>(gs.v[k]) + static_cast<float>(gs2.v[k]));
+      }
       const Vec<T, V> xs = load_slot<T, V>(a.pre_norm, base, col, hidden, VEC);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float g = static_cast<float>(gs.v[k]);  // zero past the row's end, so are dy and the partials
+        float g = static_cast<float>(gs.v[k]);  // zero past the row's end, so are dy and the partials
+        if constexpr (!std::is_same_v<TG, T>)  // not 0 + g2 where grad_out is null: a -0 gradient stays -0
+          g = a.grad_out != nullptr ? g + static_cast<float>(g2s.v[k]) : static_cast<float>(g2s.v[k]);
         xhat[it][k] = layer_norm_xhat(xs.v[k], mu, rs, col + k < hidden);
         dy[it][k] = g * static_cast<float>(w[it].v[k]);
         sums[0] += dy[it][k];
@@ -367,9 +400,13 @@ __global__ void __launch_bounds__(cta_threads(WPR)) layer_norm_backward_kernel(c
 
 // TO: out's element type, T's or (autocast, issue 32: an out that only feeds GEMMs) bfloat16/float16 beside a
 // float32 stream, the float value rounded once on the store (norms.cu instantiates TO != T only for T = float).
-template <typename T, typename TO = T>
+// TX: x's element type, T's or (autocast: a GEMM's output joining the float32 stream, Llama's o_proj at add_rms_norm,
+// Qwen3's per-head q/k norms) bfloat16/float16, read as float like LayerNormForwardArgs' x (norms.cu instantiates
+// TX != T only for T = float, with VEC, and TO T's or TX's).
+template <typename T, typename TO = T, typename TX = T>
 struct RmsNormForwardArgs {
-  const T *x, *residual, *weight;
+  const TX* x;
+  const T *residual, *weight;
   TO* out;
   T* sum;
   float* rstd;
@@ -379,8 +416,8 @@ struct RmsNormForwardArgs {
   bool vec;  // the host's choice of the kernel's VEC
 };
 
-template <typename T, int ITERS, int WPR, bool VEC, typename TO = T>
-__global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_forward_kernel(const RmsNormForwardArgs<T, TO> a) {
+template <typename T, int ITERS, int WPR, bool VEC, typename TO = T, typename TX = T>
+__global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_forward_kernel(const RmsNormForwardArgs<T, TO, TX> a) {
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[kWarpSize];
   const int t = threadIdx.x % TPR, hidden = a.hidden;
@@ -394,7 +431,7 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_forward_kernel(cons
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int col = (it * TPR + t) * V;
-      const Vec<T, V> xs = load_slot<T, V>(a.x, base, col, hidden, VEC);
+      const Vec<TX, V> xs = load_slot<TX, V>(a.x, base, col, hidden, VEC);
       const Vec<T, V> rs = load_slot<T, V>(a.residual, base, col, hidden, VEC);
       float stored[V];
 #pragma unroll
@@ -420,7 +457,8 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_forward_kernel(cons
 }
 
 // TG: grad_out's element type, T's or the TO of the forward's out (bfloat16/float16 beside a float32 stream, read
-// as float); grad_out2 (TG != T only, may be null): a second gradient of out, added to grad_out in float.
+// as float); grad_out2 (TG != T, may be null; or the kernel's G2, not null): a second gradient of out, added to
+// grad_out in float and rounded to T (TG != T: T = float, exact; G2: autograd's add of two T tensors, as GradRows).
 template <typename T, typename TG = T>
 struct RmsNormBackwardArgs {
   const TG *grad_out, *grad_out2;
@@ -433,8 +471,9 @@ struct RmsNormBackwardArgs {
   bool vec;  // the host's choice of the kernel's VEC
 };
 
-template <typename T, int ITERS, int WPR, bool VEC, typename TG = T>
+template <typename T, int ITERS, int WPR, bool VEC, typename TG = T, bool G2 = false>
 __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_backward_kernel(const RmsNormBackwardArgs<T, TG> a) {
+  static_assert(!G2 || std::is_same_v<TG, T>, "G2: a second gradient of the stream's dtype");
   constexpr int V = kVec<T>, TPR = WPR * kWarpSize, RPC = rows_per_cta(WPR);
   __shared__ float shared[kWarpSize];
   const int t = threadIdx.x % TPR, hidden = a.hidden;
@@ -454,15 +493,15 @@ __global__ void __launch_bounds__(cta_threads(WPR)) rms_norm_backward_kernel(con
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int col = (it * TPR + t) * V;
-      if constexpr (std::is_same_v<TG, T>) {
+      if constexpr (std::is_same_v<TG, T> && !G2) {
         gs[it] = load_slot<T, V>(a.grad_out, base, col, hidden, VEC);
-      } else {  // in T (float): exact, and the two gradients added as autograd adds the float ones
+      } else {  // in T: the two gradients added as autograd adds them (TG != T: in float, exact in T = float)
         const Vec<TG, V> g1 = load_slot<TG, V>(a.grad_out, base, col, hidden, VEC);
         const Vec<TG, V> g2 = load_slot<TG, V>(a.grad_out2, base, col, hidden, VEC);  // null: zeros
 #pragma unroll
         for (int k = 0; k < V; ++k) {
           const float g = static_cast<float>(g1.v[k]);
-          gs[it].v[k] = static_cast<T>(a.grad_out2 != nullptr ? g + static_cast<float>(g2.v[k]) : g);
+          gs[it].v[k] = static_cast<T>(G2 || a.grad_out2 != nullptr ? g + static_cast<float>(g2.v[k]) : g);
         }
       }
       ss[it] = load_slot<T, V>(a.sum, base, col, hidden, VEC);
