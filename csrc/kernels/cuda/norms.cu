@@ -73,6 +73,9 @@ bool vector_ok(int64_t hidden, std::initializer_list<const void*> ptrs) {
   return true;
 }
 
+// A tensor's data for vector_ok (an undefined tensor: null, which passes).
+const void* data(const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; }
+
 // vector_ok for rows of the CUDA dtypes' `dtype` (float, or the 2-byte bfloat16/float16).
 bool vector_ok_of(at::ScalarType dtype, int64_t hidden, std::initializer_list<const void*> ptrs) {
   return dtype == at::kFloat ? vector_ok<float>(hidden, ptrs) : vector_ok<at::Half>(hidden, ptrs);
@@ -166,7 +169,6 @@ void layer_norm_forward(const at::Tensor& x, const at::Tensor& bias, const at::T
   const c10::DeviceGuard guard(x.device());
   const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
   const auto dtype = pre_norm.scalar_type();  // the stream's; x may be a narrower one (rowwise::LayerNormForwardArgs)
-  const auto data = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; };
   if (out.scalar_type() != dtype || out2.defined()) {
     TORCH_INTERNAL_ASSERT(!out2.defined() || out.scalar_type() == dtype,
                           "ckpt_ext: the dual LayerNorm's out in the stream's dtype");
@@ -330,7 +332,6 @@ void layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_pre_
   const c10::DeviceGuard guard(pre_norm.device());
   const int64_t hidden = weight.numel(), rows = pre_norm.numel() / hidden;
   const auto dtype = pre_norm.scalar_type();
-  const auto data = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; };
   const cudaStream_t stream = current_stream(pre_norm.device());
   if (grad_out.scalar_type() != dtype || (grad_out2.defined() && grad_out2.scalar_type() != dtype)) {
     // The kernels' form: g (the stream's dtype, or none) and g2 (lower precision).
@@ -430,7 +431,6 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& residual, const at:
   const int64_t hidden = weight.numel(), rows = x.numel() / hidden;
   const auto dtype = sum.scalar_type();  // the stream's
   if (x.scalar_type() != dtype) {
-    const auto data = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; };
     const bool direct = hidden <= rowwise::kMaxRegisterHidden &&
                         (out.scalar_type() == dtype || out.scalar_type() == x.scalar_type()) &&
                         vector_ok<float>(hidden, {data(x), data(residual), data(weight), data(out), data(sum)});
@@ -502,7 +502,6 @@ void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_out2, 
                       grad_input, grad_weight);
     return;
   }
-  const auto data = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; };
   const bool g2_same = grad_out2.defined() && grad_out.scalar_type() == dtype;  // G2
   if (g2_same && !(hidden <= rowwise::kMaxRegisterHidden &&
                    vector_ok_of(dtype, hidden, {data(grad_out), data(grad_out2), data(grad_sum), data(sum),
