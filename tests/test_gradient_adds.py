@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckpt_ext import fuse
 
+from helpers.devices import DEVICES
 from helpers.fused import _seed, checkpointed  # noqa: F401  (autouse seed)
 from helpers.hf_models import B, H, S, assert_training_parity, fused_copy, inputs_for, make_model
 
@@ -49,19 +50,19 @@ class CountStreamOps(TorchDispatchMode):
         return out
 
 
-def _model(family, layers, dtype, dropout=0.1):
+def _model(family, layers, dtype, dropout=0.1, device="cpu"):
     torch.manual_seed(0)
-    return fuse(make_model(family, dropout=dropout, layers=layers).to(dtype)).train()
+    return fuse(make_model(family, dropout=dropout, layers=layers).to(device, dtype)).train()
 
 
-def _step(model, family, autocast, count=False):
+def _step(model, family, autocast, count=False, device="cpu"):
     """(output, {name: gradient}) of one training step; with count, the (adds, casts) of its backward too."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(3)
-    kw = inputs_for(family, padding=False)
+    kw = inputs_for(family, padding=False, device=device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, torch.bfloat16, enabled=autocast):
             out = model(**kw).last_hidden_state
     loss = out.float().pow(2).mean()
     with CountStreamOps() as c:
@@ -88,15 +89,18 @@ def test_hf_parity_float32(family):
     assert_training_parity(model, fused_copy(model), family, inputs_for(family, padding=True))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("options", [dict(every=1), dict(every=3)], ids=["every1", "all"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_checkpointed_bit_identical(family, mode, options):
+def test_checkpointed_bit_identical(family, mode, options, device):
+    """CUDA (the GPU report): the same, through the CUDA norm kernels' in-kernel second gradient (G2) and the
+    bfloat16 outputs and gradients (TO / TG)."""
     dtype, autocast = MODES[mode]
-    model = _model(family, 3, dtype, dropout=0.2)
+    model = _model(family, 3, dtype, dropout=0.2, device=device)
     ck = checkpointed(copy.deepcopy(model), **options)
-    a = _step(model, family, autocast)
-    b = _step(ck, family, autocast)
+    a = _step(model, family, autocast, device=device)
+    b = _step(ck, family, autocast, device=device)
     assert torch.equal(a[0], b[0])
     assert a[1].keys() == b[1].keys() and len(a[1]) > 0
     for name in a[1]:
