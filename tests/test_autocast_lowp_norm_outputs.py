@@ -33,6 +33,7 @@ import ckpt_ext
 from ckpt_ext import _C, fuse, ops
 
 import helpers.fused
+from helpers.cuda_shapes import MIXED_HIDDENS
 from helpers.devices import requires_cuda
 from helpers.fused import assert_switch_defaults_on, switched
 
@@ -479,12 +480,13 @@ def test_fanout_grad_out2_in_the_stream_dtype_is_the_add(stream, hidden):
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("hidden", [72, 1023, 1024, 4096, 6000, 8200])
+@pytest.mark.parametrize("hidden", MIXED_HIDDENS)
 @pytest.mark.parametrize("out_dtype", LOWP, ids=["bf16", "fp16"])
 def test_cuda_lowp_out_is_the_cast_bit_for_bit(out_dtype, hidden):
     """The LayerNorm register kernels write out / out2 and read their gradients in out_dtype where x has it and the
-    row is aligned (72, 1024, 4096; 6000: forward, and backward without the bias's sums, which convert); 1023
-    (unaligned), 8200 (multi-pass) and a float32 x convert around the float kernels. Each the float op's bits."""
+    row is aligned (72, 200, 384, 1024, 1536, 4096: every launch bucket, helpers/cuda_shapes.py; 6000: forward, and
+    backward without the bias's sums, which convert); 1023 (unaligned), 8200 (multi-pass) and a float32 x convert
+    around the float kernels. Each the float op's bits."""
     rows = 6 if hidden > 2000 else 37
     for p in (0.0, 0.3):
         for x_dtype in (out_dtype, torch.float32):
@@ -521,12 +523,12 @@ def test_cuda_layers_switch_on_equals_off_bitwise(family, checkpointing, dtype):
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("hidden", [72, 1023, 1024, 4096, 6000, 8200])
+@pytest.mark.parametrize("hidden", MIXED_HIDDENS)
 @pytest.mark.parametrize("stream", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_cuda_fanout_grad_out2_in_the_stream_dtype_is_the_add(stream, hidden):
-    """The register kernels add grad_out2 of the stream's dtype (G2) on aligned rows (72, 1024, 4096; 6000 without
-    the bias sums; misaligned views at 1024 and 1023's odd rows add first, as do 8200 and 6000 with the bias sums):
-    the bits of the op on the ATen sum, one and several rows per block."""
+    """The register kernels add grad_out2 of the stream's dtype (G2) on aligned rows (72, 200, 384, 1024, 1536, 4096;
+    6000 without the bias sums; misaligned views at 1024 and 1023's odd rows add first, as do 8200 and 6000 with the
+    bias sums): the bits of the op on the ATen sum, one and several rows per block."""
     _assert_fanout_matches_add(stream, hidden, "cuda", misaligned=hidden == 1024)
     if hidden == 1024:
         _assert_fanout_matches_add(stream, hidden, "cuda", rows=4099)  # grid-stride: more rows than resident blocks
