@@ -214,6 +214,7 @@ def _assert_index_math(rows, hidden, device):
     assert torch.equal(summed[seld].cpu(), want)
 
     out, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm(ones, bd, zeros, wd, lbd, p, 1e-5, seed, offset)
+    del zeros
     assert torch.equal(pre[seld].cpu(), want)
     ref_out, _, ref_mean, ref_rstd = ops.add_layer_norm(want, None, w, lb, 1e-5)
     torch.testing.assert_close(mean[seld].cpu(), ref_mean, rtol=1e-5, atol=1e-6)
@@ -253,11 +254,12 @@ def test_index_math_check_on_small_rows():
 @pytest.mark.cuda
 @pytest.mark.parametrize("hidden", [4096, 8200], ids=["register-kernels", "multipass-kernels"])
 def test_cuda_index_math_past_2_31_elements(hidden):
-    """[rows, hidden] bfloat16 with rows * hidden > 2^31 (4 GiB a tensor, about 30 GiB at the peak): a 32-bit element
+    """[rows, hidden] bfloat16 with rows * hidden > 2^31 (4 GiB a tensor, about 26 GiB at the peak): a 32-bit element
     index anywhere in the kernels (a row offset, a Philox group, a column-sum row) would show at the rows past
     element 2^31."""
-    if torch.cuda.get_device_properties(0).total_memory < 60 * 2**30:
-        pytest.skip("needs a GPU with 60 GiB")
     torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    if free < 32 * 2**30:  # under pytest -n, other workers' tensors share the GPU
+        pytest.skip(f"needs 32 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
     _assert_index_math(2**31 // hidden + 3, hidden, "cuda")
     torch.cuda.empty_cache()
