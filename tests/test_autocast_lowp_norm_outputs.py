@@ -532,3 +532,52 @@ def test_cuda_fanout_grad_out2_in_the_stream_dtype_is_the_add(stream, hidden):
     _assert_fanout_matches_add(stream, hidden, "cuda", misaligned=hidden == 1024)
     if hidden == 1024:
         _assert_fanout_matches_add(stream, hidden, "cuda", rows=4099)  # grid-stride: more rows than resident blocks
+
+
+def _assert_add_layer_norm_lowp_grad(hidden, dtype, device, rows=37):
+    """add_layer_norm_backward with a bfloat16/float16 grad_out beside a float32 sum (the op's checks accept it; CUDA's
+    register kernels read it in place, TG with no grad_x): the bits of the op on grad_out.float()."""
+    gen = torch.Generator().manual_seed(hidden + 29)
+    x, r, g_sum = (torch.randn(rows, hidden, generator=gen).to(device) for _ in range(3))
+    w, b = (1 + torch.randn(hidden, generator=gen) * 0.1).to(device), torch.randn(hidden, generator=gen).to(device)
+    g = torch.randn(rows, hidden, generator=gen).to(device, dtype)
+    _, s, mean, rstd = ops.add_layer_norm(x, r, w, b, 1e-5)
+    for gs in (g_sum, None):
+        got = ops.add_layer_norm_backward(g, gs, s, w, mean, rstd)
+        want = ops.add_layer_norm_backward(g.float(), gs, s, w, mean, rstd)
+        assert all(a.dtype == c.dtype == torch.float32 and torch.equal(a, c) for a, c in zip(got, want))
+
+
+@pytest.mark.parametrize("hidden", [72, 1023])
+@pytest.mark.parametrize("dtype", LOWP, ids=["bf16", "fp16"])
+def test_add_layer_norm_backward_reads_a_lowp_grad_out(dtype, hidden):
+    _assert_add_layer_norm_lowp_grad(hidden, dtype, "cpu")
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden", MIXED_HIDDENS)
+@pytest.mark.parametrize("dtype", LOWP, ids=["bf16", "fp16"])
+def test_cuda_add_layer_norm_backward_reads_a_lowp_grad_out(dtype, hidden):
+    """The TG register kernels without grad_x (aligned rows up to 8192; 1023 and 8200 add in float first)."""
+    _assert_add_layer_norm_lowp_grad(hidden, dtype, "cuda", rows=6 if hidden > 2000 else 37)
+    if hidden == 1024:
+        _assert_add_layer_norm_lowp_grad(hidden, dtype, "cuda", rows=4099)  # grid-stride
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden", [h for h in MIXED_HIDDENS if h % 8 == 0 and h <= 8192])
+def test_cuda_column_sums_are_the_float_paths_at_full_grids(hidden):
+    """More rows than any resident grid holds, so each backward kernel's grid is SMs x blocks per SM: the weight and
+    bias gradients of a lower-precision out, x or second gradient are still the float path's bits. The variants'
+    occupancy differs from the float kernel's by a few registers (ptxas: e.g. the float fanout at 200, 104 registers
+    against 96: 4 blocks a SM against 5); every variant of a row shape runs the shape's one grid
+    (docs/cuda-audit.md)."""
+    rows = 16385 if hidden <= 2048 else 4099  # 128-thread blocks hold up to 16 x 4 rows a SM; 256-thread ones 8
+    for dtype in LOWP:
+        _assert_ln_matches_cast(rows, hidden, dtype, dtype, 0.3, "cuda")
+        _assert_rms_matches_cast(rows, hidden, dtype, dtype, True, "cuda")
+        _assert_rms_matches_cast(rows, hidden, torch.float32, dtype, False, "cuda")
+    for stream in (torch.bfloat16, torch.float16, torch.float32):
+        _assert_fanout_matches_add(stream, hidden, "cuda", rows=rows)
