@@ -7,7 +7,9 @@
 // register budget (rowwise::ForwardLimits / BackwardLimits); a resident grid (SMs x blocks that fit per SM)
 // walks the rows grid-stride. Backward writes one float column partial per block ([grid, hidden], no atomics:
 // deterministic on a given device) and column_sum_kernel adds them into grad_weight / grad_bias in the
-// weight's dtype; the multipass backward kernels leave the same kind of partials, summed the same way.
+// weight's dtype; the multipass backward kernels leave the same kind of partials, summed the same way. The
+// backward grid is one per row shape, whichever dtype variant runs (layer_norm_backward_blocks_per_sm): the
+// variants' column sums are then the float path's bits.
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
