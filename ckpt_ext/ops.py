@@ -124,7 +124,8 @@ def bias_dropout_add_layer_norm(
     ``x`` has ``residual``'s dtype or, beside a float32 ``residual`` (autocast: a GEMM's output joining the
     float32 stream), bfloat16 or float16: it is read as float (exact), so the results are those of
     ``x.float()`` bit for bit, ``out`` and ``pre_norm`` are float32, and ``x``'s gradient comes in ``x``'s
-    dtype, rounded once from the float gradient (CPU kernels read it directly; CUDA converts it first).
+    dtype, rounded once from the float gradient (the CPU kernels and CUDA's register kernels read and write it
+    directly; CUDA rows wider than 8192 elements or not 16-byte aligned convert it around the float kernels).
 
     ``out_dtype``: ``out``'s dtype, ``residual``'s (None) or, beside a float32 ``residual``, bfloat16 / float16
     (autocast: an output that only feeds GEMMs, written in their dtype): the float result rounded once, the bits

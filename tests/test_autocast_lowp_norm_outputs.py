@@ -33,6 +33,7 @@ import ckpt_ext
 from ckpt_ext import _C, fuse, ops
 
 import helpers.fused
+from helpers.cuda_shapes import MIXED_HIDDENS
 from helpers.devices import requires_cuda
 from helpers.fused import assert_switch_defaults_on, switched
 
@@ -479,12 +480,13 @@ def test_fanout_grad_out2_in_the_stream_dtype_is_the_add(stream, hidden):
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("hidden", [72, 1023, 1024, 4096, 6000, 8200])
+@pytest.mark.parametrize("hidden", MIXED_HIDDENS)
 @pytest.mark.parametrize("out_dtype", LOWP, ids=["bf16", "fp16"])
 def test_cuda_lowp_out_is_the_cast_bit_for_bit(out_dtype, hidden):
     """The LayerNorm register kernels write out / out2 and read their gradients in out_dtype where x has it and the
-    row is aligned (72, 1024, 4096; 6000: forward, and backward without the bias's sums, which convert); 1023
-    (unaligned), 8200 (multi-pass) and a float32 x convert around the float kernels. Each the float op's bits."""
+    row is aligned (72, 200, 384, 1024, 1536, 4096: every launch bucket, helpers/cuda_shapes.py; 6000: forward, and
+    backward without the bias's sums, which convert); 1023 (unaligned), 8200 (multi-pass) and a float32 x convert
+    around the float kernels. Each the float op's bits."""
     rows = 6 if hidden > 2000 else 37
     for p in (0.0, 0.3):
         for x_dtype in (out_dtype, torch.float32):
@@ -521,12 +523,61 @@ def test_cuda_layers_switch_on_equals_off_bitwise(family, checkpointing, dtype):
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("hidden", [72, 1023, 1024, 4096, 6000, 8200])
+@pytest.mark.parametrize("hidden", MIXED_HIDDENS)
 @pytest.mark.parametrize("stream", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_cuda_fanout_grad_out2_in_the_stream_dtype_is_the_add(stream, hidden):
-    """The register kernels add grad_out2 of the stream's dtype (G2) on aligned rows (72, 1024, 4096; 6000 without
-    the bias sums; misaligned views at 1024 and 1023's odd rows add first, as do 8200 and 6000 with the bias sums):
-    the bits of the op on the ATen sum, one and several rows per block."""
+    """The register kernels add grad_out2 of the stream's dtype (G2) on aligned rows (72, 200, 384, 1024, 1536, 4096;
+    6000 without the bias sums; misaligned views at 1024 and 1023's odd rows add first, as do 8200 and 6000 with the
+    bias sums): the bits of the op on the ATen sum, one and several rows per block."""
     _assert_fanout_matches_add(stream, hidden, "cuda", misaligned=hidden == 1024)
     if hidden == 1024:
         _assert_fanout_matches_add(stream, hidden, "cuda", rows=4099)  # grid-stride: more rows than resident blocks
+
+
+def _assert_add_layer_norm_lowp_grad(hidden, dtype, device, rows=37):
+    """add_layer_norm_backward with a bfloat16/float16 grad_out beside a float32 sum (the op's checks accept it; CUDA's
+    register kernels read it in place, TG with no grad_x): the bits of the op on grad_out.float()."""
+    gen = torch.Generator().manual_seed(hidden + 29)
+    x, r, g_sum = (torch.randn(rows, hidden, generator=gen).to(device) for _ in range(3))
+    w, b = (1 + torch.randn(hidden, generator=gen) * 0.1).to(device), torch.randn(hidden, generator=gen).to(device)
+    g = torch.randn(rows, hidden, generator=gen).to(device, dtype)
+    _, s, mean, rstd = ops.add_layer_norm(x, r, w, b, 1e-5)
+    for gs in (g_sum, None):
+        got = ops.add_layer_norm_backward(g, gs, s, w, mean, rstd)
+        want = ops.add_layer_norm_backward(g.float(), gs, s, w, mean, rstd)
+        assert all(a.dtype == c.dtype == torch.float32 and torch.equal(a, c) for a, c in zip(got, want))
+
+
+@pytest.mark.parametrize("hidden", [72, 1023])
+@pytest.mark.parametrize("dtype", LOWP, ids=["bf16", "fp16"])
+def test_add_layer_norm_backward_reads_a_lowp_grad_out(dtype, hidden):
+    _assert_add_layer_norm_lowp_grad(hidden, dtype, "cpu")
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden", MIXED_HIDDENS)
+@pytest.mark.parametrize("dtype", LOWP, ids=["bf16", "fp16"])
+def test_cuda_add_layer_norm_backward_reads_a_lowp_grad_out(dtype, hidden):
+    """The TG register kernels without grad_x (aligned rows up to 8192; 1023 and 8200 add in float first)."""
+    _assert_add_layer_norm_lowp_grad(hidden, dtype, "cuda", rows=6 if hidden > 2000 else 37)
+    if hidden == 1024:
+        _assert_add_layer_norm_lowp_grad(hidden, dtype, "cuda", rows=4099)  # grid-stride
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden", [h for h in MIXED_HIDDENS if h % 8 == 0 and h <= 8192])
+def test_cuda_column_sums_are_the_float_paths_at_full_grids(hidden):
+    """More rows than any resident grid holds, so each backward kernel's grid is SMs x blocks per SM: the weight and
+    bias gradients of a lower-precision out, x or second gradient are still the float path's bits. The variants'
+    occupancy differs from the float kernel's by a few registers (ptxas: e.g. the float fanout at 200, 104 registers
+    against 96: 4 blocks a SM against 5); every variant of a row shape runs the shape's one grid
+    (docs/cuda-audit.md)."""
+    rows = 16385 if hidden <= 2048 else 4099  # 128-thread blocks hold up to 16 x 4 rows a SM; 256-thread ones 8
+    for dtype in LOWP:
+        _assert_ln_matches_cast(rows, hidden, dtype, dtype, 0.3, "cuda")
+        _assert_rms_matches_cast(rows, hidden, dtype, dtype, True, "cuda")
+        _assert_rms_matches_cast(rows, hidden, torch.float32, dtype, False, "cuda")
+    for stream in (torch.bfloat16, torch.float16, torch.float32):
+        _assert_fanout_matches_add(stream, hidden, "cuda", rows=rows)

@@ -28,6 +28,7 @@ import ckpt_ext
 from ckpt_ext import _C, fuse, ops
 
 import helpers.fused
+from helpers.cuda_shapes import MIXED_HIDDENS, MIXED_RMS_HIDDENS
 from helpers.devices import requires_cuda
 from helpers.fused import assert_switch_defaults_on, switched
 
@@ -361,12 +362,13 @@ def test_compiled_fused_bert_under_autocast_equals_eager():
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("p", [0.0, 0.3], ids=["nodrop", "drop"])
-@pytest.mark.parametrize("hidden", [72, 1023, 1024, 4096, 6000, 8200])
+@pytest.mark.parametrize("hidden", MIXED_HIDDENS)
 @pytest.mark.parametrize("x_dtype", LOWP, ids=["bf16", "fp16"])
 def test_cuda_mixed_x_is_the_float_op_bit_for_bit(x_dtype, hidden, p):
     """The register kernels with a bfloat16/float16 x and grad_x (aligned: 72, 1024, 4096 -- the widest with the
     bias sum in the kernel; element by element: 1023), 6000 (a float grad_x rounded after, the bias summed from
-    it) and 8200 (the multi-pass kernels, x converted first)."""
+    it) and 8200 (the multi-pass kernels, x converted first); 200, 384, 1536: the other launch buckets
+    (helpers/cuda_shapes.py)."""
     _assert_op_matches_float(rows=6 if hidden > 2000 else 37, hidden=hidden, x_dtype=x_dtype, p=p, device="cuda")
     # An x whose pointer is not 16-byte aligned (contiguous, one element in): the element-by-element kernels.
     t = _inputs(5, 1024, x_dtype, "cuda")
@@ -376,11 +378,12 @@ def test_cuda_mixed_x_is_the_float_op_bit_for_bit(x_dtype, hidden, p):
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("hidden", [64, 72, 1023, 1024, 4096, 6000, 8200])
+@pytest.mark.parametrize("hidden", MIXED_RMS_HIDDENS)
 @pytest.mark.parametrize("x_dtype", LOWP, ids=["bf16", "fp16"])
 def test_cuda_rms_norm_mixed_x_is_the_float_op_bit_for_bit(x_dtype, hidden):
     """The RMSNorm register kernels read a bfloat16/float16 x beside a float32 residual / weight (TX) on aligned rows
-    up to 8192 (64, 72, 1024, 4096, 6000); 1023 (unaligned), 8200 and misaligned views convert x first."""
+    up to 8192 (64, 72, 200, 384, 1024, 1536, 4096, 6000: every launch bucket); 1023 (unaligned), 8200 and misaligned
+    views convert x first."""
     _assert_rms_matches_float(6, hidden, x_dtype, True, "cuda")
     _assert_rms_matches_float(6, hidden, x_dtype, False, "cuda")
     _assert_rms_out_dtypes_match_float(6 if hidden > 2000 else 37, hidden, x_dtype, "cuda")

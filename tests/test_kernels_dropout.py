@@ -164,3 +164,102 @@ def test_cuda_elementwise_kernels_past_one_grid(shape):
                                    ops.bias_gelu(x - 3.0, b, approximate), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(ops.bias_gelu_backward(g.cuda(), x.cuda() - 3.0, b.cuda(), approximate).cpu(),
                                    ops.bias_gelu_backward(g, x - 3.0, b, approximate), atol=2e-2, rtol=2e-2)
+
+
+# ---- past 2^31 elements (docs/cuda-audit.md: the 64-bit index arithmetic, read but never run) ---------------------
+
+
+def _spec_keep(index, p, seed, offset):
+    """The specification's keep flag of each element index (int64 tensor): Philox word index % 4 of group index / 4."""
+    group = index >> 2
+    lo, hi = torch.full_like(group, offset & _MASK32), torch.full_like(group, offset >> 32)
+    words = torch.stack(philox4x32_10((group & _MASK32, group >> 32, lo, hi), (seed & _MASK32, seed >> 32)), dim=1)
+    word = words.gather(1, (index & 3).unsqueeze(1)).squeeze(1)
+    return (word >> 8).to(torch.float32) * 2.0**-24 >= torch.tensor(p, dtype=torch.float32)
+
+
+def _column_sums_bound_ok(got, gx, chunk=1 << 16):
+    """got: gx's column sums (float accumulation, then gx's dtype): within (rows - 1) * 2^-24 * sum |gx| of the exact
+    sums, plus the final rounding; the exact ones taken in float64 a chunk of rows at a time (no float64 copy of gx)."""
+    ref = torch.zeros(gx.shape[-1], dtype=torch.float64, device=gx.device)
+    mag = torch.zeros_like(ref)
+    for i in range(0, gx.shape[0], chunk):
+        part = gx[i:i + chunk].double()
+        ref += part.sum(0)
+        mag += part.abs().sum(0)
+    bound = max(gx.shape[0] - 1, 1) * 2.0**-24 * mag + torch.finfo(gx.dtype).eps * ref.abs()
+    return bool(((got.double() - ref).abs() <= bound + 1e-30).all())
+
+
+def _assert_index_math(rows, hidden, device):
+    """bias_dropout_add, the fused LayerNorm (forward and backward, with the bias's column sums), RMSNorm and
+    bias_gelu_backward's column kernel on [rows, hidden] bfloat16: at the first rows, the rows around element 2^31
+    and the last row, the dropout mask is the specification's at the global element index and each row is normalised
+    with its own statistics (the CPU kernels on those rows alone as the yardstick)."""
+    p, seed, offset, dt = 0.5, 91, 3, torch.bfloat16
+    edge = 2**31 // hidden
+    sel = torch.tensor(sorted({r for r in (0, 1, rows // 2, edge - 1, edge, edge + 1, rows - 1) if 0 <= r < rows}))
+    keep = _spec_keep((sel[:, None] * hidden + torch.arange(hidden)[None, :]).reshape(-1), p, seed, offset)
+    keep = keep.reshape(len(sel), hidden)
+    g = torch.Generator().manual_seed(5)
+    b = (torch.randn(hidden, generator=g) * 0.5).to(dt)
+    w = (1 + torch.randn(hidden, generator=g) * 0.1).to(dt)
+    lb = (torch.randn(hidden, generator=g) * 0.1).to(dt)
+    bd, wd, lbd, seld = b.to(device), w.to(device), lb.to(device), sel.to(device)
+    ones = torch.ones(rows, hidden, dtype=dt, device=device)
+    zeros = torch.zeros(rows, hidden, dtype=dt, device=device)
+    # kept: (1 + b) * 2 (exact in float, one rounding to bfloat16), dropped: 0
+    want = torch.where(keep, (1 + b.float()) * 2, 0.0).to(dt)
+    summed = ops.bias_dropout_add(ones, bd, zeros, p, seed, offset)
+    assert torch.equal(summed[seld].cpu(), want)
+
+    out, pre, mean, rstd, _ = ops.bias_dropout_add_layer_norm(ones, bd, zeros, wd, lbd, p, 1e-5, seed, offset)
+    del zeros
+    assert torch.equal(pre[seld].cpu(), want)
+    ref_out, _, ref_mean, ref_rstd = ops.add_layer_norm(want, None, w, lb, 1e-5)
+    torch.testing.assert_close(mean[seld].cpu(), ref_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rstd[seld].cpu(), ref_rstd, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[seld].cpu(), ref_out, rtol=2e-2, atol=2e-2)
+    del out
+    # backward (grad_out = ones): grad_x is grad_residual * 2 where kept (a power of two: the same rounding)
+    gx, gres, _, _, gb = ops.bias_dropout_add_layer_norm_backward(ones, None, pre, wd, mean, rstd, p, seed, offset,
+                                                                  grad_bias=True)
+    assert torch.equal(gx[seld].cpu(), torch.where(keep, gres[seld].cpu().float() * 2, 0.0).to(dt))
+    ref_gres = ops.bias_dropout_add_layer_norm_backward(torch.ones_like(want), None, want, w, ref_mean, ref_rstd, 0.0,
+                                                        0, 0)[1]
+    torch.testing.assert_close(gres[seld].cpu(), ref_gres, rtol=2e-2, atol=2e-2)
+    assert _column_sums_bound_ok(gb, gx)
+    del pre, mean, rstd, gx, gres, gb
+
+    rms_out, rms_sum, rms_rstd = ops.add_rms_norm(summed, None, wd, 1e-6)
+    ref_rms = ops.add_rms_norm(want, None, w, 1e-6)
+    assert torch.equal(rms_sum[seld].cpu(), want)
+    torch.testing.assert_close(rms_rstd[seld].cpu(), ref_rms[2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rms_out[seld].cpu(), ref_rms[0], rtol=2e-2, atol=2e-2)
+    del rms_out, rms_sum, rms_rstd
+
+    ggx, ggb = ops.bias_gelu_backward(ones, summed, bd, "tanh", grad_bias=True)
+    torch.testing.assert_close(ggx[seld].cpu(), ops.bias_gelu_backward(torch.ones_like(want), want, b, "tanh"),
+                               rtol=2e-2, atol=2e-2)
+    assert _column_sums_bound_ok(ggb, ggx)
+
+
+def test_index_math_check_on_small_rows():
+    """The past-2^31 check's own logic, on CPU rows small enough to run anywhere (no row near element 2^31)."""
+    for hidden in (64, 72):
+        _assert_index_math(37, hidden, "cpu")
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden", [4096, 8200], ids=["register-kernels", "multipass-kernels"])
+def test_cuda_index_math_past_2_31_elements(hidden):
+    """[rows, hidden] bfloat16 with rows * hidden > 2^31 (4 GiB a tensor, about 26 GiB at the peak): a 32-bit element
+    index anywhere in the kernels (a row offset, a Philox group, a column-sum row) would show at the rows past
+    element 2^31."""
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    if free < 32 * 2**30:  # under pytest -n, other workers' tensors share the GPU
+        pytest.skip(f"needs 32 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    _assert_index_math(2**31 // hidden + 3, hidden, "cuda")
+    torch.cuda.empty_cache()

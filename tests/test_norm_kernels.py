@@ -21,15 +21,18 @@ import torch.nn.functional as F
 
 from ckpt_ext import ops
 
+from helpers.cuda_shapes import MIXED_HIDDENS  # noqa: E402
 from helpers.devices import requires_cuda  # noqa: E402
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rows, hidden): the model sizes (1024/4096/8192), odd hidden (element-by-element path), hidden % 8 == 4
 # (1028, 6004: 16-byte path for float, element by element for 16-bit types), hidden just past a launch
 # bucket (1025, 2049, 4097), backward's widest bucket (6000, 6004, 8192), past the register-resident limit of
-# 8192 (multi-pass kernels), one row (three idle warps in a four-row block), no rows, rows up to 4097.
+# 8192 (multi-pass kernels), one row (three idle warps in a four-row block), no rows, rows up to 4097; 72, 200,
+# 201, 302, 384, 999, 1536: the launch buckets (16-byte or element by element) the others miss, so that every
+# register kernel instantiation runs (test_cuda_tests_reach_every_register_bucket).
 CUDA_SHAPES = [(4097, 1024), (1000, 4096), (257, 8192), (1, 1), (3, 7), (129, 33), (4097, 1000), (2, 1025),
                (1, 1024), (7, 1028), (33, 2049), (65, 4097), (9, 6000), (9, 6004), (5, 8193), (1, 8193),
-               (3, 12288), (0, 1024)]
+               (3, 12288), (0, 1024), (37, 72), (6, 200), (5, 201), (37, 302), (259, 384), (3, 999), (17, 1536)]
 CPU_SHAPES = [(1, 1), (3, 7), (129, 33), (4, 1000), (2, 1025), (0, 7)]
 SHAPES = [pytest.param("cpu", s, id=f"cpu-{s[0]}x{s[1]}") for s in CPU_SHAPES] + [
     pytest.param("cuda", s, id=f"cuda-{s[0]}x{s[1]}", marks=[requires_cuda, pytest.mark.cuda]) for s in CUDA_SHAPES
@@ -403,3 +406,28 @@ def test_wide_rows_take_the_multipass_kernels():
     # backward: 16 elements a thread while 8 warps hold the row that way, 32 only beyond
     assert row_shape(1024, 8, BACKWARD_LIMITS) == (2, 2) and row_shape(1024, 4, BACKWARD_LIMITS) == (4, 2)
     assert row_shape(4096, 8, BACKWARD_LIMITS) == (2, 8) and row_shape(4097, 8, BACKWARD_LIMITS) == (4, 8)
+
+
+def _register_buckets(hiddens, vec_width, limits, vec=None):
+    """The (slots per thread, warps per row, 16-byte) kernels that rows of these widths launch (vec: only those
+    aligned rows take, or only element-by-element ones); multi-pass widths left out."""
+    out = set()
+    for h in hiddens:
+        aligned = h % vec_width == 0
+        if (vec is None or vec == aligned) and row_shape(h, vec_width, limits) is not None:
+            out.add(row_shape(h, vec_width, limits) + (aligned,))
+    return out
+
+
+@pytest.mark.parametrize("limits", [FORWARD_LIMITS, BACKWARD_LIMITS], ids=["forward", "backward"])
+@pytest.mark.parametrize("vec_width", [4, 8])  # float; half / bfloat16
+def test_cuda_tests_reach_every_register_bucket(vec_width, limits):
+    """Every register kernel instantiation runs in some CUDA test (docs/cuda-audit.md: compiled code no test launched
+    was never run): this file's CUDA_SHAPES reach each launch bucket with 16-byte and element-by-element rows, and the
+    mixed-dtype tests' widths (helpers/cuda_shapes.py; those kernels exist with 16-byte accesses only) reach each
+    float32 bucket, and each 16-bit one of the fanout's second gradient (G2, backward)."""
+    every = _register_buckets(range(1, 8193), vec_width, limits)
+    assert _register_buckets([h for _, h in CUDA_SHAPES], vec_width, limits) == every
+    if vec_width == 4 or limits is BACKWARD_LIMITS:
+        aligned = _register_buckets(range(1, 8193), vec_width, limits, vec=True)
+        assert _register_buckets(MIXED_HIDDENS, vec_width, limits, vec=True) == aligned

@@ -7,7 +7,9 @@
 // register budget (rowwise::ForwardLimits / BackwardLimits); a resident grid (SMs x blocks that fit per SM)
 // walks the rows grid-stride. Backward writes one float column partial per block ([grid, hidden], no atomics:
 // deterministic on a given device) and column_sum_kernel adds them into grad_weight / grad_bias in the
-// weight's dtype; the multipass backward kernels leave the same kind of partials, summed the same way.
+// weight's dtype; the multipass backward kernels leave the same kind of partials, summed the same way. The
+// backward grid is one per row shape, whichever dtype variant runs (layer_norm_backward_blocks_per_sm): the
+// variants' column sums are then the float path's bits.
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -96,6 +98,62 @@ template <typename T>
 struct Tag {
   using type = T;
 };
+
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel, int threads) {
+  int n = 0;
+  CKPT_EXT_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, reinterpret_cast<const void*>(kernel), threads, 0));
+  return std::max(n, 1);
+}
+
+// The backward grid of a row shape: SMs x the fewest blocks per SM among the shape's variants (the one-dtype kernel,
+// G2 and, for a float32 stream, the bfloat16/float16 gradient and grad_x ones; all instantiated anyway), whichever
+// variant runs. Each block's column partials add the rows it walks, so two variants on different grids would give
+// different grad_weight / grad_bias bits; their occupancy differs by a few registers (docs/cuda-audit.md). With the
+// fewest, no variant runs a partial second wave. Once per shape (the first device's; a grid changes no value).
+template <typename T, int I, int W, bool VEC, bool BIAS>
+int layer_norm_backward_blocks_per_sm(int threads) {
+  static const int n = [threads] {
+    int m = blocks_per_sm(rowwise::layer_norm_backward_kernel<T, I, W, VEC, BIAS>, threads);
+    if constexpr (VEC) {  // the mixed variants exist with 16-byte accesses only
+      m = std::min(m, blocks_per_sm(rowwise::layer_norm_backward_kernel<T, I, W, true, BIAS, T, T, true>, threads));
+      if constexpr (std::is_same_v<T, float>) {
+        const auto lowp = [&](auto tag) {
+          using L = typename decltype(tag)::type;
+          m = std::min(m, blocks_per_sm(rowwise::layer_norm_backward_kernel<T, I, W, true, BIAS, L, L>, threads));
+          m = std::min(m, blocks_per_sm(rowwise::layer_norm_backward_kernel<T, I, W, true, BIAS, L, T>, threads));
+          m = std::min(m, blocks_per_sm(rowwise::layer_norm_backward_kernel<T, I, W, true, BIAS, L, T, true>, threads));
+        };
+        lowp(Tag<at::BFloat16>{});
+        lowp(Tag<at::Half>{});
+      }
+    }
+    return m;
+  }();
+  return n;
+}
+
+template <typename T, int I, int W, bool VEC>
+int rms_norm_backward_blocks_per_sm(int threads) {
+  static const int n = [threads] {
+    int m = blocks_per_sm(rowwise::rms_norm_backward_kernel<T, I, W, VEC>, threads);
+    if constexpr (VEC)
+      m = std::min(m, blocks_per_sm(rowwise::rms_norm_backward_kernel<T, I, W, true, T, true>, threads));
+    if constexpr (std::is_same_v<T, float>) {
+      m = std::min(m, blocks_per_sm(rowwise::rms_norm_backward_kernel<T, I, W, VEC, at::BFloat16>, threads));
+      m = std::min(m, blocks_per_sm(rowwise::rms_norm_backward_kernel<T, I, W, VEC, at::Half>, threads));
+    }
+    return m;
+  }();
+  return n;
+}
+
+// At least one block, at most one per group of rows, at most `per_sm` a SM.
+inline int backward_grid(int per_sm, int64_t rows, int rows_per_block) {
+  const int64_t groups = (rows + rows_per_block - 1) / rows_per_block;
+  return static_cast<int>(std::max<int64_t>(1, std::min(groups, int64_t(multiprocessor_count()) * per_sm)));
+}
 
 // Calls f(Tag<TX>{}) for x's (or grad_x's) element type TX: T's, or beside a float32 stream bfloat16/float16
 // (ops/checks.h's is_lowp_beside_float; instantiated for T = float only).
@@ -271,8 +329,9 @@ bool run_layer_norm_backward(rowwise::LayerNormBackwardArgs<T, TX, TG>& a, bool 
       bias_summed = true;
     }
   };
-  const auto launch = [&](auto kernel, int threads, int rows_per_cta, bool with_x) {
-    const int grid = resident_grid(kernel, threads, a.rows, rows_per_cta);
+  // per_sm: the shape's (layer_norm_backward_blocks_per_sm), the same for every variant: the same column-sum bits.
+  const auto launch = [&](auto kernel, int per_sm, int threads, int rows_per_cta, bool with_x) {
+    const int grid = backward_grid(per_sm, a.rows, rows_per_cta);
     partials(grid, false, with_x);
     kernel<<<grid, threads, 0, stream>>>(a);
     CKPT_EXT_CUDA_LAUNCH_CHECK();
@@ -286,13 +345,13 @@ bool run_layer_norm_backward(rowwise::LayerNormBackwardArgs<T, TX, TG>& a, bool 
       // The bias's column sums hold one more float per element: only within the default budget's slots.
       if constexpr (S::iters * rowwise::kVec<T> <= rowwise::BackwardLimits::kElemsPerThread) {
         if (bias_sums) {
-          launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec, true, TX, TG, G2>, threads, rpc,
-                 true);
+          launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec, true, TX, TG, G2>,
+                 layer_norm_backward_blocks_per_sm<T, S::iters, S::warps, S::vec, true>(threads), threads, rpc, true);
           return;
         }
       }
-      launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec, false, TX, TG, G2>, threads, rpc,
-             false);
+      launch(rowwise::layer_norm_backward_kernel<T, S::iters, S::warps, S::vec, false, TX, TG, G2>,
+             layer_norm_backward_blocks_per_sm<T, S::iters, S::warps, S::vec, false>(threads), threads, rpc, false);
     }
   });
   if constexpr (one_dtype) {
@@ -522,9 +581,10 @@ void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_out2, 
                                             false};
       a.vec = vector_ok<T>(hidden, {a.grad_out, a.grad_out2, a.grad_sum, a.sum, a.weight, a.grad_input});
       at::Tensor partial_w;
-      const auto launch = [&](auto kernel, int warps) {
+      // per_sm: the shape's (rms_norm_backward_blocks_per_sm), whatever TG or G2: the same column-sum bits.
+      const auto launch = [&](auto kernel, auto per_sm_of, int warps) {
         const int threads = rowwise::cta_threads(warps);
-        const int grid = resident_grid(kernel, threads, rows, rowwise::rows_per_cta(warps));
+        const int grid = backward_grid(per_sm_of(threads), rows, rowwise::rows_per_cta(warps));
         partial_w = column_partials(grid, hidden, sum, false);
         a.partial_w = partial_w.mutable_data_ptr<float>();
         kernel<<<grid, threads, 0, stream>>>(a);
@@ -535,13 +595,15 @@ void rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& grad_out2, 
         if constexpr (std::is_same_v<TG, T>) {
           if (a.grad_out2 != nullptr) {  // G2: aligned rows only (checked above)
             if constexpr (S::vec)
-              launch(rowwise::rms_norm_backward_kernel<T, S::iters, S::warps, true, T, true>, S::warps);
+              launch(rowwise::rms_norm_backward_kernel<T, S::iters, S::warps, true, T, true>,
+                     rms_norm_backward_blocks_per_sm<T, S::iters, S::warps, true>, S::warps);
             else
               TORCH_INTERNAL_ASSERT(false, "ckpt_ext: an unaligned row with two gradients in the register kernels");
             return;
           }
         }
-        launch(rowwise::rms_norm_backward_kernel<T, S::iters, S::warps, S::vec, TG>, S::warps);
+        launch(rowwise::rms_norm_backward_kernel<T, S::iters, S::warps, S::vec, TG>,
+               rms_norm_backward_blocks_per_sm<T, S::iters, S::warps, S::vec>, S::warps);
       });
       if (!fits) {
         TORCH_INTERNAL_ASSERT(!g2_same, "ckpt_ext: two gradients of a row wider than the register kernels");
