@@ -47,6 +47,7 @@ extern const LayerFamily kGpt2Family;
 extern const LayerFamily kLlamaFamily;
 extern const LayerFamily kQwen3Family;
 extern const LayerFamily kGemmaFamily;
+extern const LayerFamily kGemma3Family;
 
 // ---- shared pieces ----------------------------------------------------------------------------------------
 

@@ -30,6 +30,8 @@ const LayerFamily& family(Family f) {
       return kQwen3Family;
     case Family::kGemma:
       return kGemmaFamily;
+    case Family::kGemma3:
+      return kGemma3Family;
   }
   TORCH_CHECK(false, "ckpt_ext: unknown layer family ", static_cast<int64_t>(f));
 }
@@ -114,7 +116,7 @@ const FamilyInfo& family_info(Family f) { return family(f).info; }
 
 const std::vector<Family>& all_families() {
   static const std::vector<Family> all{Family::kBert, Family::kGPT2, Family::kLlama, Family::kQwen3,
-                                       Family::kGemma};
+                                       Family::kGemma, Family::kGemma3};
   return all;
 }
 
@@ -122,7 +124,7 @@ const char* family_name(Family f) { return family(f).info.name; }
 
 void LayerSpec::validate() const {
   const auto f = static_cast<int64_t>(family);
-  TORCH_CHECK(f >= 0 && f <= static_cast<int64_t>(Family::kGemma), "ckpt_ext LayerSpec: unknown family ", f);
+  TORCH_CHECK(f >= 0 && f <= static_cast<int64_t>(Family::kGemma3), "ckpt_ext LayerSpec: unknown family ", f);
   const bool decoder = is_rotary_decoder(family);
   TORCH_CHECK(hidden > 0 && num_heads > 0 && num_kv_heads > 0 && head_dim > 0,
               "ckpt_ext LayerSpec: hidden, num_heads, num_kv_heads and head_dim must be positive, got ", repr());

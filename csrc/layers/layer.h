@@ -42,11 +42,13 @@ namespace layers {
 
 using at::Tensor;
 
-enum class Family : int64_t { kBert = 0, kGPT2 = 1, kLlama = 2, kQwen3 = 3, kGemma = 4 };
+enum class Family : int64_t { kBert = 0, kGPT2 = 1, kLlama = 2, kQwen3 = 3, kGemma = 4, kGemma3 = 5 };
 
 // The rotary decoder families (llama.cpp: Llama and its relatives, one forward on one spec): grouped-query
 // attention, head_dim independent of hidden / num_heads, no hidden dropout.
-inline bool is_rotary_decoder(Family f) { return f == Family::kLlama || f == Family::kQwen3 || f == Family::kGemma; }
+inline bool is_rotary_decoder(Family f) {
+  return f == Family::kLlama || f == Family::kQwen3 || f == Family::kGemma || f == Family::kGemma3;
+}
 
 const char* family_name(Family f);
 
