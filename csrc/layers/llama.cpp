@@ -18,6 +18,8 @@
 //           (post_attention_layernorm on the attention output, pre_/post_feedforward_layernorm around the
 //           MLP). The last linear then does not feed the residual sum directly: no last_linear (the segment
 //           replay runs such a layer whole), the down projection a plain GEMM site and the sum autograd's add.
+//   gemma2  gemma3's layer without the q/k norms, with attention logit softcapping (spec.attn_softcap: the
+//           attention written out, attention.cpp) where Hugging Face's attention applies it (eager).
 #include <ATen/ATen.h>
 
 #include "../common/checks.h"
@@ -37,6 +39,13 @@ constexpr const char* kSlotNames[] = {
     "ln2_weight", "gate_weight", "gate_bias", "up_weight", "up_bias", "down_weight", "down_bias",
     "q_norm_weight", "k_norm_weight", "pre_ff_norm_weight", "post_ff_norm_weight"};
 static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kGemma3Count, "one name per weight slot");
+// Gemma 2: the shared slots, then its two MLP norms (no q/k norms).
+enum : int64_t { kGemma2PreFfW = kCount, kGemma2PostFfW, kGemma2Count };
+std::vector<std::string> gemma2_slots() {
+  std::vector<std::string> names(kSlotNames, kSlotNames + kCount);
+  names.insert(names.end(), kSlotNames + kPreFfW, kSlotNames + kGemma3Count);
+  return names;
+}
 // The projections that may carry a LoRA adapter (adapter j's A, B follow the slots above).
 enum : int64_t { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraDown };
 const std::vector<std::string> kLora{"q_weight", "k_weight", "v_weight", "o_weight", "gate_weight", "up_weight",
@@ -50,13 +59,15 @@ struct Decoder {
   bool qk_norm;       // qwen3: RMSNorm over each head of q and k (slots kQNormW, kKNormW), before rotary
   bool unit_offset;   // gemma: RMSNorm scaled by (1 + weight)
   bool gelu;          // gemma: GeGLU (spec.gelu_tanh: tanh or exact GELU) instead of SwiGLU
-  bool sandwich;      // gemma3: RMSNorm of the attention output (kLn2W) and of the MLP output (kPostFfW) before
-                      // each joins the residual; the MLP's input norm is kPreFfW
+  bool sandwich;      // gemma2/3: RMSNorm of the attention output (kLn2W) and of the MLP output (post_ff) before
+                      // each joins the residual; the MLP's input norm is pre_ff
+  int64_t pre_ff = -1, post_ff = -1;  // sandwich: the slots of the MLP's input and output norm weights
 };
 constexpr Decoder kLlama{"Llama", false, false, false, false};
 constexpr Decoder kQwen3{"Qwen3", true, false, false, false};
 constexpr Decoder kGemma{"Gemma", false, true, true, false};
-constexpr Decoder kGemma3{"Gemma3", true, true, true, true};
+constexpr Decoder kGemma3{"Gemma3", true, true, true, true, kPreFfW, kPostFfW};
+constexpr Decoder kGemma2{"Gemma2", false, true, true, true, kGemma2PreFfW, kGemma2PostFfW};
 
 void check(const Decoder& d, const LayerSpec& s, const std::vector<Tensor>& w) {
   const int64_t H = s.hidden;
@@ -74,10 +85,10 @@ void check(const Decoder& d, const LayerSpec& s, const std::vector<Tensor>& w) {
     check_vector(w[kKNormW], s.head_dim, "self_attn.k_norm.weight", nullptr, "ckpt_ext fused ", d.label, " layer");
   }
   if (d.sandwich) {
-    check_present(s, w, kPreFfW, "pre_feedforward_layernorm.weight");
-    check_present(s, w, kPostFfW, "post_feedforward_layernorm.weight");
-    check_vector(w[kPreFfW], H, "pre_feedforward_layernorm.weight", nullptr, "ckpt_ext fused ", d.label, " layer");
-    check_vector(w[kPostFfW], H, "post_feedforward_layernorm.weight", nullptr, "ckpt_ext fused ", d.label, " layer");
+    check_present(s, w, d.pre_ff, "pre_feedforward_layernorm.weight");
+    check_present(s, w, d.post_ff, "post_feedforward_layernorm.weight");
+    check_vector(w[d.pre_ff], H, "pre_feedforward_layernorm.weight", nullptr, "ckpt_ext fused ", d.label, " layer");
+    check_vector(w[d.post_ff], H, "post_feedforward_layernorm.weight", nullptr, "ckpt_ext fused ", d.label, " layer");
   }
 }
 
@@ -142,11 +153,11 @@ LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const
   const Tensor q = ops::rotary(q_raw, cos, sin);
   const Tensor k = ops::rotary(k_raw, cos, sin);
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
-                                           rng.seed, kAttnProbs, kept));
+                                           rng.seed, kAttnProbs, kept, s.attn_softcap));
   const Tensor o_proj = plus_lora(gemm_linear(ctx, w[kOW], w[kOB], kSiteO), lora_delta(s, w, kLoraO, ctx, rng));
   // Sandwich: the attention output normalised (kLn2W) joins the residual, and the MLP's input norm is kPreFfW.
   const Tensor o = d.sandwich ? norm_input(output_norm(s, o_proj, x, norm_weight(d, w[kLn2W])), x) : norm_input(o_proj, x);
-  const Tensor& mlp_norm_w = w[d.sandwich ? kPreFfW : kLn2W];
+  const Tensor& mlp_norm_w = w[d.sandwich ? d.pre_ff : kLn2W];
   const bool mlp_adapter = any_adapter(s, w, {kLoraGate, kLoraUp, kLoraUp});
   const auto n2_dtype = mlp_adapter ? std::nullopt : gemm_input_dtype(x);
   Tensor n2, n2_up, h1;
@@ -169,7 +180,7 @@ LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const
     // the layer's fifth GEMM; no replay stops before it), its normalised output joins h1 through autograd's add.
     const Tensor down = plus_lora(gemm_linear(act, w[kDownW], w[kDownB], KeptGemms::kLastLinear),
                                   lora_delta(s, w, kLoraDown, act, rng));
-    const Tensor m = output_norm(s, down, h1, norm_weight(d, w[kPostFfW]));
+    const Tensor m = output_norm(s, down, h1, norm_weight(d, w[d.post_ff]));
     LayerOutput r;
     if (out_slot.defined()) {
       Tensor slot = out_slot;  // (a handle of the same tensor: add_out takes a non-const reference)
@@ -205,6 +216,8 @@ const LayerFamily kGemmaFamily{{Family::kGemma, "gemma", {kSlotNames, kSlotNames
 // No last_linear: its down projection's output is normalised before the residual sum (Decoder::sandwich).
 const LayerFamily kGemma3Family{{Family::kGemma3, "gemma3", {kSlotNames, kSlotNames + kGemma3Count}, kLora},
                                 &check_of<kGemma3>, &forward_of<kGemma3>, nullptr};
+const LayerFamily kGemma2Family{{Family::kGemma2, "gemma2", gemma2_slots(), kLora}, &check_of<kGemma2>,
+                                &forward_of<kGemma2>, nullptr};
 
 }  // namespace layers
 }  // namespace ckpt_ext

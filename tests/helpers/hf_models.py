@@ -22,7 +22,10 @@ RTOL, ATOL = 1e-5, 1e-6
 # fused and Hugging Face's float32 runs each differ from a float64 run by about 1e-6 of a gradient's scale, the
 # fused run no more than Hugging Face's (test_gemma3_fused checks that against float64), so the two differ from
 # each other by up to about twice that.
-FP32_ATOL = {"gemma3": 3e-6}
+FP32_ATOL = {"gemma3": 3e-6, "gemma2": 3e-6}
+# Gemma 2's attention logit cap in the tests: the tiny models' scores are about 0.03, so a cap of 0.02 bends them
+# (Gemma 2's own 50 would leave tanh the identity here).
+GEMMA2_SOFTCAP = 0.02
 
 
 
@@ -66,27 +69,33 @@ FAMILIES = ["bert", "roberta", "gpt2", "llama", "llama-gqa"]
 # the test sequence), Qwen3 (per-head q/k RMSNorm, head_dim set apart from hidden / heads), Gemma (GeGLU with
 # tanh GELU, RMSNorm scaled by 1 + weight, head_dim set apart), Gemma 3 (Gemma's, with Gemma-style per-head q/k
 # norms, the sandwich norms, query_pre_attn_scalar; sliding layers with a window shorter than the test sequence --
-# both layers sliding by default, so that groups of layers share their mask and rotary tables). Their configs:
-# grouped-query attention.
-RELATIVES = ["qwen2", "mistral", "qwen3", "gemma", "gemma3"]
+# both layers sliding by default, so that groups of layers share their mask and rotary tables), Gemma 2 (Gemma 3's
+# layer without q/k norms, with attention logit softcapping small enough to matter here; eager attention: the
+# implementation that applies the cap). Their configs: grouped-query attention.
+RELATIVES = ["qwen2", "mistral", "qwen3", "gemma", "gemma3", "gemma2"]
 DECODERS = ("llama", "llama-gqa", *RELATIVES)
 
 
 def _relative(family, dropout, layers, attn, overrides):
     import transformers
-    cls = {"qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma", "gemma3": "Gemma3Text"}[family]
+    cls = {"qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma", "gemma3": "Gemma3Text",
+           "gemma2": "Gemma2"}[family]
     if not hasattr(transformers, cls + "Model"):
         pytest.skip(f"transformers {transformers.__version__} has no {cls}Model")
     kw = dict(hidden_size=H, num_attention_heads=3, num_key_value_heads=1 if family == "qwen3" else 3,
               intermediate_size=100, num_hidden_layers=layers, vocab_size=VOCAB, attention_dropout=dropout,
               attn_implementation=attn)
-    if family in ("qwen3", "gemma", "gemma3"):
+    if family in ("qwen3", "gemma", "gemma3", "gemma2"):
         kw["head_dim"] = 16  # 3 x 16 != 72: head_dim apart from hidden / heads
-    if family in ("mistral", "gemma3"):
+    if family in ("mistral", "gemma3", "gemma2"):
         kw["sliding_window"] = 11  # < S: the window masks keys
-    if family == "gemma3":
+    if family in ("gemma3", "gemma2"):
         kw["query_pre_attn_scalar"] = 20  # a scale other than head_dim ** -0.5
         kw.setdefault("layer_types", ["sliding_attention"] * layers)
+    if family == "gemma2":
+        kw["attn_logit_softcapping"] = GEMMA2_SOFTCAP
+        kw["final_logit_softcapping"] = None
+        kw["attn_implementation"] = "eager"
     kw.update(overrides)
     model = getattr(transformers, cls + "Model")(_quiet(getattr(transformers, cls + "Config")(**kw)))
     # Norm weights start at 1 (Gemma: 0, scaled by 1 + weight); random ones make a wrong scale visible.
@@ -182,6 +191,8 @@ def skip_if_eager_differs_from_sdpa_on_padding(model, family, kw):
     releases whose eager attention computes those rows otherwise (transformers 5.0's GPT-2: its eager and
     SDPA paths disagree there by O(1)), an eager model cannot be matched row for row: skipped, saying so."""
     if getattr(model.config, "_attn_implementation", None) != "eager" or "attention_mask" not in kw:
+        return
+    if family == "gemma2":  # eager only (SDPA has no softcap); the fused layer writes its attention out as eager does
         return
     sdpa = copy.deepcopy(model)
     sdpa.config._attn_implementation = "sdpa"
