@@ -20,7 +20,7 @@ B, S, H, VOCAB = 2, 37, 72, 61
 RTOL, ATOL = 1e-5, 1e-6
 # Gemma 3's per-head q/k norms and the norms of the attention's and the MLP's outputs amplify float32 rounding: the
 # fused and Hugging Face's float32 runs each differ from a float64 run by about 1e-6 of a gradient's scale, the
-# fused run no more than Hugging Face's (test_gemma3_fused checks that against float64), so the two differ from
+# fused run no more than Hugging Face's (test_gemma_fused checks that against float64), so the two differ from
 # each other by up to about twice that.
 FP32_ATOL = {"gemma3": 3e-6, "gemma2": 3e-6}
 # Gemma 2's attention logit cap in the tests: the tiny models' scores are about 0.03, so a cap of 0.02 bends them

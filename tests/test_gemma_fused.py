@@ -1,10 +1,12 @@
-"""Gemma 3 under ckpt_ext.fuse, beyond what the family lists of the shared tests cover (test_fused_parity,
+"""Gemma 3 and Gemma 2 under ckpt_ext.fuse, beyond what the family lists of the shared tests cover (test_fused_parity,
 test_fused_dropout, test_fused_segment, test_keep_*_fused, test_lora_fused, test_compile, test_hf_zoo run Gemma 3
-as one of Llama's relatives): the float32 error of the fused layers against a float64 run (no worse than Hugging
+as Llama's relatives): the float32 error of the fused layers against a float64 run (no worse than Hugging
 Face's own), layers of both types (sliding and full attention: their own masks and their own rotary tables, local
 and global) checkpointed one at a time exactly and refused as a group, EmbeddingGemma's bidirectional attention
 left to Hugging Face, the causal LM with labels (final logit softcapping included) and the multimodal model's text
-layers."""
+layers; Gemma 2's attention logit softcapping (it matters in these configs; keep="attention" replays such layers'
+attention in full and says why; an implementation that does not apply the cap is left to Hugging Face) and its
+causal LM."""
 import copy
 import warnings
 
@@ -24,27 +26,29 @@ from helpers.hf_models import (assert_training_parity, embeds_call, fused_copy, 
 MIXED = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
-def _errors(model, kw, dtype):
+def _errors(model, kw, dtype, family="gemma3"):
     """(output, {name: gradient}) of `model` in `dtype` from fixed inputs and cotangent, as float64."""
     model = model.to(dtype)
-    e, out = embeds_call(model, "gemma3", kw)
+    e, out = embeds_call(model, family, kw)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64).to(dtype)
     out.backward(g)
     return out.detach().double(), {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("layer_types", [None, MIXED], ids=["sliding", "mixed"])
-def test_float32_error_against_float64_is_hugging_faces(layer_types):
+@pytest.mark.parametrize("family,layer_types", [("gemma3", None), ("gemma3", MIXED), ("gemma2", MIXED)],
+                         ids=["gemma3-sliding", "gemma3-mixed", "gemma2-mixed"])
+def test_float32_error_against_float64_is_hugging_faces(family, layer_types):
     """The fused float32 layers are as close to a float64 run of Hugging Face's model as Hugging Face's float32 run
     is (at most 2x its error, per output and per gradient, as the autocast tests bound theirs). Gemma 3's q/k and sandwich norms amplify rounding:
     the shared parity tests compare the two float32 runs with a looser atol for this family (hf_models.FP32_ATOL);
     this is the check that the looser bound hides no error of the fused layers."""
     over = {} if layer_types is None else {"layer_types": layer_types}
-    model = make_model("gemma3", layers=len(layer_types or [0, 0]), **over).train()
-    kw = inputs_for("gemma3", padding=True)
-    ref = _errors(copy.deepcopy(model), kw, torch.float64)
-    hf = _errors(copy.deepcopy(model), kw, torch.float32)
-    fused = _errors(fused_copy(model), kw, torch.float32)
+    model = make_model(family, layers=len(layer_types or [0, 0]), **over).train()
+    # (Gemma 2 runs eager attention, whose float64 run gives NaN on fully masked rows -- left padding: no padding)
+    kw = inputs_for(family, padding=family != "gemma2")
+    ref = _errors(copy.deepcopy(model), kw, torch.float64, family)
+    hf = _errors(copy.deepcopy(model), kw, torch.float32, family)
+    fused = _errors(fused_copy(model), kw, torch.float32, family)
     scale_out = ref[0].abs().max().item()
     assert (fused[0] - ref[0]).abs().max() <= 2 * (hf[0] - ref[0]).abs().max() + 1e-7 * scale_out
     assert fused[1].keys() == ref[1].keys()
@@ -243,3 +247,104 @@ def test_head_with_an_inline_loss_is_not_fused():
     model = InlineLoss(cfg)
     assert "without its loss_function" in head_refusal(model)
     assert head_refusal(transformers.LlamaForCausalLM(cfg)) is None
+
+
+# ---- Gemma 2 ------------------------------------------------------------------------------------------------------
+
+def test_gemma2_softcap_matters_and_is_applied():
+    """The tests' cap bends the scores (Hugging Face's output with and without it differ by far more than the
+    tolerance), and the fused layers follow the capped model (float32, padding, sliding and full layers)."""
+    from helpers.hf_models import GEMMA2_SOFTCAP
+    model = make_model("gemma2", layers=2, layer_types=MIXED[:2]).train()
+    assert model.config.attn_logit_softcapping == GEMMA2_SOFTCAP
+    kw = inputs_for("gemma2", padding=True)
+    uncapped = copy.deepcopy(model)
+    for m in uncapped.modules():
+        if hasattr(m, "attn_logit_softcapping"):
+            m.attn_logit_softcapping = None
+    with torch.no_grad():
+        a = model(**kw).last_hidden_state
+        b = uncapped(**kw).last_hidden_state
+    assert (a - b).abs().max() > 1e-2 * a.abs().max()
+    fused = fused_copy(model)
+    assert all(layer.spec.attn_softcap == GEMMA2_SOFTCAP for layer in layers_of(fused))
+    assert_training_parity(model, fused, "gemma2", kw)
+
+
+def test_gemma2_keep_attention_replays_softcapped_attention_and_says_why():
+    """keep="attention": a softcapped attention has no log-sum-exp to keep (no SDPA kernel computes it); the layers
+    are replayed in full, with a warning naming the reason, and the step equals the unchecked fused model's."""
+    model = ckpt_ext.fuse(make_model("gemma2", layers=2).train())
+    kw = inputs_for("gemma2", padding=True)
+    ck = ckpt_ext.enable_checkpointing(copy.deepcopy(model), keep="attention")
+    runs = []
+    for m in (model, ck):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = m(**kw).last_hidden_state
+        out.pow(2).mean().backward()
+        runs.append((out.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}, caught))
+    assert any("softcapping" in str(w.message) for w in runs[1][2]), [str(w.message) for w in runs[1][2]]
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1].keys() == runs[1][1].keys()
+    for name, g in runs[0][1].items():
+        assert torch.equal(g, runs[1][1][name]), name
+
+
+def test_gemma2_softcap_under_an_implementation_without_it_is_left_to_hugging_face():
+    """An attention implementation that does not apply the cap (transformers 5.0's SDPA drops it): the fused layer,
+    which applies it, would differ from the model it replaces, so the layer is not fused, saying why."""
+    from ckpt_ext.hf.layers import Unsupported, layer_spec
+    from ckpt_ext._layout import GEMMA2
+    layer = layers_of(make_model("gemma2", layers=1))[0]
+    layer.self_attn.config._attn_implementation = "sdpa"
+    with pytest.raises(Unsupported, match="attn_logit_softcapping"):
+        layer_spec(layer, GEMMA2)
+
+
+def _gemma2_lm(dropout=0.0, **over):
+    cfg = transformers.Gemma2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=48, num_hidden_layers=2, head_dim=8, vocab_size=97,
+                                    sliding_window=5, query_pre_attn_scalar=12, attention_dropout=dropout,
+                                    attn_logit_softcapping=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+                                    attn_implementation="eager", layer_types=MIXED[:2], **over)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model.train()
+
+
+@pytest.mark.parametrize("final_softcap", [None, 0.1], ids=["nocap", "finalcap"])
+def test_gemma2_causal_lm_with_labels_and_final_logit_softcapping(final_softcap):
+    """Gemma2ForCausalLM with labels: fused layers (attention softcapping) and the fused head + loss (the final
+    logit softcapping inside the chunked loss) match Hugging Face's loss and every gradient; with dropout,
+    checkpointed one layer at a time equals the fused model bit for bit."""
+    model = _gemma2_lm(final_logit_softcapping=final_softcap)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 97, (2, 13), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    mask[1, -3:] = 0
+    kw = {"input_ids": ids, "attention_mask": mask}
+    ref = _lm_step(copy.deepcopy(model), kw)
+    fused = ckpt_ext.fuse(model)
+    assert sum(isinstance(m, FusedTransformerLayer) for m in fused.modules()) == 2
+    assert type(fused.lm_head).__name__ == "FusedLMHead"
+    got = _lm_step(fused, kw)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    scale = max(v.abs().max().item() for v in ref[1].values())
+    assert got[1].keys() == ref[1].keys()
+    for name in ref[1]:
+        torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-5, atol=3e-6 * scale, msg=lambda m: f"{name}: {m}")
+    dropped = ckpt_ext.fuse(_gemma2_lm(0.2, final_logit_softcapping=final_softcap))
+    plain = _lm_step(dropped, kw)
+    ckpt_ext.enable_checkpointing(dropped, every=1)
+    ck = _lm_step(dropped, kw)
+    assert torch.equal(ck[0], plain[0])
+    for name in plain[1]:
+        assert torch.equal(ck[1][name], plain[1][name]), name
