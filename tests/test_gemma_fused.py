@@ -39,9 +39,9 @@ def _errors(model, kw, dtype, family="gemma3"):
                          ids=["gemma3-sliding", "gemma3-mixed", "gemma2-mixed"])
 def test_float32_error_against_float64_is_hugging_faces(family, layer_types):
     """The fused float32 layers are as close to a float64 run of Hugging Face's model as Hugging Face's float32 run
-    is (at most 2x its error, per output and per gradient, as the autocast tests bound theirs). Gemma 3's q/k and sandwich norms amplify rounding:
-    the shared parity tests compare the two float32 runs with a looser atol for this family (hf_models.FP32_ATOL);
-    this is the check that the looser bound hides no error of the fused layers."""
+    is (at most 2x its error, per output and per gradient, as the autocast tests bound theirs). Gemma 2/3's q/k and
+    sandwich norms amplify rounding: the shared parity tests compare the two float32 runs with a looser atol for these
+    families (hf_models.FP32_ATOL); this is the check that the looser bound hides no error of the fused layers."""
     over = {} if layer_types is None else {"layer_types": layer_types}
     model = make_model(family, layers=len(layer_types or [0, 0]), **over).train()
     # (Gemma 2 runs eager attention, whose float64 run gives NaN on fully masked rows -- left padding: no padding)
@@ -179,7 +179,8 @@ def test_causal_lm_with_labels_and_final_logit_softcapping(softcap):
     scale = max(v.abs().max().item() for v in ref[1].values())
     assert got[1].keys() == ref[1].keys()
     for name in ref[1]:
-        torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-5, atol=3e-6 * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-5, atol=3e-6 * scale,
+                                   msg=lambda m: f"{name}: {m}")
     if softcap is not None:  # the cap matters here: without it the loss differs
         nocap = copy.deepcopy(model)
         nocap.config.final_logit_softcapping = None
@@ -340,7 +341,8 @@ def test_gemma2_causal_lm_with_labels_and_final_logit_softcapping(final_softcap)
     scale = max(v.abs().max().item() for v in ref[1].values())
     assert got[1].keys() == ref[1].keys()
     for name in ref[1]:
-        torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-5, atol=3e-6 * scale, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-5, atol=3e-6 * scale,
+                                   msg=lambda m: f"{name}: {m}")
     dropped = ckpt_ext.fuse(_gemma2_lm(0.2, final_logit_softcapping=final_softcap))
     plain = _lm_step(dropped, kw)
     ckpt_ext.enable_checkpointing(dropped, every=1)
