@@ -117,9 +117,9 @@ Tensor head_rms_norm_typed(const LayerSpec& s, const Tensor& t, const Tensor& we
   return like(n, weight);
 }
 
-// Gemma 3's sandwich norms of a GEMM output `y` (the attention's o projection, the MLP's down projection) beside the
-// residual `stream`: Gemma3RMSNorm computes in float32 and returns y's dtype (`type_as`), which then joins the stream
-// (under autocast a bfloat16 output beside the float32 stream, added in float32 as Hugging Face's add promotes).
+// Gemma 2/3's sandwich norms of a GEMM output `y` (the attention's o projection, the MLP's down projection) beside the
+// residual `stream`: Gemma2/3RMSNorm computes in float32 and returns y's dtype (`type_as`), which then joins the
+// stream (under autocast a bfloat16 output beside the float32 stream, added in float32 as Hugging Face's add promotes).
 Tensor output_norm(const LayerSpec& s, const Tensor& y, const Tensor& stream, const Tensor& weight) {
   return std::get<0>(ops::add_rms_norm(norm_input(y, stream), std::nullopt, weight, s.eps, y.scalar_type()));
 }
@@ -155,8 +155,9 @@ LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const
   const Tensor ctx = merge_heads(attention(q, k, v, in.mask, /*causal=*/true, s.scaling, effective(s.attn_p, rng),
                                            rng.seed, kAttnProbs, kept, s.attn_softcap));
   const Tensor o_proj = plus_lora(gemm_linear(ctx, w[kOW], w[kOB], kSiteO), lora_delta(s, w, kLoraO, ctx, rng));
-  // Sandwich: the attention output normalised (kLn2W) joins the residual, and the MLP's input norm is kPreFfW.
-  const Tensor o = d.sandwich ? norm_input(output_norm(s, o_proj, x, norm_weight(d, w[kLn2W])), x) : norm_input(o_proj, x);
+  // Sandwich: the attention output normalised (kLn2W) joins the residual, and the MLP's input norm is pre_ff.
+  const Tensor o =
+      norm_input(d.sandwich ? output_norm(s, o_proj, x, norm_weight(d, w[kLn2W])) : o_proj, x);
   const Tensor& mlp_norm_w = w[d.sandwich ? d.pre_ff : kLn2W];
   const bool mlp_adapter = any_adapter(s, w, {kLoraGate, kLoraUp, kLoraUp});
   const auto n2_dtype = mlp_adapter ? std::nullopt : gemm_input_dtype(x);
