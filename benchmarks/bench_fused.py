@@ -10,7 +10,8 @@ Configurations, dropout as in the configs (0.1 in BERT and GPT-2 attention, none
   CUDA: BERT-large s512 b32 bf16 and autocast, GPT-2 medium s1024 b16 bf16, Llama 16x2048 s2048 b4 bf16;
         Llama's relatives: Qwen3 1.7B-like (28x2048, 16/8 heads, head dim 128, ffn 6144) s2048 b4, Mistral
         (Llama's shape, window 4096) s8192 b1, Qwen2 (Llama's shape, q/k/v biases) s2048 b4, Gemma 2B-like
-        (18x2048, 8/1 heads, head dim 256, GeGLU 16384) s2048 b4, all bf16
+        (18x2048, 8/1 heads, head dim 256, GeGLU 16384) s2048 b4, Gemma 3 1B-like widths (12x1152, 4/1 heads,
+        head dim 256, GeGLU 6912, window 512, every sixth layer full) s2048 b4, all bf16
   CPU:  the same families and modes, shrunk (4 layers, hidden 256, seq 128; head dim 64, window 64; --tiny:
         2 layers, hidden 64, seq 32)
 Peak on CUDA: allocated above the weights during a step (the yardstick's "peak over weights"); on CPU,
@@ -51,6 +52,10 @@ CONFIGS = {
     # Gemma (1) at a 2B-like shape: one KV head, head dim 256, GeGLU 16384 wide, a 256k vocabulary.
     "gemma-2b-bf16": (ModelSpec("gemma-2b", "gemma", 18, 2048, 8, 2048, 16384, 256000, kv_heads=1, head_dim=256), 4,
                       "bf16"),
+    # Gemma 3 at Gemma-3-1B's widths (hidden 1152, 4 heads of 256, one KV head, GeGLU 6912, a 262k vocabulary) with
+    # 12 layers instead of 26: five sliding layers (window 512 over 2048 tokens) to each full one.
+    "gemma3-1b-bf16": (ModelSpec("gemma3-1b", "gemma3", 12, 1152, 4, 2048, 6912, 262144, kv_heads=1, head_dim=256,
+                                 window=512), 4, "bf16"),
 }
 CPU_SHRINK = {"layers": 4, "hidden": 256, "heads": 4, "seq": 128, "intermediate": 1024, "vocab": 1000}
 # --tiny (CPU): the smallest shapes that still run every code path (the GPU report's dry run).
@@ -59,7 +64,7 @@ CPU_TINY = {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "intermediate": 25
 # Qwen3 and Mistral, the same for Qwen2 and Gemma).
 TARGETS = {"bert-large-bf16": (0.85, 1.10), "bert-large-autocast": (0.90, 1.15), "gpt2-medium-bf16": (0.85, 1.10),
            "llama-bf16": (0.74, 0.95), "qwen3-1.7b-bf16": (0.75, 0.96), "mistral-bf16": (0.75, 0.96),
-           "qwen2-bf16": (0.75, 0.96), "gemma-2b-bf16": (0.75, 0.96)}
+           "qwen2-bf16": (0.75, 0.96), "gemma-2b-bf16": (0.75, 0.96), "gemma3-1b-bf16": (0.75, 0.96)}
 
 
 def shrink(spec: ModelSpec, tiny: bool = False) -> ModelSpec:

@@ -44,7 +44,7 @@ class ModelSpec:
     vocab: int
     kv_heads: Optional[int] = None
     head_dim: Optional[int] = None  # qwen3, gemma: set apart from hidden / heads (None: hidden / heads)
-    window: Optional[int] = None    # mistral: the sliding attention window (None: the config's default, none)
+    window: Optional[int] = None    # mistral, gemma3: the sliding attention window (None: the config's default)
 
     def describe(self) -> str:
         kv = f" ({self.kv_heads} KV heads)" if self.kv_heads else ""
@@ -68,7 +68,7 @@ MODELS = {
 LORA_TARGETS = {"bert": ["query", "key", "value", "dense"], "gpt2": ["c_attn", "c_proj", "c_fc"],
                 "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 # Llama's relatives (fused on its machinery): transformers' class prefix.
-RELATIVES = {"qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma"}
+RELATIVES = {"qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma", "gemma3": "Gemma3Text"}
 for _family in RELATIVES:
     LORA_TARGETS[_family] = LORA_TARGETS["llama"]
 
@@ -152,7 +152,7 @@ def build_model(spec: ModelSpec, mode: str) -> nn.Module:
         import transformers
         prefix = RELATIVES[spec.family]
         extra = {"head_dim": spec.head_dim or spec.hidden // spec.heads}
-        if spec.family == "mistral":
+        if spec.family in ("mistral", "gemma3"):  # (Gemma 3: its sliding layers' window; every sixth is full)
             extra["sliding_window"] = spec.window
         cfg = getattr(transformers, prefix + "Config")(
             hidden_size=spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,

@@ -50,12 +50,23 @@ def _hidden_of(out: Any):
         return None
 
 
-def _same_args(a: Tuple, ka: Dict, b: Tuple, kb: Dict) -> bool:
-    def same(x, y):
-        return x is y or (isinstance(x, _ATOMS) and type(x) is type(y) and x == y)
+def _same(x, y) -> bool:
+    return x is y or (isinstance(x, _ATOMS) and type(x) is type(y) and x == y)
 
-    return (len(a) == len(b) and ka.keys() == kb.keys() and all(same(x, y) for x, y in zip(a, b))
-            and all(same(ka[k], kb[k]) for k in ka))
+
+def _same_args(a: Tuple, ka: Dict, b: Tuple, kb: Dict) -> bool:
+    return (len(a) == len(b) and ka.keys() == kb.keys() and all(_same(x, y) for x, y in zip(a, b))
+            and all(_same(ka[k], kb[k]) for k in ka))
+
+
+def _differing_args(a: Tuple, ka: Dict, b: Tuple, kb: Dict) -> str:
+    """The arguments that differ between two calls, for messages: keywords by name (e.g. attention_mask, or
+    position_embeddings -- Gemma 3's local and global rotary tables), positions after the hidden states by index."""
+    names = [f"positional argument {i + 1}" for i, (x, y) in enumerate(zip(a, b)) if not _same(x, y)]
+    if len(a) != len(b):
+        names.append("the number of positional arguments")
+    names += [k for k in sorted(set(ka) | set(kb)) if k not in ka or k not in kb or not _same(ka[k], kb[k])]
+    return ", ".join(names)
 
 
 def _weak(value):
@@ -482,7 +493,7 @@ def _traced_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     if group.layers[done] is not self or not args or args[0] is not _hidden_of(out):
         raise _changed_between_layers(group, done, self)
     if not _same_args(args[1:], kwargs, g_args, g_kwargs):
-        raise _different_arguments(group, done, self)
+        raise _different_arguments(group, done, self, _differing_args(args[1:], kwargs, g_args, g_kwargs))
     if done + 1 < len(group.layers):
         group.traced = (out, done + 1, g_args, g_kwargs)
     return out
@@ -495,11 +506,13 @@ def _changed_between_layers(group: _Group, done: int, layer: nn.Module) -> Runti
         "transforms hidden states between layers, so layers cannot be grouped. Use every=1.")
 
 
-def _different_arguments(group: _Group, done: int, layer: nn.Module) -> RuntimeError:
+def _different_arguments(group: _Group, done: int, layer: nn.Module, which: str = "") -> RuntimeError:
     return RuntimeError(
         f"ckpt_ext.enable_checkpointing(every={len(group.layers)}): layer {group.index + done} "
-        f"({type(layer).__name__}) receives different arguments than layer {group.index}, but a group runs "
-        "all its layers with the first layer's arguments. Use every=1.")
+        f"({type(layer).__name__}) receives different arguments than layer {group.index}"
+        + (f" ({which})" if which else "") + ", but a group runs all its layers with the first layer's arguments "
+        "(a model whose layers get their own masks or rotary tables, as Gemma 3's sliding and full layers, cannot "
+        "group them). Use every=1.")
 
 
 @traced_under_compile(_traced_layer_forward)
@@ -544,7 +557,7 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
         raise _changed_between_layers(group, done, self)
     if not _same_args(args[1:], kwargs, g_args, g_kwargs):
         group.pending = None
-        raise _different_arguments(group, done, self)
+        raise _different_arguments(group, done, self, _differing_args(args[1:], kwargs, g_args, g_kwargs))
     if done + 1 < len(group.layers):
         group.pending.done = done + 1
     else:

@@ -286,7 +286,9 @@ _TAIL = "tail"  # in _fused_levels' answer: (seconds, CPU seconds) of the layer'
 
 # The GEMMs of one fused layer call that the recompute levels keep (layers::KeptGemms sites), per family: their
 # number, and whether the last is the layer's last linear (its output is not kept in a segment's last layer).
-_FUSED_SITES = {"bert": (4, False), "gpt2": (4, True)}  # Llama and its relatives: (5, True)
+# Llama and its relatives: (5, True); Gemma 2 and 3 have five GEMM sites but no last linear (their MLP output is
+# normalised before the residual sum: the replay never stops before it).
+_FUSED_SITES = {"bert": (4, False), "gpt2": (4, True), "gemma3": (5, False), "gemma2": (5, False)}
 
 
 class _FusedGemms(TorchDispatchMode):

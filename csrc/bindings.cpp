@@ -83,7 +83,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_gemm_matmul", &L::gemm_matmul);
   auto make_spec = [](int64_t family, int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       double scaling, double attn_p, double hidden_p, double eps, bool gelu_tanh,
-                      const std::vector<double>& lora_scaling, const std::vector<double>& lora_p) {
+                      const std::vector<double>& lora_scaling, const std::vector<double>& lora_p,
+                      double attn_softcap) {
     L::LayerSpec s;
     s.family = static_cast<L::Family>(family);
     s.hidden = hidden;
@@ -97,6 +98,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     s.gelu_tanh = gelu_tanh;
     s.lora_scaling = lora_scaling;
     s.lora_p = lora_p;
+    s.attn_softcap = attn_softcap;
     s.validate();
     return s;
   };
@@ -104,17 +106,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init(make_spec), py::arg("family"), py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("scaling"), py::arg("attn_p"), py::arg("hidden_p"), py::arg("eps"),
            py::arg("gelu_tanh"), py::arg("lora_scaling") = std::vector<double>{},
-           py::arg("lora_p") = std::vector<double>{})
+           py::arg("lora_p") = std::vector<double>{}, py::arg("attn_softcap") = 0.0)
       .def_property_readonly("family", [](const L::LayerSpec& s) { return static_cast<int64_t>(s.family); })
       .def_readonly("attn_p", &L::LayerSpec::attn_p)
       .def_readonly("hidden_p", &L::LayerSpec::hidden_p)
       .def_readonly("lora_scaling", &L::LayerSpec::lora_scaling)
       .def_readonly("lora_p", &L::LayerSpec::lora_p)
+      .def_readonly("attn_softcap", &L::LayerSpec::attn_softcap)
       // A copy with the LoRA adapters' scalings and input dropouts (one per adapter projection, or none).
       .def(
           "with_lora",
           [](const L::LayerSpec& s, const std::vector<double>& lora_scaling, const std::vector<double>& lora_p) {
-            L::LayerSpec r = s;
+            L::LayerSpec r = s;  // (attn_softcap and the rest kept)
             r.lora_scaling = lora_scaling;
             r.lora_p = lora_p;
             r.validate();
@@ -126,16 +129,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::pickle(
           [](const L::LayerSpec& s) {
             return py::make_tuple(static_cast<int64_t>(s.family), s.hidden, s.num_heads, s.num_kv_heads, s.head_dim,
-                                  s.scaling, s.attn_p, s.hidden_p, s.eps, s.gelu_tanh, s.lora_scaling, s.lora_p);
+                                  s.scaling, s.attn_p, s.hidden_p, s.eps, s.gelu_tanh, s.lora_scaling, s.lora_p,
+                                  s.attn_softcap);
           },
           [make_spec](const py::tuple& t) {
-            TORCH_CHECK(t.size() == 10 || t.size() == 12, "ckpt_ext LayerSpec: bad pickled state");
-            const bool lora = t.size() == 12;  // states pickled before LoRA have 10 fields
+            TORCH_CHECK(t.size() == 10 || t.size() == 12 || t.size() == 13, "ckpt_ext LayerSpec: bad pickled state");
+            const bool lora = t.size() >= 12;  // states pickled before LoRA have 10 fields, before attn_softcap 12
             return make_spec(t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
                              t[4].cast<int64_t>(), t[5].cast<double>(), t[6].cast<double>(), t[7].cast<double>(),
                              t[8].cast<double>(), t[9].cast<bool>(),
                              lora ? t[10].cast<std::vector<double>>() : std::vector<double>{},
-                             lora ? t[11].cast<std::vector<double>>() : std::vector<double>{});
+                             lora ? t[11].cast<std::vector<double>>() : std::vector<double>{},
+                             t.size() == 13 ? t[12].cast<double>() : 0.0);
           }));
   // The layer layout's one home: {name: (family id, [weight slot names in call order])}; ckpt_ext/fused.py
   // maps Hugging Face's parameters to these slots.

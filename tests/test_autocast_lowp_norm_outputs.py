@@ -353,9 +353,10 @@ _step, _assert_identical = autocast_step, assert_identical_steps
 # Llama and relatives: n1's (one q/k/v GEMM) and n2's two (gate, up); GPT-2: ln_2's (c_fc); BERT / RoBERTa: h1's
 # (the intermediate GEMM; the dual op writes it beside the float32 h1, LN2's residual). Each forward cast also
 # had a ToCopyBackward cast in backward, and a checkpointed replay runs the forward's casts again.
-FORWARD_CASTS_SAVED = {"llama": 3, "qwen2": 3, "qwen3": 3, "gemma": 3, "gpt2": 1, "bert": 1, "roberta": 1}
+FORWARD_CASTS_SAVED = {"llama": 3, "qwen2": 3, "qwen3": 3, "gemma": 3, "gemma3": 3, "gemma2": 3, "gpt2": 1, "bert": 1,
+                       "roberta": 1}
 FAMILIES = list(FORWARD_CASTS_SAVED)
-DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "gemma")
+DECODER_FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma3", "gemma2")
 
 
 def _on_off(model, family, kw, layers, device="cpu", dtype=torch.bfloat16, saved=None):

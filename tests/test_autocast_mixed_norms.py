@@ -313,8 +313,9 @@ def _assert_switch_changes_nothing(family, dropout, every, device, dtype, layers
 
 
 # The norms of a layer fed by a GEMM: BERT's two, GPT-2's attention projection, Llama's attention output and
-# Qwen3's q/k norms besides.
-CASTS_SAVED = {"bert": 2, "roberta": 2, "gpt2": 1, "llama": 1, "qwen3": 3}
+# Qwen3's q/k norms besides; Gemma 3: its q/k norms, the norms of the attention output (and the MLP's input
+# norm after it: the first one writes the GEMMs' dtype) and of the MLP output; Gemma 2: those, without q/k norms.
+CASTS_SAVED = {"bert": 2, "roberta": 2, "gpt2": 1, "llama": 1, "qwen3": 3, "gemma3": 5, "gemma2": 3}
 FAMILIES = list(CASTS_SAVED)
 
 

@@ -322,7 +322,7 @@ def test_hugging_face_model_checkpointed_compiles_fullgraph(family):
     second_step_does_not_recompile(lambda: compiled(**kw).last_hidden_state, [], dict(model.named_parameters()), 3)
 
 
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma", "gemma3", "gemma2"])
 def test_fused_hugging_face_model_compiles_to_fused_segment_ops(family):
     """fuse + enable_checkpointing(every=2): one ckpt_ext::fused_segment per group, no graph break. Without
     dropout the compiled model equals the eager fused model; with dropout, the same operators run eagerly
@@ -374,7 +374,7 @@ def test_fused_layers_without_checkpointing_compile_and_take_dynamic_shapes():
 EAGER_LAYER = "fused_layer_runs_eagerly_under_compile"  # the function a not-checkpointed fused layer breaks the graph at
 
 
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "qwen3", "gemma"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "qwen3", "gemma", "gemma3", "gemma2"])
 @pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["nodrop", "dropout"])
 def test_fused_layers_not_checkpointed_run_eagerly_between_graphs(family, dropout):
     """fuse alone, compiled without fullgraph=True, in training: each fused layer runs as the eager fused layer

@@ -24,15 +24,18 @@ from helpers.devices import DEVICES
 from helpers.fused import _seed, checkpointed  # noqa: F401  (autouse seed)
 from helpers.hf_models import B, H, S, assert_training_parity, fused_copy, inputs_for, make_model
 
-FAMILIES = ["bert", "roberta", "gpt2", "llama", "qwen2", "qwen3", "gemma"]
+FAMILIES = ["bert", "roberta", "gpt2", "llama", "qwen2", "qwen3", "gemma", "gemma3", "gemma2"]
 MODES = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "autocast": (torch.float32, True)}
 # (adds, casts) of [B, S, H] per layer in backward, now.
 EXPECTED = {
     "bert": {"fp32": (1, 0), "bf16": (1, 0), "autocast": (1, 0)},
     "gpt2": {"fp32": (0, 0), "bf16": (0, 0), "autocast": (0, 2)},
     "llama": {"fp32": (0, 0), "bf16": (0, 0), "autocast": (0, 2)},
+    # Gemma 2 and 3 under autocast: two casts more than Llama's, from the sandwich norms, whose outputs are in the GEMMs'
+    # dtype as Gemma3RMSNorm's (type_as) and join the float32 stream (their gradients cast back)
+    "gemma3": {"fp32": (0, 0), "bf16": (0, 0), "autocast": (0, 4)},
 }
-FAMILY_OF = {"roberta": "bert", "qwen2": "llama", "qwen3": "llama", "gemma": "llama"}
+FAMILY_OF = {"roberta": "bert", "qwen2": "llama", "qwen3": "llama", "gemma": "llama", "gemma2": "gemma3"}
 
 
 class CountStreamOps(TorchDispatchMode):

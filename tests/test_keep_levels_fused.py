@@ -25,13 +25,15 @@ from helpers.devices import requires_cuda  # noqa: E402
 from helpers.fused import CountKernels, _seed  # noqa: E402,F401  (_seed: an autouse fixture)
 from helpers.hf_models import DECODERS, embeds_call, inputs_for, layers_of, make_model  # noqa: E402
 
-FAMILIES = ["bert", "gpt2", "llama", "llama-gqa", "qwen2", "qwen3", "gemma"]
+FAMILIES = ["bert", "gpt2", "llama", "llama-gqa", "qwen2", "qwen3", "gemma", "gemma3", "gemma2"]
 NEW = ["attention_inputs", "gemms", "gemms_attention"]
 # GEMM sites per layer (q/k/v projection included; the last linear counts once per layer but the replay of a
 # segment's last layer skips it anyway: GPT-2 and the decoders stop before it, BERT replays from its pre-norm
 # boundary, which stops before its output linear too)
 SITES = {"bert": 4, "gpt2": 4}
-LAST_LINEAR = {"bert": True, "gpt2": True}
+# Gemma 2 and 3: five sites, but its MLP output is normalised before the residual sum: no last linear, the replay runs
+# its segment's last layer whole (its down projection included, kept at "gemms")
+LAST_LINEAR = {"bert": True, "gpt2": True, "gemma3": False, "gemma2": False}
 
 
 def _sites(family):

@@ -24,9 +24,10 @@ _C = fused._C
 
 def test_family_ids_and_names_come_from_cpp():
     families = dict(_C.layer_families())
-    names = ("bert", "gpt2", "llama", "qwen3", "gemma")
+    names = ("bert", "gpt2", "llama", "qwen3", "gemma", "gemma3", "gemma2")
     assert sorted(families) == sorted(names)
-    assert (_layout.BERT, _layout.GPT2, _layout.LLAMA, _layout.QWEN3, _layout.GEMMA) == \
+    assert (_layout.BERT, _layout.GPT2, _layout.LLAMA, _layout.QWEN3, _layout.GEMMA, _layout.GEMMA3,
+            _layout.GEMMA2) == \
         tuple(families[n][0] for n in names)
     assert len({fid for fid, _ in families.values()}) == len(names)
     for name, (fid, slots) in families.items():

@@ -32,7 +32,7 @@ TARGETS = {
 }
 FAMILIES = list(TARGETS)
 # Llama's relatives (same projections): in the parity and replay tests.
-RELATIVES = ["qwen2", "mistral", "qwen3", "gemma"]
+RELATIVES = ["qwen2", "mistral", "qwen3", "gemma", "gemma3", "gemma2"]
 for _name in RELATIVES:
     TARGETS[_name] = TARGETS["llama"]
 
@@ -49,14 +49,21 @@ def make_model(family, dropout=0.0, layers=2):
         cfg = t.GPT2Config(n_embd=H, n_head=3, n_layer=layers, vocab_size=VOCAB, resid_pdrop=dropout,
                            attn_pdrop=dropout, embd_pdrop=0.0, attn_implementation="sdpa", use_cache=False)
         return t.GPT2Model(cfg)
-    name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma"}[family]
+    name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3", "gemma": "Gemma",
+            "gemma3": "Gemma3Text", "gemma2": "Gemma2"}[family]
     if not hasattr(t, name + "Model"):
         pytest.skip(f"transformers {t.__version__} has no {name}Model")
     extra = {"head_dim": 8} if family in ("qwen3", "gemma") else {"sliding_window": 5} if family == "mistral" else {}
+    if family == "gemma3":  # sliding layers (one mask and rotary table for all: groups of layers) shorter than S
+        extra = {"head_dim": 8, "sliding_window": 5, "query_pre_attn_scalar": 12,
+                 "layer_types": ["sliding_attention"] * layers}
+    if family == "gemma2":  # (eager: the implementation that applies the attention logit cap)
+        extra = {"head_dim": 8, "sliding_window": 5, "query_pre_attn_scalar": 12, "attn_logit_softcapping": 0.02,
+                 "layer_types": ["sliding_attention"] * layers}
     cfg = getattr(t, name + "Config")(hidden_size=H, num_attention_heads=3, num_key_value_heads=1,
                                       intermediate_size=100, num_hidden_layers=layers, vocab_size=VOCAB,
-                                      attention_dropout=dropout, attn_implementation="sdpa", use_cache=False,
-                                      **extra)
+                                      attention_dropout=dropout, use_cache=False,
+                                      attn_implementation="eager" if family == "gemma2" else "sdpa", **extra)
     return getattr(t, name + "Model")(cfg)
 
 
@@ -132,7 +139,7 @@ def test_parity_with_peft(family, lora_dropout, device):
     assert f[1] and all("lora_" in n for n in f[1])  # only adapter weights are trainable
     for n, p in fused.named_parameters():
         assert (p.grad is None) and (("lora_" in n) == p.requires_grad), n
-    assert_close_step(f, r)
+    assert_close_step(f, r, atol=3e-5 if family in ("gemma3", "gemma2") else 1e-5)  # (hf_models.FP32_ATOL: Gemma 3's norms)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -156,6 +156,14 @@ def head_refusal(model: nn.Module) -> Optional[str]:
         return f"its loss_function is {getattr(loss, '__name__', type(loss).__name__)}, not ForCausalLMLoss"
     if "labels" not in inspect.signature(type(model).forward).parameters:
         return "its forward takes no labels"
+    try:  # (getsource unwraps decorators)
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        source = None
+    if source is not None and "loss_function" not in source:
+        # e.g. transformers 5.0's Gemma3ForConditionalGeneration, whose forward computes nn.CrossEntropyLoss itself:
+        # handed the hidden states instead of the logits, it would compute a wrong loss
+        return "its forward computes its loss without its loss_function"
     config = getattr(model, "config", None)
     for attr in _UNSUPPORTED_SCALING:
         if getattr(config, attr, None) not in (None, 1, 1.0):

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 from .._extension import load
-from .._layout import BERT, DECODERS, FAMILIES, GEMMA, GPT2, LLAMA, QWEN3
+from .._layout import BERT, DECODERS, FAMILIES, GEMMA, GEMMA2, GEMMA3, GPT2, LLAMA, QWEN3
 from .peft import base_of
 
 _C = load()
@@ -37,6 +37,14 @@ HF_PARAMETERS: Dict[str, Dict[str, str]] = {
     "llama": _slots(*_DECODER),
     "qwen3": _slots(*_DECODER, ("q_norm", "self_attn.q_norm", "weight"), ("k_norm", "self_attn.k_norm", "weight")),
     "gemma": _slots(*_DECODER),
+    # Gemma 3: post_attention_layernorm (slot ln2) normalises the attention output; the MLP's input norm is
+    # pre_feedforward_layernorm and its output's post_feedforward_layernorm (llama.cpp's Decoder::sandwich).
+    "gemma3": _slots(*_DECODER, ("q_norm", "self_attn.q_norm", "weight"), ("k_norm", "self_attn.k_norm", "weight"),
+                     ("pre_ff_norm", "pre_feedforward_layernorm", "weight"),
+                     ("post_ff_norm", "post_feedforward_layernorm", "weight")),
+    # Gemma 2: Gemma 3's layer without the q/k norms.
+    "gemma2": _slots(*_DECODER, ("pre_ff_norm", "pre_feedforward_layernorm", "weight"),
+                     ("post_ff_norm", "post_feedforward_layernorm", "weight")),
 }
 
 
@@ -111,17 +119,11 @@ _FUSED_CLASSES = (
     ("bert", "BertLayer", BERT), ("roberta", "RobertaLayer", BERT), ("gpt2", "GPT2Block", GPT2),
     ("llama", "LlamaDecoderLayer", LLAMA), ("qwen2", "Qwen2DecoderLayer", LLAMA),
     ("mistral", "MistralDecoderLayer", LLAMA), ("qwen3", "Qwen3DecoderLayer", QWEN3),
-    ("gemma", "GemmaDecoderLayer", GEMMA),
+    ("gemma", "GemmaDecoderLayer", GEMMA), ("gemma3", "Gemma3DecoderLayer", GEMMA3),
+    ("gemma2", "Gemma2DecoderLayer", GEMMA2),
 )
 # Layers fuse() knows and leaves to Hugging Face, with why (fuse warns; docs/models.md).
-_HF_CLASSES = (
-    ("gemma2", "Gemma2DecoderLayer",
-     "Gemma 2 layers are not fused (attention logit softcapping, the norms before and after the MLP and after "
-     "the attention, query_pre_attn_scalar): they run Hugging Face's forward"),
-    ("gemma3", "Gemma3DecoderLayer",
-     "Gemma 3 layers are not fused (the norms before and after the MLP and after the attention, Gemma-style "
-     "q/k norms, per-layer-type rotary tables): they run Hugging Face's forward"),
-)
+_HF_CLASSES: Tuple[Tuple[str, str, str], ...] = ()
 
 
 def _loaded_classes(table) -> Dict[type, Any]:
@@ -276,7 +278,9 @@ def _rms_eps(norm: nn.Module, where: str, size: int) -> float:
 
 
 def _decoder_spec(layer, family: int) -> "_C.LayerSpec":
-    """Llama and its relatives (llama: Llama, Qwen2, Mistral; qwen3; gemma)."""
+    """Llama and its relatives (llama: Llama, Qwen2, Mistral; qwen3; gemma; gemma3). Gemma 3's
+    ``attn_logit_softcapping`` is not read: its attention never passes it on (Hugging Face's Gemma3Attention stores it
+    and calls the attention without a softcap), so neither does the fused layer."""
     attn, mlp = layer.self_attn, layer.mlp
     config = getattr(attn, "config", None)
     # The sliding window (Mistral; Qwen2/Qwen3 sliding layers) is the mask the model builds for eager and SDPA
@@ -288,7 +292,17 @@ def _decoder_spec(layer, family: int) -> "_C.LayerSpec":
                           "attention, which this implementation does not build")
     _check_common(layer, config)
     act = type(mlp.act_fn).__name__
-    if family == GEMMA:
+    if family == GEMMA3 and getattr(config, "use_bidirectional_attention", False):
+        raise Unsupported("use_bidirectional_attention=True (EmbeddingGemma: non-causal attention): the fused Gemma 3 "
+                          "layer is causal")
+    softcap = 0.0
+    if family == GEMMA2 and getattr(attn, "attn_logit_softcapping", None) is not None:
+        if _attn_impl(config) not in (None, "eager"):
+            raise Unsupported(f"attn_logit_softcapping={attn.attn_logit_softcapping} under attention implementation "
+                              f"{_attn_impl(config)!r}, which does not apply it (transformers 5.0's SDPA path drops "
+                              "it; later releases refuse it): the fused Gemma 2 layer applies it as 'eager' does")
+        softcap = float(attn.attn_logit_softcapping)
+    if family in (GEMMA, GEMMA3, GEMMA2):
         gelu_tanh = _gelu_tanh(mlp.act_fn, "mlp (the fused Gemma MLP is GeGLU)")
     elif act not in _SILU:
         raise Unsupported(f"activation {act} (the fused {type(layer).__name__} MLP is SwiGLU: silu)")
@@ -305,12 +319,15 @@ def _decoder_spec(layer, family: int) -> "_C.LayerSpec":
     hidden = attn.q_proj.in_features
     norms = [_rms_eps(layer.input_layernorm, "input_layernorm", hidden),
              _rms_eps(layer.post_attention_layernorm, "post_attention_layernorm", hidden)]
-    if family == QWEN3:
+    if family in (QWEN3, GEMMA3):
         norms += [_rms_eps(attn.q_norm, "self_attn.q_norm", head_dim), _rms_eps(attn.k_norm, "self_attn.k_norm", head_dim)]
+    if family in (GEMMA3, GEMMA2):
+        norms += [_rms_eps(layer.pre_feedforward_layernorm, "pre_feedforward_layernorm", hidden),
+                  _rms_eps(layer.post_feedforward_layernorm, "post_feedforward_layernorm", hidden)]
     eps = _same(norms, "RMSNorm epsilons")
     return _C.LayerSpec(family=family, hidden=hidden, num_heads=heads, num_kv_heads=kv_heads,
                         head_dim=head_dim, scaling=float(attn.scaling), attn_p=float(attn.attention_dropout),
-                        hidden_p=0.0, eps=eps, gelu_tanh=gelu_tanh)
+                        hidden_p=0.0, eps=eps, gelu_tanh=gelu_tanh, attn_softcap=softcap)
 
 
 _SPEC_BUILDERS: Dict[int, Callable[[nn.Module], Any]] = {

@@ -111,6 +111,30 @@ Tensor attention_with_philox_dropout(const Tensor& q, const Tensor& k, const Ten
 }
 
 
+// Gemma 2's attention with logit softcapping, as Hugging Face's eager_attention_forward computes it (the same ops
+// in the same order, autocast casting the matmuls as there): scores = (q k^T) * scale, capped to
+// tanh(scores / cap) * cap, plus the mask (or the causal -inf triangle), softmax in float32 cast back to q's dtype,
+// ckpt_ext's dropout drawn for (seed, offset) as attention_with_philox_dropout draws it, times v. Deterministic
+// but for that dropout, so a replay with the same seed gives the same bits. k, v: already repeated to q's heads.
+Tensor attention_softcapped(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal,
+                            double scale, double softcap, double p, int64_t seed, int64_t offset) {
+  const int64_t S = q.size(2), Sk = k.size(2);
+  Tensor scores = at::mul(at::matmul(q, k.transpose(2, 3)), scale);
+  scores = at::mul(at::tanh(at::div(scores, softcap)), softcap);
+  if (mask.defined()) {
+    const Tensor bias = mask.scalar_type() == at::kBool
+                            ? at::zeros(mask.sizes(), scores.options()).masked_fill_(
+                                  mask.logical_not(), -std::numeric_limits<double>::infinity())
+                            : mask;
+    scores = at::add(scores, bias);
+  } else if (causal) {
+    scores = at::add(scores, at::full({S, Sk}, -std::numeric_limits<double>::infinity(), scores.options()).triu_(1));
+  }
+  Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  if (p > 0) probs = ops::dropout(probs, p, seed, offset);
+  return at::matmul(probs, v);
+}
+
 }  // namespace
 
 LayerInputs prepared(const LayerInputs& in) {
@@ -424,9 +448,18 @@ std::string cudnn_attention_problem() {
 }
 
 Tensor attention(const Tensor& q_in, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
-                 double p, int64_t seed, int64_t offset, KeptAttention* kept) {
+                 double p, int64_t seed, int64_t offset, KeptAttention* kept, double softcap) {
   const int64_t n_rep = q_in.size(1) / k.size(1);
   const bool use_causal = causal && !mask.defined() && q_in.size(2) > 1;
+  if (softcap > 0) {
+    if (kept != nullptr)
+      kept->not_kept = "of attention logit softcapping (Gemma 2, attn_logit_softcapping=" + c10::str(softcap) +
+                       "): no SDPA kernel computes it, so the attention is written out (matmul, tanh cap, mask, "
+                       "softmax, dropout, matmul) with no log-sum-exp to keep; such layers replay their attention "
+                       "in full";
+    return attention_softcapped(q_in, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, use_causal, scale, softcap, p,
+                                seed, offset);
+  }
   // Grouped-query attention: SDPA's own GQA support when there is no mask (the fast kernels need
   // none), repeated heads otherwise -- Hugging Face's rule.
   const bool gqa = n_rep > 1 && !mask.defined();

@@ -47,6 +47,8 @@ extern const LayerFamily kGpt2Family;
 extern const LayerFamily kLlamaFamily;
 extern const LayerFamily kQwen3Family;
 extern const LayerFamily kGemmaFamily;
+extern const LayerFamily kGemma3Family;
+extern const LayerFamily kGemma2Family;
 
 // ---- shared pieces ----------------------------------------------------------------------------------------
 
@@ -145,8 +147,10 @@ Tensor merge_heads(const Tensor& ctx);
 // from the device's default generator set to a state derived from (seed, offset) for the call and
 // restored afterwards (rng.h). `kept`: keep-attention (layer.h): fill it (no grad), or replay from it;
 // a path without a log-sum-exp fills only kept->not_kept (the reason) and runs as without `kept`.
+// `softcap` > 0 (Gemma 2): scores = tanh(scores * scale / softcap) * softcap before the mask, which no SDPA kernel
+// computes: the attention written out as Hugging Face's eager attention computes it (never kept).
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
-                 double p, int64_t seed, int64_t offset, KeptAttention* kept = nullptr);
+                 double p, int64_t seed, int64_t offset, KeptAttention* kept = nullptr, double softcap = 0.0);
 
 // LoRA: the adapter term scaling_j * (dropout(x) A_j^T) B_j^T of projection j (FamilyInfo::lora), or
 // undefined when the projection has no adapter in this call.

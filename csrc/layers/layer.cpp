@@ -30,6 +30,10 @@ const LayerFamily& family(Family f) {
       return kQwen3Family;
     case Family::kGemma:
       return kGemmaFamily;
+    case Family::kGemma3:
+      return kGemma3Family;
+    case Family::kGemma2:
+      return kGemma2Family;
   }
   TORCH_CHECK(false, "ckpt_ext: unknown layer family ", static_cast<int64_t>(f));
 }
@@ -114,7 +118,7 @@ const FamilyInfo& family_info(Family f) { return family(f).info; }
 
 const std::vector<Family>& all_families() {
   static const std::vector<Family> all{Family::kBert, Family::kGPT2, Family::kLlama, Family::kQwen3,
-                                       Family::kGemma};
+                                       Family::kGemma, Family::kGemma3, Family::kGemma2};
   return all;
 }
 
@@ -122,7 +126,7 @@ const char* family_name(Family f) { return family(f).info.name; }
 
 void LayerSpec::validate() const {
   const auto f = static_cast<int64_t>(family);
-  TORCH_CHECK(f >= 0 && f <= static_cast<int64_t>(Family::kGemma), "ckpt_ext LayerSpec: unknown family ", f);
+  TORCH_CHECK(f >= 0 && f <= static_cast<int64_t>(Family::kGemma2), "ckpt_ext LayerSpec: unknown family ", f);
   const bool decoder = is_rotary_decoder(family);
   TORCH_CHECK(hidden > 0 && num_heads > 0 && num_kv_heads > 0 && head_dim > 0,
               "ckpt_ext LayerSpec: hidden, num_heads, num_kv_heads and head_dim must be positive, got ", repr());
@@ -141,6 +145,8 @@ void LayerSpec::validate() const {
   TORCH_CHECK(!decoder || hidden_p == 0, "ckpt_ext LayerSpec: ", family_name(family),
               " layers have no hidden dropout");
   TORCH_CHECK(eps >= 0, "ckpt_ext LayerSpec: eps must be >= 0, got ", eps);
+  TORCH_CHECK(attn_softcap >= 0 && (attn_softcap == 0 || decoder), "ckpt_ext LayerSpec: attn_softcap must be >= 0 "
+              "(0: none), and only the rotary decoders take one, got ", attn_softcap, " for ", family_name(family));
   const size_t n_lora = family_info(family).lora.size();
   TORCH_CHECK(lora_scaling.size() == lora_p.size() && (lora_p.empty() || lora_p.size() == n_lora),
               "ckpt_ext LayerSpec: lora_scaling and lora_p need one value per adapter projection (", n_lora,
@@ -154,6 +160,7 @@ std::string LayerSpec::repr() const {
   os << "LayerSpec(family=" << family_name(family) << ", hidden=" << hidden << ", num_heads=" << num_heads
      << ", num_kv_heads=" << num_kv_heads << ", head_dim=" << head_dim << ", scaling=" << scaling
      << ", attn_p=" << attn_p << ", hidden_p=" << hidden_p << ", eps=" << eps << ", gelu_tanh=" << gelu_tanh;
+  if (attn_softcap > 0) os << ", attn_softcap=" << attn_softcap;
   if (!lora_p.empty()) {
     os << ", lora_scaling=[";
     for (size_t j = 0; j < lora_scaling.size(); ++j) os << (j ? ", " : "") << lora_scaling[j];

@@ -42,11 +42,14 @@ namespace layers {
 
 using at::Tensor;
 
-enum class Family : int64_t { kBert = 0, kGPT2 = 1, kLlama = 2, kQwen3 = 3, kGemma = 4 };
+enum class Family : int64_t { kBert = 0, kGPT2 = 1, kLlama = 2, kQwen3 = 3, kGemma = 4, kGemma3 = 5, kGemma2 = 6 };
 
 // The rotary decoder families (llama.cpp: Llama and its relatives, one forward on one spec): grouped-query
 // attention, head_dim independent of hidden / num_heads, no hidden dropout.
-inline bool is_rotary_decoder(Family f) { return f == Family::kLlama || f == Family::kQwen3 || f == Family::kGemma; }
+inline bool is_rotary_decoder(Family f) {
+  return f == Family::kLlama || f == Family::kQwen3 || f == Family::kGemma || f == Family::kGemma3 ||
+         f == Family::kGemma2;
+}
 
 const char* family_name(Family f);
 
@@ -62,6 +65,7 @@ struct LayerSpec {
   double hidden_p = 0.0;     // BERT hidden_dropout_prob, GPT-2 resid_pdrop; 0 for Llama
   double eps = 1e-5;         // LayerNorm / RMSNorm epsilon
   bool gelu_tanh = false;    // BERT/GPT-2/Gemma: tanh-approximated GELU instead of the exact one
+  double attn_softcap = 0.0; // Gemma 2: attention logits capped to tanh(s / cap) * cap before the mask (0: none)
   // LoRA adapters (peft), one entry per projection of FamilyInfo::lora, or empty when the call has none:
   // each adapter's scaling (lora_alpha / r, or / sqrt(r) for rsLoRA) and the dropout on its input.
   std::vector<double> lora_scaling;
