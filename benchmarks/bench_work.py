@@ -61,6 +61,10 @@ at the config's own layers and batch (no extrapolation: the plan depends on both
 plan is printed (explain()), with the bytes the layer stack held from forward to backward in the traced step next to
 the plan's prediction; `--peak CONFIG:fused+budget=2.0` gives its traced peak.
 
+LoRA (`llama-lora`, `bert-large-lora`; docs/lora-work.md): the model wrapped by peft LoRA as suite.py --lora wraps it
+(variants.add_lora, LoraSpec's defaults) before the variant's setup; predicted only (no H200 row: no error column, and
+the calibration line stays over the measured rows).
+
 Usage: python benchmarks/bench_work.py [--models bert-large-bf16,...] [--fit] [--per-op VARIANT] [--json PATH]
 Prints per model and variant predicted ms, the H200's measured ms, the error; the last line is
 `calibration: max |error| X% over N rows`.
