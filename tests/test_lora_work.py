@@ -2,7 +2,7 @@
 users run it (float32 adapters, peft's default, on a bfloat16 model or a float32 one, under autocast bf16), so that
 the cuts cannot silently regress.
 
-* Counts per layer (3 layers less 2), forward and backward apart: matrix products (mm/addmm/bmm; the backward's
+* Counts per layer (3 layers less 2), forward and backward apart: matrix products (mm/addmm; the backward's
   minimum: each base projection's input gradient -- frozen base weights get no weight-gradient GEMM -- and four per
   adapter, A's and B's weight and input gradients), and the token-sized ([B, S, ...]) casts, adapter dropouts,
   multiplies and adds. Before the cuts (main at ffde522), Llama, bfloat16 model, autocast, lora_dropout 0.1: per layer
@@ -34,7 +34,8 @@ TOKENS = B * S
 class CountOps(TorchDispatchMode):
     """Counts, by kind, the ops of interest: matrix products, and token-sized casts, dropouts, multiplies, adds."""
 
-    KINDS = {"mm": (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.addmm_),
+    # mm: the projections' products (not bmm: an attention kernel SDPA may pick on a GPU would count its own)
+    KINDS = {"mm": (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_),
              "cast": (torch.ops.aten._to_copy,), "dropout": (torch.ops.ckpt_ext.dropout,),
              "mul": (torch.ops.aten.mul, torch.ops.aten.mul_), "add": (torch.ops.aten.add, torch.ops.aten.add_)}
 
