@@ -61,6 +61,10 @@ at the config's own layers and batch (no extrapolation: the plan depends on both
 plan is printed (explain()), with the bytes the layer stack held from forward to backward in the traced step next to
 the plan's prediction; `--peak CONFIG:fused+budget=2.0` gives its traced peak.
 
+LoRA (`llama-lora`, `bert-large-lora`; docs/lora-work.md): the model wrapped by peft LoRA as suite.py --lora wraps it
+(variants.add_lora, LoraSpec's defaults) before the variant's setup; predicted only (no H200 row: no error column, and
+the calibration line stays over the measured rows).
+
 Usage: python benchmarks/bench_work.py [--models bert-large-bf16,...] [--fit] [--per-op VARIANT] [--json PATH]
 Prints per model and variant predicted ms, the H200's measured ms, the error; the last line is
 `calibration: max |error| X% over N rows`.
@@ -106,7 +110,7 @@ class Config:
     family: str
     layers: int
     batch: int
-    mode: str  # bf16 | autocast
+    mode: str  # bf16 | autocast | bf16-autocast+lora | autocast+lora (MODES)
     variants: Tuple[str, ...]
     attn_dropout: float  # the table's attention dropout (the traces run with 0; see the docstring)
 
@@ -122,7 +126,27 @@ CONFIGS = {
     "gpt2-autocast": Config("gpt2-autocast", "gpt2", 24, 16, "autocast", BASE_VARIANTS, 0.1),
     "llama-autocast": Config("llama-autocast", "llama", 16, 4, "autocast",
                              ("none", "hf-gc", "ckpt_ext", "fused", "fused+ckpt"), 0.0),
+    # Predicted only (no H200 row): LoRA as most users train it (docs/lora-work.md) -- peft LoRA (variants.py's
+    # LoraSpec: r=16, alpha 32, dropout 0.05, on every attention and MLP projection, LORA_TARGETS; float32 adapters,
+    # peft's default) under Trainer(bf16=True)'s autocast bf16. Llama loaded in bfloat16 (its checkpoints' dtype);
+    # BERT in float32 (its checkpoints' dtype: float32 master weights under autocast).
+    "llama-lora": Config("llama-lora", "llama", 16, 4, "bf16-autocast+lora", BASE_VARIANTS, 0.0),
+    "bert-large-lora": Config("bert-large-lora", "bert", 24, 32, "autocast+lora", BASE_VARIANTS, 0.1),
 }
+# A config's mode: the weights' dtype (bf16: the model cast to bfloat16), autocast bf16 on or off, peft LoRA or not.
+MODES = ("bf16", "autocast", "bf16-autocast+lora", "autocast+lora")
+
+
+def _autocast(mode: str) -> bool:
+    return "autocast" in mode
+
+
+def _bf16_weights(mode: str) -> bool:
+    return mode.startswith("bf16")
+
+
+def _lora(mode: str) -> bool:
+    return mode.endswith("+lora")
 
 # ------------------------------------------------------------------------------------------------- the rates
 # Fitted once to H200_MS (`--fit`), the four tables together.
@@ -441,7 +465,7 @@ def _plan_predicted(m, ids, mode: str, value: str, rates: Dict[str, float], info
     from ckpt_ext.stack_plan import probe_clock
     clock = PredictedClock(rates)
     with _cuda_like(), WorkMode(clock), probe_clock(clock):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=_autocast(mode)):
             loss = m(input_ids=ids).last_hidden_state.float().pow(2).mean()
         loss.backward()
     m.zero_grad(set_to_none=True)
@@ -488,8 +512,13 @@ def _model_and_ids(family: str, mode: str, variant: str, layers: int, batch: int
     else:
         m, vocab, s = model_fn(layers)
     m = m.train()
-    if mode == "bf16":
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if _bf16_weights(mode):
         m = m.to(torch.bfloat16)
+    if _lora(mode):  # peft's LoRA as suite.py --lora wraps the model (variants.add_lora), before any variant
+        import variants  # noqa: E402  (benchmarks/ is on sys.path when this runs)
+        m = variants.add_lora(m, family, variants.LoraSpec())
     _setup(m, variant)
     ids = torch.randint(0, vocab, (batch, seq or s))
     if budget_of(variant) is not None:
@@ -508,7 +537,7 @@ def trace(family: str, mode: str, variant: str, layers: int, batch: int, seq: Op
     _ACTIVE.append(work)
     with _cuda_like(), work, contextlib.ExitStack() as stack:
         stack.callback(_ACTIVE.pop)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=_autocast(mode)):
             if info is not None and budget_of(variant) is not None:
                 import bench_budget  # noqa: E402
                 out, info["held"] = bench_budget.held_by_stack(
@@ -549,7 +578,7 @@ def peak_live_bytes(family: str, mode: str, variant: str, layers: int, batch: in
         _ACTIVE.append(work)
         with _cuda_like(), work, live, contextlib.ExitStack() as stack:
             stack.callback(_ACTIVE.pop)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=_autocast(mode)):
                 loss = m(input_ids=ids).last_hidden_state.float().pow(2).mean()
             loss.backward()
     return live.peak, live.at_peak

@@ -394,12 +394,15 @@ def test_layers_switch_on_equals_off_bitwise(family, checkpointing, dropout):
 def test_lora_on_the_norms_consumers_keeps_float_outputs(family, lora_dropout):
     """peft LoRA on the GEMMs a norm feeds (q/k/v, gate/up; c_attn, c_fc), with adapter dropout (which, on a
     bfloat16 input, would round differently) and without (another consumer, whose gradient autograd would add in
-    bfloat16): the float32 output is kept there (same bits, switch on and off; no cast saved on those norms)."""
+    bfloat16): the float32 output is kept there (same bits, switch on and off; no cast saved on those norms, but
+    BERT's h1, which the dual op also writes in the GEMM's dtype for the base GEMM, docs/lora-work.md (b))."""
     targets = {"gpt2": ["c_attn", "c_fc"], "llama": ["q_proj", "v_proj", "gate_proj"],
                "bert": ["query", "intermediate.dense"]}[family]
     casts = lora_switch_steps(family, targets, switch, 0.0 if family == "llama" else 0.2, lora_dropout, dict(every=1))
     # GPT-2: ln_2 feeds c_fc (adapted): nothing saved. Llama: n1 (q/v adapted) and n2 (gate adapted) keep float.
-    assert casts[True] == casts[False], casts
+    # BERT: the adapter reads the float32 h1, the base intermediate GEMM the dual op's bfloat16 one: per layer (2) the
+    # forward's cast, the replay's and the backward's saved.
+    assert casts[False] - casts[True] == (3 * 2 if family == "bert" else 0), casts
 
 
 def test_compiled_checkpointed_llama_equals_eager_without_graph_breaks():

@@ -167,3 +167,25 @@ def test_budget_variant_full_checkpoint_need_is_the_unplanned_default():
     assert info["plan"].segments == [(i, i + 1, True) for i in range(3)]
     default = bench_work.trace("llama", "bf16", "fused+ckpt", 3, 2, model_fn=tiny_llama)
     assert [(o.name, o.flops, o.bytes) for o in planned] == [(o.name, o.flops, o.bytes) for o in default]
+
+
+# -------------------------------------------------------------------------------------- LoRA configs (predicted only)
+def test_lora_mode_traces_peft_adapters():
+    """llama-lora's mode: bfloat16 weights, peft's LoRA (variants.LoraSpec: r 16 on every projection, float32 adapters,
+    dropout 0.05), autocast. GEMM FLOPs by hand: per layer and token, the base projections' forward and input gradient
+    (frozen: no weight gradient, fused or not) and the adapters' three products (forward, and the two gradients of A's
+    and of B's GEMM); the fused step's equal to peft eager's. Bad modes are refused."""
+    pytest.importorskip("peft")
+    T, r, hid, kv, inter = 2 * 64, 16, 64, 32, 256
+    shapes = [(hid, hid), (hid, kv), (hid, kv), (hid, hid), (hid, inter), (hid, inter), (inter, hid)]
+    base = sum(i * o for i, o in shapes)
+    adapters = sum(r * (i + o) for i, o in shapes)
+    # less the first layer's q/k/v input gradients (base and adapters): its input, the frozen embedding's, needs none
+    expected = 2 * 2 * T * (2 * base + 3 * adapters) - 2 * T * (hid * (hid + 2 * kv) + 3 * r * hid)
+    for variant in ("none", "fused"):
+        ops = bench_work.trace("llama", "bf16-autocast+lora", variant, 2, 2, model_fn=tiny_llama)
+        assert sum(o.flops for o in ops if o.kind == "gemm") == expected, variant
+    with pytest.raises(ValueError, match="mode must be one of"):
+        bench_work.trace("llama", "lora", "none", 2, 2, model_fn=tiny_llama)
+    assert bench_work.CONFIGS["llama-lora"].mode == "bf16-autocast+lora"
+    assert not set(bench_work.H200_MS) & {n for n, c in bench_work.CONFIGS.items() if bench_work._lora(c.mode)}

@@ -73,11 +73,12 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   const Tensor attn_out = norm_input(
       plus_lora(gemm_linear(ctx, w[kAttnOutW], Tensor(), kSiteAttnOut), lora_delta(s, w, kLoraAttnOut, ctx, rng)), x);
   // h1 is LN2's float32 residual and the intermediate GEMM's input: under autocast the norm also writes it in the
-  // GEMM's dtype (the dual op; gemm_input_dtype), which the GEMM reads without a cast, unless a LoRA adapter reads it.
+  // GEMM's dtype (the dual op; gemm_input_dtype), which the GEMM reads without a cast; a LoRA adapter on it reads the
+  // float32 h1 (its dropout rounds once from float32, as peft's; docs/lora-work.md).
   // Otherwise the norm hands h1 out twice (the fanout op), so that its backward adds the two gradients instead of
   // autograd's add (issue 32).
   const bool inter_adapter = any_adapter(s, w, {kLoraInter, kLoraInter, kLoraInter});
-  const auto h1_dtype = inter_adapter ? std::nullopt : gemm_input_dtype(x);
+  const auto h1_dtype = gemm_input_dtype(x);
   Tensor h1, h1_gemm;
   if (h1_dtype) {
     std::tie(h1, h1_gemm, std::ignore, std::ignore, std::ignore, std::ignore) = ops::bias_dropout_add_layer_norm_dual(

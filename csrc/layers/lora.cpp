@@ -3,10 +3,23 @@
 // at a site of its own (kLoraInput + j), so that a checkpointed replay draws it again. A and B go through
 // ATen's linear (autocast casts them like peft's nn.Linear adapters) and C++ autograd. The q, k and v
 // adapters of one input share their first GEMM when no adapter dropout applies (plus_lora_qkv).
+//
+// What peft's order costs, and what is skipped where the bits are the same (docs/lora-work.md):
+//   * float32 adapters under autocast (peft's default, autocast_adapter_dtype): peft casts x to float32, drops out in
+//     float32, and linear casts the result to autocast's dtype -- three passes forward, three backward. The adapter's
+//     input is written in the GEMM's dtype directly (adapter_gemm_input): x itself without dropout (a bfloat16 x:
+//     the round trip through float32 is exact), else one dropout rounding the float result once (ops::dropout
+//     computes in float; the same bits, the same mask).
+//   * a scaling that is a power of two (alpha = 2r: peft's usual) multiplies B (a small [out, r] matrix) instead of
+//     the [T, out] term, forward and backward: scaling by 2^k commutes with every rounding (barring overflow and
+//     subnormals), so the bits are the same.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <optional>
 
 #include "../ops/ops.h"
 #include "family.h"
@@ -35,15 +48,49 @@ Tensor adapter_input(const Tensor& x, const Tensor& A) {
   return x.scalar_type() == A.scalar_type() ? x : x.to(A.scalar_type());
 }
 
+// The dtype autocast runs the adapter's GEMMs in, where it changes float32 adapters' (bfloat16/float16 autocast on
+// x's device, a float32 A, x float32 or already in that dtype); nullopt otherwise.
+std::optional<at::ScalarType> autocast_adapter_gemm(const Tensor& x, const Tensor& A) {
+  const c10::DeviceType dt = x.device().type();
+  if ((dt != c10::DeviceType::CPU && dt != c10::DeviceType::CUDA) || !at::autocast::is_autocast_enabled(dt) ||
+      A.scalar_type() != at::kFloat)
+    return std::nullopt;
+  const at::ScalarType c = at::autocast::get_autocast_dtype(dt);
+  if ((c != at::kBFloat16 && c != at::kHalf) || (x.scalar_type() != at::kFloat && x.scalar_type() != c))
+    return std::nullopt;
+  return c;
+}
+
+// dropout(x.to(A's dtype)) as the adapter's first GEMM reads it (see the top): under autocast with float32 adapters,
+// in the GEMM's dtype without the casts (the same bits); otherwise peft's cast, then the dropout (p > 0).
+Tensor adapter_gemm_input(const Tensor& x, const Tensor& A, double p, const LayerRng& rng, int64_t site) {
+  const auto gemm = autocast_adapter_gemm(x, A);
+  if (!gemm.has_value()) {
+    const Tensor xa = adapter_input(x, A);
+    return p > 0 ? ops::dropout(xa, p, rng.seed, site) : xa;
+  }
+  if (p <= 0) return x;  // a float32 x: autocast's cast, as before; a bfloat16 x: the exact round trip skipped
+  return ops::dropout(x, p, rng.seed, site,
+                      x.scalar_type() == *gemm ? std::nullopt : std::optional<at::ScalarType>(*gemm));
+}
+
+// Whether `scaling` is a power of two (2^k, k within float's normal range): then B * scaling rounds as the term
+// times scaling does.
+bool exact_scaling(double scaling) {
+  int e = 0;
+  return scaling > 0 && std::frexp(scaling, &e) == 0.5 && e > -100 && e < 100;
+}
+
 }  // namespace
 
 Tensor lora_delta(const LayerSpec& s, const std::vector<Tensor>& w, int64_t j, const Tensor& x, const LayerRng& rng) {
   if (!has_adapter(s, w, j)) return Tensor();
   const size_t a = a_slot(s, j);
   const double p = effective(s.lora_p[static_cast<size_t>(j)], rng);
-  const Tensor xa = adapter_input(x, w[a]);
-  const Tensor xd = p > 0 ? ops::dropout(xa, p, rng.seed, kLoraInput + j) : xa;
-  return gemm_linear(gemm_linear(xd, w[a]), w[a + 1]) * s.lora_scaling[static_cast<size_t>(j)];
+  const double scaling = s.lora_scaling[static_cast<size_t>(j)];
+  const Tensor xd = adapter_gemm_input(x, w[a], p, rng, kLoraInput + j);
+  if (exact_scaling(scaling)) return gemm_linear(gemm_linear(xd, w[a]), w[a + 1] * scaling);
+  return gemm_linear(gemm_linear(xd, w[a]), w[a + 1]) * scaling;
 }
 
 // peft adds the term in the wider dtype of the two, then casts to the base output's.
@@ -72,7 +119,7 @@ Tensor plus_lora_qkv(const LayerSpec& s, const std::vector<Tensor>& w, std::arra
     // blockdiag(s_q B_q, s_k B_k, s_v B_v), which lays the three terms out as the fused qkv projection.
     // Copies only the small adapter matrices (peft allocates each A apart, so their concatenation cannot
     // be a view); autograd splits the gradients back.
-    const Tensor xa = gemm_linear(adapter_input(x, Aq), at::cat({Aq, Ak, Av}, 0));
+    const Tensor xa = gemm_linear(adapter_gemm_input(x, Aq, 0.0, rng, 0), at::cat({Aq, Ak, Av}, 0));
     std::vector<Tensor> b;
     for (int64_t k : j) b.push_back(w[a_slot(s, k) + 1] * s.lora_scaling[static_cast<size_t>(k)]);
     return plus_lora(y, gemm_linear(xa, at::block_diag(b)));

@@ -125,6 +125,13 @@ struct BiasDropoutAddFunction : torch::autograd::Function<BiasDropoutAddFunction
       // needs the float values too.
       const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data.at("x_dtype").toInt());
       const bool mixed = x_dtype != grad.scalar_type();
+      if (ctx->saved_data.at("p").toDouble() == 0 && !mixed && !needs(ctx, e[1])) {
+        // No dropout, x in the stream's dtype, no bias gradient (Llama's last linear with a LoRA adapter,
+        // last_linear_tail): x's gradient is the incoming one itself, not dropout(p = 0)'s copy of it.
+        if (needs(ctx, e[0])) out[0] = grad;
+        if (needs(ctx, e[2])) out[2] = grad;
+        return out;
+      }
       Tensor grad_x = ops::dropout(grad, ctx->saved_data.at("p").toDouble(), saved_symint(ctx, "seed"),
                                    saved_symint(ctx, "offset"),
                                    mixed && !needs(ctx, e[1]) ? std::optional<at::ScalarType>(x_dtype) : std::nullopt);
