@@ -28,7 +28,9 @@ import ckpt_ext
 from ckpt_ext.keep import LSE_OPS, recording_kept
 from common import hf_checkpointing_disable, hf_checkpointing_enable
 
-MODES = ("fp32", "bf16", "autocast")
+# bf16-autocast: bfloat16 weights under autocast (a Llama checkpoint loaded in bfloat16 and trained with
+# Trainer(bf16=True); with --lora, peft's float32 adapters run their GEMMs in bfloat16, as users run LoRA)
+MODES = ("fp32", "bf16", "autocast", "bf16-autocast")
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -162,7 +164,7 @@ def build_model(spec: ModelSpec, mode: str) -> nn.Module:
         model = getattr(transformers, prefix + "Model")(cfg)
     else:
         raise ValueError(f"unknown model family {spec.family!r}")
-    if mode == "bf16":
+    if mode in ("bf16", "bf16-autocast"):
         model = model.to(torch.bfloat16)
     return model.train()
 
@@ -197,7 +199,7 @@ class Workload:
         its gradients mere rounding noise: the parity step compares gradients)."""
         model.zero_grad(set_to_none=True)
         ids = self.input_ids(batch)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.mode == "autocast"):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.mode in ("autocast", "bf16-autocast")):
             with variant.context():
                 hidden = model(input_ids=ids).last_hidden_state.float()
             if probe:
