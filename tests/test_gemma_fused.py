@@ -21,7 +21,7 @@ if not hasattr(transformers, "Gemma3TextModel"):
     pytest.skip(f"transformers {transformers.__version__} has no Gemma 3", allow_module_level=True)
 from helpers.fused import _seed  # noqa: E402,F401  (autouse seed)
 from helpers.hf_models import (assert_training_parity, embeds_call, fused_copy, inputs_for, layers_of,  # noqa: E402
-                               make_model, skip_if_eager_differs_from_sdpa_on_padding)
+                               lm_step, make_model, skip_if_eager_differs_from_sdpa_on_padding)
 
 MIXED = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
@@ -135,65 +135,6 @@ def test_bidirectional_attention_is_left_to_hugging_face():
             ckpt_ext.fuse(model)
 
 
-def _causal_lm(dropout=0.0, **over):
-    cfg = transformers.Gemma3TextConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                        intermediate_size=48, num_hidden_layers=2, head_dim=8, vocab_size=97,
-                                        sliding_window=5, query_pre_attn_scalar=12, attention_dropout=dropout,
-                                        pad_token_id=0, bos_token_id=1, eos_token_id=1, **over)
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-    return model.train()
-
-
-def _lm_step(model, kw):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(123)
-    labels = kw["input_ids"].masked_fill(kw["attention_mask"] == 0, -100)
-    out = model(**kw, labels=labels, use_cache=False)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-@pytest.mark.parametrize("softcap", [None, 0.1], ids=["nocap", "softcap"])
-def test_causal_lm_with_labels_and_final_logit_softcapping(softcap):
-    """Gemma3ForCausalLM with labels: the fused layers and the fused head + loss (the final logit softcapping applied
-    inside the chunked loss, forward and gradient) match Hugging Face's loss and every gradient (float32); with
-    attention dropout, checkpointed one layer at a time equals the fused model bit for bit."""
-    model = _causal_lm(final_logit_softcapping=softcap, layer_types=MIXED[:2])
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, 97, (2, 13), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0
-    mask[1, -3:] = 0
-    kw = {"input_ids": ids, "attention_mask": mask}
-    ref = _lm_step(copy.deepcopy(model), kw)
-    fused = ckpt_ext.fuse(model)
-    assert sum(isinstance(m, FusedTransformerLayer) for m in fused.modules()) == 2
-    assert type(fused.lm_head).__name__ == "FusedLMHead"
-    got = _lm_step(fused, kw)
-    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
-    scale = max(v.abs().max().item() for v in ref[1].values())
-    assert got[1].keys() == ref[1].keys()
-    for name in ref[1]:
-        torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-5, atol=3e-6 * scale,
-                                   msg=lambda m: f"{name}: {m}")
-    if softcap is not None:  # the cap matters here: without it the loss differs
-        nocap = copy.deepcopy(model)
-        nocap.config.final_logit_softcapping = None
-        assert not torch.allclose(_lm_step(nocap, kw)[0], ref[0], rtol=1e-3)
-    dropped = ckpt_ext.fuse(_causal_lm(0.2, final_logit_softcapping=softcap, layer_types=MIXED[:2]))
-    plain = _lm_step(dropped, kw)
-    ckpt_ext.enable_checkpointing(dropped, every=1)
-    ck = _lm_step(dropped, kw)
-    assert torch.equal(ck[0], plain[0])
-    for name in plain[1]:
-        assert torch.equal(ck[1][name], plain[1][name]), name
-
-
 def test_conditional_generation_fuses_its_text_layers():
     """Gemma3ForConditionalGeneration: the text model's Gemma3DecoderLayers are fused, the vision tower (SigLIP)
     stays Hugging Face's; the loss from labels (text-only batch) and every gradient match the unfused model. Its
@@ -305,14 +246,19 @@ def test_gemma2_softcap_under_an_implementation_without_it_is_left_to_hugging_fa
         layer_spec(layer, GEMMA2)
 
 
-def _gemma2_lm(dropout=0.0, **over):
-    cfg = transformers.Gemma2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                    intermediate_size=48, num_hidden_layers=2, head_dim=8, vocab_size=97,
-                                    sliding_window=5, query_pre_attn_scalar=12, attention_dropout=dropout,
-                                    attn_logit_softcapping=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=1,
-                                    attn_implementation="eager", layer_types=MIXED[:2], **over)
+def _causal_lm(family, dropout=0.0, **over):
+    """A tiny Gemma3ForCausalLM / Gemma2ForCausalLM (attention logit softcapping, eager attention) of one sliding and
+    one full layer, its norm weights made random."""
+    sizes = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                 num_hidden_layers=2, head_dim=8, vocab_size=97, sliding_window=5, query_pre_attn_scalar=12,
+                 attention_dropout=dropout, pad_token_id=0, bos_token_id=1, eos_token_id=1, layer_types=MIXED[:2])
+    if family == "gemma2":
+        cfg = transformers.Gemma2Config(**sizes, attn_logit_softcapping=0.05, attn_implementation="eager", **over)
+        model_class = transformers.Gemma2ForCausalLM
+    else:
+        cfg, model_class = transformers.Gemma3TextConfig(**sizes, **over), transformers.Gemma3ForCausalLM
     torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(cfg)
+    model = model_class(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -320,33 +266,39 @@ def _gemma2_lm(dropout=0.0, **over):
     return model.train()
 
 
-@pytest.mark.parametrize("final_softcap", [None, 0.1], ids=["nocap", "finalcap"])
-def test_gemma2_causal_lm_with_labels_and_final_logit_softcapping(final_softcap):
-    """Gemma2ForCausalLM with labels: fused layers (attention softcapping) and the fused head + loss (the final
-    logit softcapping inside the chunked loss) match Hugging Face's loss and every gradient; with dropout,
-    checkpointed one layer at a time equals the fused model bit for bit."""
-    model = _gemma2_lm(final_logit_softcapping=final_softcap)
+@pytest.mark.parametrize("softcap", [None, 0.1], ids=["nocap", "finalcap"])
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_causal_lm_with_labels_and_final_logit_softcapping(family, softcap):
+    """Gemma3ForCausalLM / Gemma2ForCausalLM with labels: the fused layers (Gemma 2's attention softcapping included)
+    and the fused head + loss (the final logit softcapping applied inside the chunked loss, forward and gradient)
+    match Hugging Face's loss and every gradient (float32); with attention dropout, checkpointed one layer at a time
+    equals the fused model bit for bit."""
+    model = _causal_lm(family, final_logit_softcapping=softcap)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(2, 97, (2, 13), generator=g)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     mask[1, -3:] = 0
     kw = {"input_ids": ids, "attention_mask": mask}
-    ref = _lm_step(copy.deepcopy(model), kw)
+    ref = lm_step(copy.deepcopy(model), kw)
     fused = ckpt_ext.fuse(model)
     assert sum(isinstance(m, FusedTransformerLayer) for m in fused.modules()) == 2
     assert type(fused.lm_head).__name__ == "FusedLMHead"
-    got = _lm_step(fused, kw)
+    got = lm_step(fused, kw)
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
     scale = max(v.abs().max().item() for v in ref[1].values())
     assert got[1].keys() == ref[1].keys()
     for name in ref[1]:
         torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-5, atol=3e-6 * scale,
                                    msg=lambda m: f"{name}: {m}")
-    dropped = ckpt_ext.fuse(_gemma2_lm(0.2, final_logit_softcapping=final_softcap))
-    plain = _lm_step(dropped, kw)
+    if softcap is not None:  # the cap matters here: without it the loss differs
+        nocap = copy.deepcopy(model)
+        nocap.config.final_logit_softcapping = None
+        assert not torch.allclose(lm_step(nocap, kw)[0], ref[0], rtol=1e-3)
+    dropped = ckpt_ext.fuse(_causal_lm(family, 0.2, final_logit_softcapping=softcap))
+    plain = lm_step(dropped, kw)
     ckpt_ext.enable_checkpointing(dropped, every=1)
-    ck = _lm_step(dropped, kw)
+    ck = lm_step(dropped, kw)
     assert torch.equal(ck[0], plain[0])
     for name in plain[1]:
         assert torch.equal(ck[1][name], plain[1][name]), name

@@ -14,7 +14,7 @@ import torch
 import ckpt_ext
 
 transformers = pytest.importorskip("transformers")
-from helpers.hf_models import hf_enable  # noqa: E402
+from helpers.hf_models import hf_enable, lm_step  # noqa: E402
 
 H, HEADS, FF, LAYERS, VOCAB, B, S = 32, 4, 48, 2, 97, 2, 11
 
@@ -242,16 +242,6 @@ def _causal_lm(model_type: str, dropout: float):
     return model.train()
 
 
-def _lm_step(model, kw):
-    """One fine-tuning step of a *ForCausalLM: the loss Hugging Face computes from labels (padding -100)."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(123)
-    labels = kw["input_ids"].masked_fill(kw["attention_mask"] == 0, -100)
-    out = model(**kw, labels=labels, use_cache=False)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("model_type", FUSED)
 def test_fused_causal_lm_with_labels_matches_and_checkpoints_exactly(model_type):
     """fuse() on the *ForCausalLM users fine-tune: the loss from labels and every parameter's gradient match
@@ -263,10 +253,10 @@ def test_fused_causal_lm_with_labels_matches_and_checkpoints_exactly(model_type)
     model = _causal_lm(model_type, 0.0)
     kw = inputs(model_type, model)
     kw["attention_mask"][0, :2] = 0  # left padding in the first sequence too
-    ref = _lm_step(copy.deepcopy(model), kw)
+    ref = lm_step(copy.deepcopy(model), kw)
     fused = ckpt_ext.fuse(model)
     assert sum(isinstance(m, FusedTransformerLayer) for m in fused.modules()) == LAYERS
-    got = _lm_step(fused, kw)
+    got = lm_step(fused, kw)
     scale = max(g.abs().max().item() for g in ref[1].values())
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
     assert got[1].keys() == ref[1].keys()
@@ -274,10 +264,10 @@ def test_fused_causal_lm_with_labels_matches_and_checkpoints_exactly(model_type)
         torch.testing.assert_close(got[1][name], ref[1][name], rtol=1e-5, atol=1e-6 * scale,
                                    msg=lambda m: f"{name}: {m}")
     dropped = ckpt_ext.fuse(_causal_lm(model_type, 0.2))
-    plain = _lm_step(dropped, kw)
+    plain = lm_step(dropped, kw)
     # (Gemma 2's and 3's sliding and full layers get their own masks and rotary tables: checkpointed one at a time)
     ckpt_ext.enable_checkpointing(dropped, every=1 if model_type in ("gemma3_text", "gemma2") else 2)
-    ck = _lm_step(dropped, kw)
+    ck = lm_step(dropped, kw)
     assert torch.equal(ck[0], plain[0])
     for name in plain[1]:
         assert torch.equal(ck[1][name], plain[1][name]), name

@@ -206,3 +206,14 @@ def skip_if_eager_differs_from_sdpa_on_padding(model, family, kw):
     if not torch.allclose(a, b, rtol=1e-4, atol=1e-4):
         pytest.skip(f"transformers' own eager and SDPA {family} attention disagree on fully masked (padding) rows "
                     "in this release; the fused layer follows SDPA there (docs/known-differences.md)")
+
+
+def lm_step(model, kw):
+    """One fine-tuning step of a *ForCausalLM: the loss Hugging Face computes from labels (padding -100); returns the
+    loss and every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    labels = kw["input_ids"].masked_fill(kw["attention_mask"] == 0, -100)
+    out = model(**kw, labels=labels, use_cache=False)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
