@@ -157,7 +157,9 @@ def test_conditional_generation_fuses_its_text_layers():
     assert len(text_layers) == 2
     assert any(type(m).__name__ == "SiglipEncoderLayer" for m in model.modules())
     ids = torch.randint(2, 290, (2, 11), generator=torch.Generator().manual_seed(1))
-    kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    # token_type_ids: 0 for text (transformers 5.0 requires them in training)
+    kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "token_type_ids": torch.zeros_like(ids),
+          "use_cache": False}
     losses = []
     for m in (ref, model):
         torch.manual_seed(0)

@@ -30,7 +30,10 @@ SETS = {
 DEFAULT = ("oldest", "newest")
 TESTS = ["tests/test_hf_zoo.py", "tests/test_integration.py", "tests/test_trainer.py",
          "tests/test_checkpoint_hf_fallback.py", "tests/test_fused_parity.py", "tests/test_fused_segment.py",
-         "tests/test_lora_fused.py", "tests/test_lifecycle.py", "tests/test_compile_steps.py"]
+         "tests/test_lora_fused.py", "tests/test_lifecycle.py", "tests/test_compile_steps.py",
+         # Gemma 2/3 (transformers 5.0's SDPA drops Gemma 2's softcap; its Gemma 3 multimodal loss is inline) and the
+         # fused LoRA path's op counts against peft's
+         "tests/test_gemma_fused.py", "tests/test_lora_work.py"]
 
 
 def _run(cmd, **kw):
