@@ -193,6 +193,34 @@ def test_head_with_an_inline_loss_is_not_fused():
     assert head_refusal(transformers.LlamaForCausalLM(cfg)) is None
 
 
+@pytest.mark.parametrize("bare", [False, True], ids=["output", "bare-loss"])
+def test_inline_loss_the_source_check_misses_is_refused_at_the_step(bare):
+    """A forward whose source names loss_function but computes its loss inline passes head_refusal; in a fused
+    training call its loss would come from the hidden states (the fused head's output): the step raises instead of
+    returning it. Eval (the head's logits) and skip_logits=False are unaffected."""
+    from ckpt_ext.hf.head import fuse_lm_head
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class NamedButInline(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            logits = self.lm_head(self.model(input_ids=input_ids, **kwargs).last_hidden_state)
+            loss = None
+            if labels is not None:  # computed here, not by self.loss_function
+                loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            return loss if bare else CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    cfg = transformers.LlamaConfig(hidden_size=16, num_attention_heads=2, intermediate_size=24, num_hidden_layers=1,
+                                   vocab_size=50)
+    model = NamedButInline(cfg).train()
+    assert fuse_lm_head(model)
+    ids = torch.randint(0, 16, (2, 7), generator=torch.Generator().manual_seed(0))  # < hidden: CE on hidden states runs
+    with pytest.raises(RuntimeError, match="without its loss_function"):
+        model(input_ids=ids, labels=ids)
+    assert model(input_ids=ids, labels=ids, skip_logits=False) is not None  # Hugging Face's head: fine
+    model.eval()
+    assert model(input_ids=ids, labels=ids) is not None
+
+
 # ---- Gemma 2 ------------------------------------------------------------------------------------------------------
 
 def test_gemma2_softcap_matters_and_is_applied():

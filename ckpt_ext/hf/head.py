@@ -65,6 +65,7 @@ class _HeadState:
         self.softcap_attr = softcap_attr
         self.saved_softcap = None
         self.warned = set()
+        self.loss_ran = False  # the chunked loss ran in the current fused call (checked by the post-hook)
 
 
 class FusedCausalLMLoss:
@@ -88,6 +89,7 @@ class FusedCausalLMLoss:
         if vocab_size != head.out_features:
             raise ValueError(f"ckpt_ext: the loss was asked for a vocabulary of {vocab_size} but the head has "
                              f"{head.out_features} outputs")
+        self.state.loss_ran = True
         return linear_cross_entropy(logits, head.weight, head.bias, labels, ignore_index=ignore_index,
                                     num_items_in_batch=num_items_in_batch, shift_labels=shift_labels,
                                     softcap=self.state.saved_softcap)
@@ -115,6 +117,7 @@ def _pre_hook(model, args, kwargs):
         fused = False
     if isinstance(head, FusedLMHead):
         head._fused_call = fused
+    state.loss_ran = False
     if fused and state.softcap_attr is not None:
         state.saved_softcap = getattr(model.config, state.softcap_attr)
         setattr(model.config, state.softcap_attr, None)
@@ -125,6 +128,7 @@ def _post_hook(model, args, kwargs, output):
     state: _HeadState = model._ckpt_ext_head
     head = getattr(model, state.name)
     fused = isinstance(head, FusedLMHead) and head._fused_call
+    head_ran = fused and head._fused_hidden is not None
     if isinstance(head, FusedLMHead):
         head._fused_call = False
         head._fused_hidden = None
@@ -132,6 +136,18 @@ def _post_hook(model, args, kwargs, output):
         setattr(model.config, state.softcap_attr, state.saved_softcap)
         state.saved_softcap = None
     if not fused or output is None:
+        return output
+    bare = isinstance(output, torch.Tensor)  # a forward returning its loss alone
+    loss = output[0] if isinstance(output, tuple) else output if bare else getattr(output, "loss", None)
+    if head_ran and not state.loss_ran and loss is not None:
+        # The forward computed its loss some other way than its loss_function (head_refusal reads the forward's
+        # source for this; a source it cannot read, or one that names loss_function without calling it, gets here):
+        # in a fused call the head returned the hidden states, so that loss is wrong. Refuse it.
+        raise RuntimeError(
+            f"ckpt_ext: {type(model).__name__}'s forward computed its loss without its loss_function, from the fused "
+            "head's output (the hidden states, not logits): that loss would be wrong. Run Hugging Face's head and "
+            "loss for this model: ckpt_ext.hf.head.unfuse_lm_head(model), or pass skip_logits=False")
+    if bare:
         return output
     if isinstance(output, tuple):  # return_dict=False: (loss, logits, ...)
         return output[:1] + output[2:]
