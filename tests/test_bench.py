@@ -458,6 +458,25 @@ def test_bench_pareto_smoke(tmp_path):
     assert (tmp_path / "pareto.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_pareto_verdict_calls_a_plan_without_checkpointing_a_tie_only_within_the_spread():
+    """A plan that checkpoints nothing runs none's step: a median above 1 whose p20-p80 spread includes 1 is a tie;
+    above the spread, or for a plan that replays layers ("10 of 16 layers replayed"), it stays MISSED."""
+    import bench_pareto
+
+    def line(plan, p20, median):
+        row = {"variant": "planned@1MiB", "held_bytes": 1 << 20, "step_s": {"median": 1.0}, "plan": plan,
+               "torch_best": "none", "ratio_to_torch_best": {"median": median, "p20": p20, "p80": 1.02, "n": 3}}
+        (text,) = bench_pareto.verdict({"model": "m", "rows": [row]})
+        return text
+
+    nothing = "budget 1 MiB\n0 of 4 layers replayed, 4 kept whole"
+    assert "tie" in line(nothing, 0.99, 1.003) and "MISSED" not in line(nothing, 0.99, 1.003)
+    assert line(nothing, 1.001, 1.003).endswith("MISSED")
+    assert line("budget 1 MiB\n10 of 16 layers replayed (10 keeping attention), 6 kept whole", 0.99, 1.003).endswith(
+        "MISSED")
+    assert line(nothing, 0.95, 0.99).endswith("met")
+
+
 def test_bench_budget_smoke(tmp_path):
     """bench_budget: the planned variants run; the plan at the budget chosen keeps at a level; the predicted bytes
     held equal the measured ones; the ratios and explain() are written."""
