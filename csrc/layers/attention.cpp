@@ -3,7 +3,9 @@
 // (cuDNN's through the dispatcher by name: see NamedOp), their dropout drawn from a generator state derived
 // from the layer's seed (rng.h), and keep-attention (layer.h's KeptAttention: the kernel's output and
 // log-sum-exp kept from forward, its backward op called in the replay; a path without a log-sum-exp keeps
-// nothing and says why); on CPU with dropout, attention written out with ckpt_ext's Philox dropout.
+// nothing and says why); on CPU with dropout, attention with ckpt_ext's Philox dropout: mask, softmax and dropout
+// fused into one row pass between the two products (kernels/cpu/softmax_dropout.h), or written out as ATen ops
+// (the reference, and what the fused pass does not cover).
 #include <ATen/ATen.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/autocast_mode.h>
