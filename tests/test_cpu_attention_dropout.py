@@ -71,9 +71,12 @@ def check(mode, mask_kind, **shape):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         if mode == "fp32":
             torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6, msg=lambda m: f"{mode} {mask_kind} {name}: {m}")
-        else:  # one bfloat16 rounding apart at most
+        else:  # one bfloat16 rounding apart at most, and that rarely: where the float softmax's last bits decide it
             torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=2 ** -7,
                                        msg=lambda m: f"{mode} {mask_kind} {name}: {m}")
+            differ = (a != b).float().mean().item()
+            assert differ < 0.01, f"{mode} {mask_kind} {name}: {differ:.1%} of the elements differ (a rounding the " \
+                                  "written-out ops make is made differently, e.g. q's scaling)"
 
 
 @pytest.mark.parametrize("mask_kind", MASKS)

@@ -166,16 +166,19 @@ bool fusable(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ma
                                                           : at::kFloat);
 }
 
-// q * scale written contiguously as [B * heads, S, D] in one pass (at::mul(q, scale) of the projection's
-// transposed view comes out in that view's layout, and the reshape copies it again): the same kernel on the same
-// operands (at::mul(Tensor, Scalar) multiplies by the scale as a wrapped number).
+// q * scale as a contiguous [B * heads, S, D], the bits of the written-out path's at::mul(q, scale): a contiguous copy
+// multiplied in place by the scale as a wrapped number (what at::mul(Tensor, Scalar) passes; Tensor::mul_(Scalar)
+// would cast the scale to bfloat16 first). Not at::mul_out into a contiguous result straight from the projection's
+// transposed view: one pass, but ATen's bfloat16 loop over the mismatched layouts ran ~4x slower than a copy plus
+// an in-place product.
 Tensor scaled_copy(const Tensor& q, double scale) {
-  Tensor out = at::empty({q.size(0) * q.size(1), q.size(2), q.size(3)}, q.options());
+  const int64_t n = q.size(0) * q.size(1);
+  if (q.is_contiguous()) return at::mul(q, scale).view({n, q.size(2), q.size(3)});
   Tensor w = c10::scalar_to_tensor(scale);
   w.unsafeGetTensorImpl()->set_wrapped_number(true);
-  Tensor o4 = out.view(q.sizes());
-  at::mul_out(o4, q, w);
-  return out;
+  Tensor c = q.contiguous();
+  c.mul_(w);
+  return c.view({n, q.size(2), q.size(3)});
 }
 
 Tensor cast_to(const Tensor& t, at::ScalarType dt) { return t.scalar_type() == dt ? t : t.to(dt); }
