@@ -81,6 +81,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return L::gemm_linear(x, w, b.has_value() ? *b : at::Tensor());
   }, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("_gemm_matmul", &L::gemm_matmul);
+  m.def("_attention_philox_dropout_cpu", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             const OptTensor& mask, bool causal, double scale, double p, int64_t seed,
+                                             int64_t offset, bool fused) {
+    return L::attention_philox_dropout_cpu(q, k, v, mask.has_value() ? *mask : at::Tensor(), causal, scale, p, seed,
+                                           offset, fused);
+  }, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("mask"), py::arg("causal"), py::arg("scale"), py::arg("p"), py::arg("seed"), py::arg("offset"),
+        py::arg("fused") = true);
+  m.def("cpu_fused_attention", &L::cpu_fused_attention, py::arg("set") = py::none(),
+        "CPU attention with dropout fused (mask + softmax + dropout in one row pass, one autograd node) or written "
+        "out as ATen ops; on by default. Sets it when given (None: unchanged); returns the setting before");
   auto make_spec = [](int64_t family, int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       double scaling, double attn_p, double hidden_p, double eps, bool gelu_tanh,
                       const std::vector<double>& lora_scaling, const std::vector<double>& lora_p,

@@ -3,18 +3,25 @@
 // (cuDNN's through the dispatcher by name: see NamedOp), their dropout drawn from a generator state derived
 // from the layer's seed (rng.h), and keep-attention (layer.h's KeptAttention: the kernel's output and
 // log-sum-exp kept from forward, its backward op called in the replay; a path without a log-sum-exp keeps
-// nothing and says why); on CPU with dropout, attention written out with ckpt_ext's Philox dropout.
+// nothing and says why); on CPU with dropout, attention with ckpt_ext's Philox dropout: mask, softmax and dropout
+// fused into one row pass between the two products (kernels/cpu/softmax_dropout.h), or written out as ATen ops
+// (the reference, and what the fused pass does not cover).
 #include <ATen/ATen.h>
+#include <ATen/ScalarOps.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <limits>
 #include <optional>
+#include <string>
 #include <unordered_map>
 
+#include "../kernels/cpu/softmax_dropout.h"
 #include "../ops/ops.h"
 #include "family.h"
 #include "rng.h"
@@ -108,6 +115,168 @@ Tensor attention_with_philox_dropout(const Tensor& q, const Tensor& k, const Ten
   const Tensor logits = bias.defined() ? at::add(scores, bias) : scores;
   const Tensor dropped = ops::dropout(at::softmax(logits, -1), p, seed, offset);
   return gemm_bmm(dropped.view({B * heads, S, Sk}), v3).view({B, heads, S, v.size(3)});
+}
+
+// ---- the same attention fused (attention_philox_dropout_cpu, the layers' default) ----
+// The two products stay GEMMs (gemm_bmm, the same calls as above, forward and backward); between them one row pass
+// (kernels/cpu/softmax_dropout.h) adds the mask, takes the softmax and draws the dropout for (seed, offset) at the
+// same flat indices as ops::dropout on the [B, heads, S, Sk] probabilities above, writing the dropped probabilities
+// (the second product's operand) in the products' dtype and, when a backward will run, the probabilities. One
+// autograd node for the whole attention rather than one for the part between the products: the second product's
+// node would save the dropped probabilities beside the probabilities; here only the probabilities are saved (one
+// [B, heads, S, Sk] tensor instead of two), the backward's row pass regenerates the dropped ones for dV while it
+// computes the dropout's and the softmax's backward, and the ~10 nodes of the written-out ops (scale, copies,
+// casts, two bmm, add, softmax, dropout, views) are one. Each product's gradient is the call the written-out
+// path's autograd makes (gemm.cpp's MatmulFunction, or ATen's bmm backward where the layout policy does not
+// apply), on equal operands: where the row pass's bits equal the ATen softmax's, so do the gradients.
+// Roundings as the written-out ops under autocast: q scaled in q's dtype, then every product operand cast to the
+// autocast dtype (G); the logits in promote(G, mask dtype) (L) as at::add gives them; gradients cast back to
+// each input's dtype, q's then scaled.
+
+std::atomic<bool>& fused_attention_flag() {
+  static std::atomic<bool> f{[] {
+    const char* env = std::getenv("CKPT_EXT_CPU_FUSED_ATTENTION");
+    return !(env && std::string(env) == "0");
+  }()};
+  return f;
+}
+
+bool row_dtype_ok(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }
+
+// The products' dtype: autocast's where it is on (it casts the bmm's operands), else q's.
+at::ScalarType gemm_dtype(const Tensor& q) {
+  return at::autocast::is_autocast_enabled(c10::DeviceType::CPU) ? at::autocast::get_autocast_dtype(c10::DeviceType::CPU)
+                                                                  : q.scalar_type();
+}
+
+// Whether the fused path computes what the written-out one does for these inputs: float32 / bfloat16 throughout,
+// a mask that takes no gradient, no mixed dtypes outside autocast (where at::bmm would refuse them).
+bool fusable(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask) {
+  const at::ScalarType g = gemm_dtype(q);
+  if (!row_dtype_ok(g) || !row_dtype_ok(q.scalar_type()) || !row_dtype_ok(k.scalar_type()) ||
+      !row_dtype_ok(v.scalar_type()))
+    return false;
+  if (!at::autocast::is_autocast_enabled(c10::DeviceType::CPU) &&
+      (k.scalar_type() != g || v.scalar_type() != g))
+    return false;
+  if (!mask.defined()) return true;
+  return row_dtype_ok(mask.scalar_type()) && !mask.requires_grad() && mask.dim() >= 1 && mask.dim() <= 4 &&
+         at::promote_types(g, mask.scalar_type()) == (g == at::kBFloat16 && mask.scalar_type() == at::kBFloat16
+                                                          ? at::kBFloat16
+                                                          : at::kFloat);
+}
+
+// q * scale as a contiguous [B * heads, S, D], the bits of the written-out path's at::mul(q, scale): a contiguous copy
+// multiplied in place by the scale as a wrapped number (what at::mul(Tensor, Scalar) passes; Tensor::mul_(Scalar)
+// would cast the scale to bfloat16 first). Not at::mul_out into a contiguous result straight from the projection's
+// transposed view: one pass, but ATen's bfloat16 loop over the mismatched layouts ran ~4x slower than a copy plus
+// an in-place product.
+Tensor scaled_copy(const Tensor& q, double scale) {
+  const int64_t n = q.size(0) * q.size(1);
+  if (q.is_contiguous()) return at::mul(q, scale).view({n, q.size(2), q.size(3)});
+  Tensor w = c10::scalar_to_tensor(scale);
+  w.unsafeGetTensorImpl()->set_wrapped_number(true);
+  Tensor c = q.contiguous();
+  c.mul_(w);
+  return c.view({n, q.size(2), q.size(3)});
+}
+
+Tensor cast_to(const Tensor& t, at::ScalarType dt) { return t.scalar_type() == dt ? t : t.to(dt); }
+
+struct FusedForward {
+  Tensor q3, k3, v3, probs, ctx;
+};
+
+// No autograd (the node's forward, or a call without grad). keep_probs: store what backward reads.
+FusedForward fused_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal,
+                           double scale, double p, int64_t seed, int64_t offset, at::ScalarType g, bool keep_probs) {
+  const int64_t B = q.size(0), heads = q.size(1), S = q.size(2), D = q.size(3), Sk = k.size(2), Dv = v.size(3);
+  FusedForward f;
+  f.q3 = cast_to(scaled_copy(q, scale), g);
+  f.k3 = cast_to(k.contiguous().view({B * heads, Sk, D}), g);
+  f.v3 = cast_to(v.contiguous().view({B * heads, Sk, Dv}), g);
+  const Tensor scores = gemm_bmm(f.q3, f.k3.transpose(1, 2)).contiguous().view({B, heads, S, Sk});
+  Tensor m;
+  at::ScalarType l = g;
+  if (mask.defined()) {
+    m = mask.stride(-1) == 1 ? mask : mask.contiguous();
+    m = m.expand({B, heads, S, Sk});
+    l = at::promote_types(g, mask.scalar_type());
+  }
+  if (keep_probs) f.probs = at::empty({B, heads, S, Sk}, scores.options().dtype(l));
+  const Tensor dropped = at::empty({B, heads, S, Sk}, scores.options());
+  kernels::cpu::softmax_dropout_forward(scores, m, causal, kernels::DropoutArgs{p, seed, offset}, f.probs, dropped);
+  f.ctx = gemm_bmm(dropped.view({B * heads, S, Sk}), f.v3).view({B, heads, S, Dv});
+  return f;
+}
+
+// The mask as a plain argument (it takes no gradient: fusable() checks), not an input of the node.
+struct MaskArg {
+  Tensor t;
+};
+
+struct FusedPhiloxAttentionFunction : torch::autograd::Function<FusedPhiloxAttentionFunction> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const MaskArg& mask, bool causal, double scale, double p, int64_t seed, int64_t offset,
+                        int64_t g) {
+    FusedForward f =
+        fused_forward(q, k, v, mask.t, causal, scale, p, seed, offset, static_cast<at::ScalarType>(g), true);
+    ctx->save_for_backward({f.q3, f.k3, f.v3, f.probs});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["seed"] = seed;
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["dtypes"] = std::vector<int64_t>{static_cast<int64_t>(q.scalar_type()),
+                                                     static_cast<int64_t>(k.scalar_type()),
+                                                     static_cast<int64_t>(v.scalar_type())};
+    ctx->saved_data["q_sizes"] = q.sizes().vec();
+    ctx->saved_data["k_sizes"] = k.sizes().vec();
+    ctx->saved_data["v_sizes"] = v.sizes().vec();
+    return f.ctx;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const Tensor &q3 = s[0], &k3 = s[1], &v3 = s[2], &probs = s[3];
+    torch::autograd::variable_list out(10);
+    const Tensor& grad = grads[0];
+    if (!grad.defined()) return out;
+    const auto dtypes = ctx->saved_data.at("dtypes").toIntVector();
+    const auto q_sizes = ctx->saved_data.at("q_sizes").toIntVector(), k_sizes = ctx->saved_data.at("k_sizes").toIntVector(),
+               v_sizes = ctx->saved_data.at("v_sizes").toIntVector();
+    const double scale = ctx->saved_data.at("scale").toDouble();
+    const kernels::DropoutArgs dropout{ctx->saved_data.at("p").toDouble(), ctx->saved_data.at("seed").toInt(),
+                                       ctx->saved_data.at("offset").toInt()};
+    const int64_t n = q3.size(0), S = q3.size(1), Sk = k3.size(1);
+    // the written-out path's view backward (a reshape), then its second product's backward
+    const Tensor g3 = cast_to(grad, v3.scalar_type()).reshape({n, S, v3.size(2)});
+    const Tensor grad_dropped = gemm_bmm(g3, v3.transpose(1, 2)).contiguous();
+    const Tensor grad_scores = at::empty_like(grad_dropped);
+    const Tensor dropped = at::empty_like(grad_dropped);
+    kernels::cpu::softmax_dropout_backward(grad_dropped.view(probs.sizes()), probs, dropout,
+                                           grad_scores.view(probs.sizes()), dropped.view(probs.sizes()));
+    if (ctx->needs_input_grad(0))
+      out[0] = at::mul(cast_to(gemm_bmm(grad_scores, k3), static_cast<at::ScalarType>(dtypes[0])).view(q_sizes),
+                       scale);
+    if (ctx->needs_input_grad(1))
+      out[1] = cast_to(gemm_bmm(q3.transpose(1, 2), grad_scores).transpose(1, 2),
+                       static_cast<at::ScalarType>(dtypes[1]))
+                   .view(k_sizes);
+    if (ctx->needs_input_grad(2))
+      out[2] = cast_to(gemm_bmm(dropped.transpose(1, 2), g3), static_cast<at::ScalarType>(dtypes[2])).view(v_sizes);
+    (void)Sk;
+    return out;
+  }
+};
+
+Tensor attention_philox_dropout_fused(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                                      bool causal, double scale, double p, int64_t seed, int64_t offset) {
+  const at::ScalarType g = gemm_dtype(q);
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const bool grad = at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad());
+  if (!grad) return fused_forward(q, k, v, mask, causal, scale, p, seed, offset, g, false).ctx;
+  return FusedPhiloxAttentionFunction::apply(q, k, v, MaskArg{mask}, causal, scale, p, seed, offset, static_cast<int64_t>(g));
 }
 
 
@@ -443,6 +612,24 @@ struct KeptAttentionFunction : public torch::autograd::Function<KeptAttentionFun
 
 }  // namespace
 
+Tensor attention_philox_dropout_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                                    bool causal, double scale, double p, int64_t seed, int64_t offset, bool fused) {
+  TORCH_CHECK(q.is_cpu() && p > 0 && p < 1 && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.size(1) == q.size(1) &&
+                  v.size(1) == q.size(1),
+              "ckpt_ext attention_philox_dropout_cpu: CPU q, k, v [B, heads, S, D] with equal heads and 0 < p < 1");
+  TORCH_CHECK(!causal || (!mask.defined() && q.size(2) == k.size(2)),
+              "ckpt_ext attention_philox_dropout_cpu: causal is for square attention without a mask");
+  TORCH_CHECK(!mask.defined() || mask.scalar_type() != at::kBool,
+              "ckpt_ext attention_philox_dropout_cpu: the mask must be additive (a bool mask can mask whole rows)");
+  if (fused && fusable(q, k, v, mask))
+    return attention_philox_dropout_fused(q, k, v, mask, causal, scale, p, seed, offset);
+  return attention_with_philox_dropout(q, k, v, mask, causal, scale, p, seed, offset);
+}
+
+bool cpu_fused_attention(std::optional<bool> set) {
+  return set.has_value() ? fused_attention_flag().exchange(*set) : fused_attention_flag().load();
+}
+
 std::string cudnn_attention_problem() {
   return cudnn_forward().problem.empty() ? cudnn_backward().problem : cudnn_forward().problem;
 }
@@ -466,8 +653,8 @@ Tensor attention(const Tensor& q_in, const Tensor& k, const Tensor& v, const Ten
   const bool replaying_kept = kept != nullptr && kept->filled();
   if (p > 0 && !replaying_kept && dropout_written_out(q_in, k, mask, use_causal)) {
     if (kept != nullptr) kept->not_kept = no_lse_reason(kMath, q_in, p);
-    return attention_with_philox_dropout(q_in, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, use_causal, scale, p,
-                                         seed, offset);
+    return attention_philox_dropout_cpu(q_in, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, use_causal, scale, p,
+                                        seed, offset, fused_attention_flag().load(std::memory_order_relaxed));
   }
   Tensor q = q_in, kk = gqa ? k : repeat_kv(k, n_rep), vv = gqa ? v : repeat_kv(v, n_rep);
   Tensor m = mask;  // additive masks made finite by prepared()

@@ -265,6 +265,17 @@ Tensor gemm_matmul(const Tensor& a, const Tensor& b);
 // gemm_matmul it records no expand / reshape around the product (at::matmul's batched path does).
 Tensor gemm_bmm(const Tensor& a, const Tensor& b);
 
+// CPU attention with ckpt_ext's Philox dropout (p > 0; attention.cpp): `fused`, the mask, softmax and dropout in
+// one row pass forward and one backward, one autograd node for the whole attention (kernels/cpu/softmax_dropout.h);
+// else the written-out ATen ops it replaces (the reference of tests/test_cpu_attention_dropout.py). Same masks
+// (seed, offset) and roundings; the softmax's exp and sums may differ in the last float bits. Bound for tests.
+Tensor attention_philox_dropout_cpu(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                                    bool causal, double scale, double p, int64_t seed, int64_t offset, bool fused);
+// Whether the layers' CPU attention with dropout runs fused (default; CKPT_EXT_CPU_FUSED_ATTENTION=0 turns it
+// off): sets it when `set` is given (before a step: a replay must see the forward's setting); returns the
+// setting before the call.
+bool cpu_fused_attention(std::optional<bool> set);
+
 // The CPU GEMM layout policy of the layers (gemm.cpp): "auto" (default, or CKPT_EXT_CPU_GEMM_LAYOUT):
 // reduced-precision products on CPU run in a fast operand layout where ATen's GEMM has slow ones (no
 // oneDNN bfloat16); "nt": every floating-point CPU product (tests use it to reach the path on any CPU);

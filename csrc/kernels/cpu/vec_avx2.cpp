@@ -1,5 +1,6 @@
 // The SIMD CPU kernels (vec_impl.h) for AVX2 + FMA + F16C: ckpt_ext::kernels::cpu::avx2::table<T>().
 #include "vec_target.h"
+#include "softmax_dropout.h"
 
 #ifdef CKPT_EXT_VEC_X86
 #if defined(__clang__)
@@ -29,6 +30,7 @@
 #define CPU_CAPABILITY_AVX2
 #define CKPT_EXT_VEC_NS avx2
 #include "vec_impl.h"
+#include "softmax_dropout_impl.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #else

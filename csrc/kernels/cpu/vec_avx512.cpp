@@ -1,6 +1,7 @@
 // The SIMD CPU kernels (vec_impl.h) for AVX-512 (F, BW, VL, DQ) + FMA, the set ATen's AVX512 kernels are
 // compiled for: ckpt_ext::kernels::cpu::avx512::table<T>().
 #include "vec_target.h"
+#include "softmax_dropout.h"
 
 #ifdef CKPT_EXT_VEC_X86
 #if defined(__clang__)
@@ -43,6 +44,7 @@
 #define CPU_CAPABILITY_AVX512
 #define CKPT_EXT_VEC_NS avx512
 #include "vec_impl.h"
+#include "softmax_dropout_impl.h"
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
