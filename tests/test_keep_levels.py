@@ -504,9 +504,9 @@ def test_128_layers_with_every_level_plan_in_seconds():
                                (Level("attention_inputs", a // 6, a // 12, c * 0.4), Level("gemms", a // 2, a // 3, c * 0.6),
                                 Level("gemms_attention", a // 2 + (4 << 20), a // 3 + (4 << 20), c * 0.75))))
     budget = int(0.3 * sum(c.act_bytes for c in costs))
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time of this process: the planner's work, not the machine's load
     plan = plan_chain(costs, budget)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert elapsed < 60, f"planning 128 layers with every level took {elapsed:.1f} s"
     assert plan.need_bytes <= budget and {how for *_, how in plan.segments} & set(NEW)
     assert plan.recompute < plan_chain(costs, budget, keep="attention").recompute
