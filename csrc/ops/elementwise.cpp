@@ -175,6 +175,61 @@ std::tuple<Tensor, Tensor> geglu_backward(const Tensor& grad, const Tensor& gate
   return {grad_gate, grad_up};
 }
 
+// The backwards that also write the forward's output over `grad` (issue 33). `grad` must be contiguous (it is
+// written); the kernels read each element of it before they write it.
+void check_writable_grad(const char* op, const Tensor& grad) {
+  TORCH_CHECK(grad.is_contiguous() && grad.is_non_overlapping_and_dense(), "ckpt_ext::", op,
+              ": grad is overwritten with the activation and must be contiguous, got strides ", grad.strides());
+}
+
+std::tuple<Tensor, Tensor> swiglu_backward_act_(Tensor& grad, const Tensor& gate, const Tensor& up) {
+  const char* op = "swiglu_backward_act_";
+  check_floating(op, "gate", gate);
+  check_same_shape(op, "up", up, "gate", gate);
+  check_same_shape(op, "grad", grad, "gate", gate);
+  check_like(op, "grad", grad, "gate", gate);
+  check_writable_grad(op, grad);
+  const Tensor gc = gate.contiguous(), uc = up.contiguous();
+  Tensor grad_gate = at::empty_like(gc), grad_up = at::empty_like(gc);
+  if (gc.numel() > 0) CKPT_EXT_LAUNCH(gate.device(), swiglu_backward_act, grad, gc, uc, grad_gate, grad_up, grad);
+  return {grad_gate, grad_up};
+}
+
+std::tuple<Tensor, Tensor> geglu_backward_act_(Tensor& grad, const Tensor& gate, const Tensor& up,
+                                               c10::string_view approximate) {
+  const char* op = "geglu_backward_act_";
+  const bool tanh = parse_approximate(op, approximate);
+  check_floating(op, "gate", gate);
+  check_same_shape(op, "up", up, "gate", gate);
+  check_same_shape(op, "grad", grad, "gate", gate);
+  check_like(op, "grad", grad, "gate", gate);
+  check_writable_grad(op, grad);
+  const Tensor gc = gate.contiguous(), uc = up.contiguous();
+  Tensor grad_gate = at::empty_like(gc), grad_up = at::empty_like(gc);
+  if (gc.numel() > 0) CKPT_EXT_LAUNCH(gate.device(), geglu_backward_act, grad, gc, uc, tanh, grad_gate, grad_up, grad);
+  return {grad_gate, grad_up};
+}
+
+std::tuple<Tensor, Tensor> bias_gelu_backward_act_(Tensor& grad, const Tensor& x, const OptTensor& bias,
+                                                   c10::string_view approximate, bool want_grad_bias) {
+  const char* op = "bias_gelu_backward_act_";
+  check_floating(op, "x", x);
+  check_at_least_1d(op, "x", x);
+  check_same_shape(op, "grad", grad, "x", x);
+  check_like(op, "grad", grad, "x", x);
+  check_writable_grad(op, grad);
+  const bool tanh = parse_approximate(op, approximate);
+  if (present(bias)) check_vector(op, "bias", *bias, x.size(-1), "x", x);
+  const Tensor xc = x.contiguous(), bc = contiguous_or_undefined(bias);
+  Tensor grad_x = at::empty_like(xc);
+  Tensor grad_bias = at::empty({want_grad_bias ? x.size(-1) : 0}, xc.options());
+  if (want_grad_bias && xc.numel() == 0) grad_bias.zero_();
+  if (xc.numel() > 0)
+    CKPT_EXT_LAUNCH(x.device(), bias_gelu_backward_act, grad, xc, bc, tanh, grad_x,
+                    want_grad_bias ? grad_bias : Tensor(), grad);
+  return {grad_x, grad_bias};
+}
+
 // forward: x * cos + rotate_half(x) * sin; backward: the transpose, applied to grad.
 Tensor rotary_impl(const char* op, const char* name, const Tensor& x, const Tensor& cos, const Tensor& sin,
                    bool backward) {
@@ -237,6 +292,9 @@ void bias_dropout_add_into(const Tensor& x, const OptTensor& bias, const Tensor&
   m.impl("swiglu_backward", &ckpt_ext::swiglu_backward);       \
   m.impl("geglu", &ckpt_ext::geglu);                           \
   m.impl("geglu_backward", &ckpt_ext::geglu_backward);         \
+  m.impl("swiglu_backward_act_", &ckpt_ext::swiglu_backward_act_); \
+  m.impl("geglu_backward_act_", &ckpt_ext::geglu_backward_act_);   \
+  m.impl("bias_gelu_backward_act_", &ckpt_ext::bias_gelu_backward_act_); \
   m.impl("rotary", &ckpt_ext::rotary);                         \
   m.impl("rotary_backward", &ckpt_ext::rotary_backward)
 

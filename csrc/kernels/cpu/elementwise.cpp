@@ -478,6 +478,88 @@ void geglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Te
   });
 }
 
+// ---- the backwards that also write the forward's output (issue 33) ----------------------------------------
+//
+// With the SIMD kernels: block by block (DropoutWords::kBlock elements, in cache), the backward kernel, then the
+// forward kernel of the same block writing `act` -- the forward's own element function, whose lanes compute
+// each element alone (the same bits wherever a block starts); `act` may be `grad`, which the backward of the block
+// has read before. Elsewhere (float64, CPUs without the SIMD kernels): the backward, then the forward, whole.
+
+namespace {
+
+// fn(i, n) over [0, numel) in blocks of at most kBlock elements, in parallel.
+template <typename F>
+void for_blocks(int64_t numel, const F& fn) {
+  at::parallel_for(0, numel, kElementGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i += DropoutWords::kBlock) fn(i, std::min(end - i, DropoutWords::kBlock));
+  });
+}
+
+}  // namespace
+
+void swiglu_backward_act(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
+                         const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& act) {
+  if (with_vec(gate.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T *dy = grad.const_data_ptr<T>(), *gp = gate.const_data_ptr<T>(), *up_ = up.const_data_ptr<T>();
+        T *dg = grad_gate.mutable_data_ptr<T>(), *du = grad_up.mutable_data_ptr<T>();
+        T* ap = act.data_ptr<T>();
+        for_blocks(gate.numel(), [&](int64_t i, int64_t n) {
+          k.swiglu_backward(dy + i, gp + i, up_ + i, dg + i, du + i, n);
+          k.swiglu(gp + i, up_ + i, ap + i, n);
+        });
+      }))
+    return;
+  swiglu_backward(grad, gate, up, grad_gate, grad_up);
+  swiglu_forward(gate, up, act);
+}
+
+void geglu_backward_act(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, bool tanh,
+                        const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& act) {
+  if (with_vec(gate.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T *dy = grad.const_data_ptr<T>(), *gp = gate.const_data_ptr<T>(), *up_ = up.const_data_ptr<T>();
+        T *dg = grad_gate.mutable_data_ptr<T>(), *du = grad_up.mutable_data_ptr<T>();
+        T* ap = act.data_ptr<T>();
+        for_blocks(gate.numel(), [&](int64_t i, int64_t n) {
+          k.geglu_backward(dy + i, gp + i, up_ + i, dg + i, du + i, n, tanh);
+          k.geglu(gp + i, up_ + i, ap + i, n, tanh);
+        });
+      }))
+    return;
+  geglu_backward(grad, gate, up, tanh, grad_gate, grad_up);
+  geglu_forward(gate, up, tanh, act);
+}
+
+void bias_gelu_backward_act(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,
+                            const at::Tensor& grad_x, const at::Tensor& grad_bias, const at::Tensor& act) {
+  const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  if (with_vec(x.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T *gp = grad.const_data_ptr<T>(), *xp = x.const_data_ptr<T>(), *bp = ptr_or_null<T>(bias);
+        T* dp = grad_x.mutable_data_ptr<T>();
+        T* ap = act.data_ptr<T>();
+        if (grad_bias.defined()) {
+          // Row by row (the forward's kernel over the row once its backward has read it), the column sums after.
+          rows_with_column_sums<T>(rows, hidden, dp, grad_bias, [&](int64_t base) {
+            for (int64_t j = 0; j < hidden; j += DropoutWords::kBlock) {
+              const int64_t n = std::min(hidden - j, DropoutWords::kBlock);
+              k.bias_gelu_backward(gp + base + j, xp + base + j, bp ? bp + j : nullptr, dp + base + j, n, tanh);
+              k.bias_gelu(xp + base + j, bp ? bp + j : nullptr, ap + base + j, n, tanh);
+            }
+          });
+          return;
+        }
+        for_segments(x.numel(), hidden, philox::Dropout{}, [&](int64_t i, int64_t n, int64_t col, DropoutWords&) {
+          k.bias_gelu_backward(gp + i, xp + i, bp ? bp + col : nullptr, dp + i, n, tanh);
+          k.bias_gelu(xp + i, bp ? bp + col : nullptr, ap + i, n, tanh);
+        });
+      }))
+    return;
+  bias_gelu_backward(grad, x, bias, tanh, grad_x, grad_bias);
+  bias_gelu_forward(x, bias, tanh, act);
+}
+
 void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,
             const at::Tensor& out) {
   if (with_vec(x.scalar_type(), [&](const auto& k) {
