@@ -317,8 +317,9 @@ class WorkMode(TorchDispatchMode):
         kwargs = kwargs or {}
         packet = func._overloadpacket
         schema = func._schema
-        if packet in NO_KERNEL or _is_view(func) or not any(
-                str(r.type) in ("Tensor", "Tensor[]", "Optional[Tensor]") for r in schema.returns):
+        # (ckpt_ext's in-place ops returning nothing -- the _act_ backwards -- move data all the same)
+        if packet in NO_KERNEL or _is_view(func) or (func.namespace != "ckpt_ext" and not any(
+                str(r.type) in ("Tensor", "Tensor[]", "Optional[Tensor]") for r in schema.returns)):
             return func(*args, **kwargs)
         tensors_in = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if not any(t.is_floating_point() for t in tensors_in) and func.namespace == "aten" and not any(
@@ -338,7 +339,7 @@ class WorkMode(TorchDispatchMode):
                 results.append(written[frozenset(r.alias_info.before_set)])
             else:
                 results.append(pytree.tree_map(_like_cpu, m))
-        out = tuple(results) if isinstance(mout, tuple) else results[0]
+        out = tuple(results) if isinstance(mout, tuple) else results[0] if results else None
         self._record(func, args, kwargs, out, tensors_in, written)
         if self.clock is not None:
             self.clock.advance(self.ops[-1])
@@ -352,7 +353,7 @@ class WorkMode(TorchDispatchMode):
             reads = [t for t in tensors_in if t is not args[0]]
         nbytes = _nbytes(reads) + _nbytes(outs)
         if func.namespace == "ckpt_ext":
-            # An argument the op also writes (the _act_ backwards write the activation over grad): its bytes again.
+            # The arguments the op also writes (the _act_ backwards, in place): their bytes again.
             nbytes += _nbytes([t for t in written.values() if isinstance(t, torch.Tensor)])
         name = f"{func.namespace}.{packet.__name__}"
         shapes = (",".join("x".join(map(str, t.shape)) for t in tensors_in) + " -> " +

@@ -261,23 +261,24 @@ def geglu_backward(grad: Tensor, gate: Tensor, up: Tensor, approximate: str = "t
     return _lib.geglu_backward.default(grad, gate, up, approximate)
 
 
-def swiglu_backward_act_(grad: Tensor, gate: Tensor, up: Tensor) -> Tuple[Tensor, Tensor]:
-    """:func:`swiglu_backward` that also writes :func:`swiglu`'s output (the same bits) over ``grad`` (contiguous),
-    in the same pass: the replay of a checkpointed segment's last layer takes the last linear's input from it
-    instead of running the activation forward (issue 33). Returns ``(grad_gate, grad_up)``."""
-    return _lib.swiglu_backward_act_.default(grad, gate, up)
+def swiglu_backward_act_(grad: Tensor, gate: Tensor, up: Tensor) -> None:
+    """:func:`swiglu_backward` and :func:`swiglu` in one pass, in place: ``grad`` becomes ``swiglu(gate, up)`` (the
+    same bits), ``gate`` and ``up`` their gradients. All three contiguous, distinct. The replay of a checkpointed
+    segment's last layer takes the last linear's input from it instead of running the activation forward, its
+    inputs being its own (issue 33)."""
+    _lib.swiglu_backward_act_.default(grad, gate, up)
 
 
-def geglu_backward_act_(grad: Tensor, gate: Tensor, up: Tensor, approximate: str = "tanh") -> Tuple[Tensor, Tensor]:
-    """:func:`geglu_backward` that also writes :func:`geglu`'s output over ``grad`` (see
-    :func:`swiglu_backward_act_`)."""
-    return _lib.geglu_backward_act_.default(grad, gate, up, approximate)
+def geglu_backward_act_(grad: Tensor, gate: Tensor, up: Tensor, approximate: str = "tanh") -> None:
+    """:func:`geglu_backward` and :func:`geglu` in one pass, in place (see :func:`swiglu_backward_act_`)."""
+    _lib.geglu_backward_act_.default(grad, gate, up, approximate)
 
 
 def bias_gelu_backward_act_(grad: Tensor, x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none",
-                            grad_bias: bool = False) -> Tuple[Tensor, Tensor]:
-    """:func:`bias_gelu_backward` that also writes :func:`bias_gelu`'s output over ``grad`` (see
-    :func:`swiglu_backward_act_`)."""
+                            grad_bias: bool = False) -> Tensor:
+    """:func:`bias_gelu_backward` and :func:`bias_gelu` in one pass, in place: ``grad`` becomes ``x``'s gradient,
+    ``x`` becomes ``bias_gelu(x, bias)`` (the same bits). Returns the bias's gradient (empty without
+    ``grad_bias``). ``grad`` and ``x`` contiguous, distinct."""
     return _lib.bias_gelu_backward_act_.default(grad, x, bias, approximate, grad_bias)
 
 
@@ -480,19 +481,17 @@ def _(grad, gate, up, approximate="tanh"):
 @torch.library.register_fake("ckpt_ext::swiglu_backward_act_")
 def _(grad, gate, up):
     _like("swiglu_backward_act_", "gate", gate, up=up, grad=grad)
-    return _empty(gate), _empty(gate)
 
 
 @torch.library.register_fake("ckpt_ext::geglu_backward_act_")
 def _(grad, gate, up, approximate="tanh"):
     _like("geglu_backward_act_", "gate", gate, up=up, grad=grad)
-    return _empty(gate), _empty(gate)
 
 
 @torch.library.register_fake("ckpt_ext::bias_gelu_backward_act_")
 def _(grad, x, bias, approximate, grad_bias=False):
     _like("bias_gelu_backward_act_", "x", x, grad=grad, bias=bias)
-    return _empty(x), x.new_empty(x.shape[-1:] if grad_bias else (0,))
+    return x.new_empty(x.shape[-1:] if grad_bias else (0,))
 
 
 @torch.library.register_fake("ckpt_ext::rotary")

@@ -43,18 +43,18 @@ def _inputs(shape, dtype, device, n=3):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("kind", ["swiglu", "geglu-tanh", "geglu-none"])
 def test_glu_backward_act_writes_the_forward_bits(kind, shape, dtype, device):
+    """In place: grad becomes the forward's output, gate and up the backward op's gradients, bit for bit."""
     grad, gate, up = _inputs(shape, dtype, device)
+    act, g, u = grad.clone(), gate.clone(), up.clone()
     if kind == "swiglu":
         fwd, bwd = ops.swiglu(gate, up), ops.swiglu_backward(grad, gate, up)
-        act = grad.clone()
-        got = ops.swiglu_backward_act_(act, gate, up)
+        assert ops.swiglu_backward_act_(act, g, u) is None
     else:
         approx = kind.split("-")[1]
         fwd, bwd = ops.geglu(gate, up, approx), ops.geglu_backward(grad, gate, up, approx)
-        act = grad.clone()
-        got = ops.geglu_backward_act_(act, gate, up, approx)
-    assert torch.equal(act, fwd)  # the forward's bits, written over grad
-    assert torch.equal(got[0], bwd[0]) and torch.equal(got[1], bwd[1])
+        ops.geglu_backward_act_(act, g, u, approx)
+    assert torch.equal(act, fwd)
+    assert torch.equal(g, bwd[0]) and torch.equal(u, bwd[1])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -64,24 +64,29 @@ def test_glu_backward_act_writes_the_forward_bits(kind, shape, dtype, device):
 @pytest.mark.parametrize("grad_bias", [True, False], ids=["grad_bias", "no_grad_bias"])
 @pytest.mark.parametrize("approx", ["tanh", "none"])
 def test_bias_gelu_backward_act_writes_the_forward_bits(approx, grad_bias, bias, shape, dtype, device):
+    """In place: grad becomes x's gradient, x the forward's output; the bias's gradient returned; bit for bit."""
     grad, x, b = _inputs(shape, dtype, device)
     b = b.reshape(-1, shape[-1])[0].contiguous() if bias else None
     fwd = ops.bias_gelu(x, b, approx)
     bwd = torch.ops.ckpt_ext.bias_gelu_backward(grad, x, b, approx, grad_bias)
-    act = grad.clone()
-    got = ops.bias_gelu_backward_act_(act, x, b, approx, grad_bias)
-    assert torch.equal(act, fwd)
-    assert torch.equal(got[0], bwd[0]) and torch.equal(got[1], bwd[1])
+    d, xx = grad.clone(), x.clone()
+    gb = ops.bias_gelu_backward_act_(d, xx, b, approx, grad_bias)
+    assert torch.equal(xx, fwd)
+    assert torch.equal(d, bwd[0]) and torch.equal(gb, bwd[1])
 
 
-def test_backward_act_ops_refuse_a_grad_they_cannot_write():
+def test_backward_act_ops_refuse_what_they_cannot_write():
     gate, up = torch.randn(4, 6), torch.randn(4, 6)
     with pytest.raises(RuntimeError, match="must be contiguous"):
         ops.swiglu_backward_act_(torch.randn(6, 4).t(), gate, up)
     with pytest.raises(RuntimeError, match="dtype"):
         ops.swiglu_backward_act_(torch.randn(4, 6, dtype=torch.float64), gate, up)
+    with pytest.raises(RuntimeError, match="must not share memory"):
+        ops.geglu_backward_act_(torch.randn(4, 6), gate, gate)
     with pytest.raises(RuntimeError, match="shape"):
         ops.bias_gelu_backward_act_(torch.randn(4, 5), gate, None, "none")
+    with pytest.raises(RuntimeError, match="must not share memory"):
+        ops.bias_gelu_backward_act_(gate, gate, None, "none")
 
 
 def test_the_switch_defaults_on():
@@ -168,8 +173,9 @@ def test_gradients_are_those_of_the_layer_not_checkpointed(family, every, dropou
 @pytest.mark.parametrize("keep", ["attention_inputs", "gemms"])
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
 def test_keep_levels_with_the_activation_in_the_backward(family, keep):
-    """The recompute levels hand back kept GEMM outputs (gate / up, the intermediate GEMM); the activation's inputs
-    are those nodes' outputs: the same gradients as not checkpointed, and no activation forward in backward."""
+    """A level keeping only the q/k/v projection (attention_inputs) replays from before the activation; one keeping
+    the activation's input GEMMs (gemms) keeps the replay before the last linear (the backward writes the
+    activation's inputs in place, which must not be the kept ones). The same gradients as not checkpointed."""
     model, ck = _checkpointed_pair(family, 1, layers=2, dropout=0.2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -179,7 +185,10 @@ def test_keep_levels_with_the_activation_in_the_backward(family, keep):
     with CountActivations() as c:
         got = _step(ck, family, kw)
     _assert_same(got, ref)
-    assert c.bwd_act == 2 and c.fwd == 2  # the two forwards' activations; none replayed
+    if keep == "gemms":
+        assert (c.fwd, c.bwd_act) == (4, 0)  # the two forwards' activations, the two replays'
+    else:
+        assert (c.fwd, c.bwd_act) == (2, 2)  # the two forwards' activations; none replayed
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])

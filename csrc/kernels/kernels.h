@@ -88,8 +88,8 @@ struct DropoutArgs {
   void geglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, bool tanh,      \
                       const at::Tensor& grad_gate, const at::Tensor& grad_up);                                \
   /* The backwards above that also write the forward's output `act` (issue 33: the replay of a segment's  */ \
-  /* last layer), computed by the forward's element function (its bits); act may be grad itself (read    */ \
-  /* first, element by element)                                                                           */ \
+  /* last layer), computed by the forward's element function (its bits); each output may be any of the    */ \
+  /* inputs (an element's inputs are read before its outputs are written)                                 */ \
   void swiglu_backward_act(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,             \
                            const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& act);    \
   void geglu_backward_act(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, bool tanh,  \

@@ -93,7 +93,7 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   }
   const Tensor i =
       plus_lora(gemm_linear(h1_gemm, w[kInterW], Tensor(), kSiteInter), lora_delta(s, w, kLoraInter, h1, rng));
-  if (stops_before_activation(stop, has_out_adapter(s, w))) {
+  if (stops_before_activation(stop, has_out_adapter(s, w), kept_gemm(kSiteInter).defined())) {
     LayerOutput r;  // the boundary replay: the activation runs in its backward (issue 33)
     r.act = {StoppedActivation::kBiasGelu, s.gelu_tanh, i, like(w[kInterB], i)};
     r.residual = h1;
@@ -198,12 +198,14 @@ struct ActOutLinearTailFunction : torch::autograd::Function<ActOutLinearTailFunc
     const Tensor Wc = W.scalar_type() == cdt ? W : W.to(cdt);
     Tensor act;
     if (need_i || need_bi) {
+      // In place (the replay's own tensors, which nothing reads after this node): d_act becomes i's gradient, i the
+      // activation.
       Tensor d_act = gemm_linear_grads(g, i, Wc, true, false).first;
       if (!d_act.is_contiguous()) d_act = d_act.contiguous();
-      auto [di, dbi] = ops::bias_gelu_backward_act_(d_act, i, opt(bi), approximate, need_bi);
-      if (need_i) out[0] = di;
+      act = i.is_contiguous() ? i : i.contiguous();
+      Tensor dbi = ops::bias_gelu_backward_act_(d_act, act, opt(bi), approximate, need_bi);
+      if (need_i) out[0] = d_act;
       if (need_bi) out[1] = dbi;
-      act = std::move(d_act);
     } else {
       act = ops::bias_gelu(i, opt(bi), approximate);
     }

@@ -193,10 +193,11 @@ ResidualLinearGrads residual_linear_backward(const Tensor& grad, const Tensor& x
 // linear's input (the _act_ ops), and the linear's weight and bias gradients; and the residual with grad_out.
 ReplayBackward last_linear_act_backward(const LastLinear& lin, const StoppedActivation& act, const Tensor& residual,
                                         const Tensor& grad_out, int64_t seed);
-// Whether a replay with `stop` stops before the activation (the switch on and no adapter on the last linear, which
-// reads the activation's output).
-inline bool stops_before_activation(bool stop, bool last_linear_adapter) {
-  return stop && !last_linear_adapter && tail_activation_in_backward(std::nullopt);
+// Whether a replay with `stop` stops before the activation: the switch on, no adapter on the last linear (it reads
+// the activation's output), and the activation's inputs the replay's own (`kept`: one is a GEMM output kept in
+// forward, which the backward must not overwrite; such a layer keeps the replay before the last linear).
+inline bool stops_before_activation(bool stop, bool last_linear_adapter, bool kept) {
+  return stop && !last_linear_adapter && !kept && tail_activation_in_backward(std::nullopt);
 }
 
 // `t` must be [rows, cols] (messages name the family's layer).

@@ -109,7 +109,8 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
                                        opt(w[kLn2B]), effective(s.hidden_p, rng), s.eps, rng.seed, kAttnOut,
                                        ln2_dtype);
   const Tensor fc = plus_lora(conv1d_nobias(ln2, w[kFcW], kSiteFc), lora_delta(s, w, kLoraFc, ln2, rng));
-  if (stops_before_activation(stop, any_adapter(s, w, {kLoraMlpProj, kLoraMlpProj, kLoraMlpProj}))) {
+  if (stops_before_activation(stop, any_adapter(s, w, {kLoraMlpProj, kLoraMlpProj, kLoraMlpProj}),
+                              kept_gemm(kSiteFc).defined())) {
     LayerOutput r;  // the replay: the activation runs in replay_backward (issue 33)
     r.act = {StoppedActivation::kBiasGelu, s.gelu_tanh, fc, like(w[kFcB], fc)};
     r.residual = h1;

@@ -173,16 +173,26 @@ Tensor activation_forward(StoppedActivation::Kind kind, bool tanh, const Tensor&
   }
 }
 
-// The gradients of the activation's inputs from d_act = the gradient of its output, which becomes that output (the
-// forward's bits): the _act_ backward ops, each one pass.
-std::tuple<Tensor, Tensor> activation_backward_writing_act(StoppedActivation::Kind kind, bool tanh, Tensor& d_act,
-                                                           const Tensor& a, const Tensor& b, bool need_b) {
+// The activation's backward from d_act = the gradient of its output, in place (the _act_ ops, one pass): d_act
+// becomes that output (the forward's bits); returns the gradients of a and b (undefined b: none), which are a and b
+// themselves for the GLUs (overwritten: the replay's own tensors, which nothing reads after this node) and d_act's
+// old memory for bias-GELU (a then holds the activation). `act` is set to the activation.
+std::tuple<Tensor, Tensor> activation_backward_writing_act(StoppedActivation::Kind kind, bool tanh, Tensor d_act,
+                                                           Tensor a, Tensor b, bool need_b, Tensor* act) {
   if (!d_act.is_contiguous()) d_act = d_act.contiguous();
-  switch (kind) {
-    case StoppedActivation::kSwiglu: return ops::swiglu_backward_act_(d_act, a, b);
-    case StoppedActivation::kGeglu: return ops::geglu_backward_act_(d_act, a, b, gelu_kind(tanh));
-    default: return ops::bias_gelu_backward_act_(d_act, a, opt(b), gelu_kind(tanh), need_b);
+  if (!a.is_contiguous()) a = a.contiguous();
+  if (kind == StoppedActivation::kBiasGelu) {
+    Tensor db = ops::bias_gelu_backward_act_(d_act, a, opt(b), gelu_kind(tanh), need_b);
+    *act = a;
+    return {d_act, need_b ? db : Tensor()};
   }
+  if (!b.is_contiguous()) b = b.contiguous();
+  if (kind == StoppedActivation::kSwiglu)
+    ops::swiglu_backward_act_(d_act, a, b);
+  else
+    ops::geglu_backward_act_(d_act, a, b, gelu_kind(tanh));
+  *act = d_act;
+  return {a, b};
 }
 
 Tensor nothing_like(const Tensor& t) { return at::zeros({}, t.options()).expand(t.sizes()); }
@@ -234,8 +244,7 @@ struct ActTailFunction : torch::autograd::Function<ActTailFunction> {
     if (need_a || need_b) {
       const Tensor w = in_dtype(weight, cdt);
       Tensor d_act = (lin.conv1d ? gemm_mm(gc, w.t()) : gemm_mm(gc, w)).view(a.sizes());
-      std::tie(out[0], out[1]) = activation_backward_writing_act(kind, tanh, d_act, a, b, need_b);
-      act = std::move(d_act);
+      std::tie(out[0], out[1]) = activation_backward_writing_act(kind, tanh, std::move(d_act), a, b, need_b, &act);
       if (!need_a) out[0] = Tensor();
       if (!need_b) out[1] = Tensor();
     } else if (need_w) {

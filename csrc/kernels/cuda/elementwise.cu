@@ -243,7 +243,8 @@ struct GegluBackward {  // in: grad, gate, up; out: grad_gate, grad_up
 };
 
 // The backwards that also write the forward's output `act` (issue 33), by the forward's functor itself (its bits);
-// out[2] (act) may alias in[0] (grad): the kernel loads a group's inputs before it stores any of its outputs.
+// each output may be one of the inputs (the ops write them in place): the kernel loads a group's inputs before it
+// stores any of its outputs, and a group's outputs are its own elements.
 struct SwigluBackwardAct {  // in: grad, gate, up; out: grad_gate, grad_up, act
   __device__ void operator()(int64_t group, int64_t base, int count, const float (&in)[3][4],
                              float (&out)[3][4]) const {
@@ -353,7 +354,7 @@ __global__ void __launch_bounds__(kColumnThreads)
         acc[k] += static_cast<float>(static_cast<T>(d[k]));  // as stored
       }
       store4(grad_x, (r + h * step) * hidden + col, count, vec, d);
-      if (act != nullptr) {  // the forward's value (BiasGeluForward's expression), over grad when act is grad
+      if (act != nullptr) {  // the forward's value (BiasGeluForward's expression); act may be x (both rows loaded)
         float a[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) a[k] = gelu(v[h][k] + b[k], tanh);
