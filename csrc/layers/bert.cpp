@@ -180,7 +180,8 @@ struct ActOutLinearTailFunction : torch::autograd::Function<ActOutLinearTailFunc
                         const Tensor& W, const Tensor& h1, bool mixed, bool tanh) {
     ctx->save_for_backward({i, bi.has_value() ? *bi : Tensor(), W});
     ctx->saved_data["tanh"] = tanh;
-    return mixed ? at::zeros({}, i.options()).expand(h1.sizes()) : nothing_like(h1);
+    // (a broadcast scalar nobody reads: no fill kernel)
+    return at::empty({}, mixed ? i.options() : h1.options()).expand(h1.sizes());
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,

@@ -195,10 +195,11 @@ std::tuple<Tensor, Tensor> activation_backward_writing_act(StoppedActivation::Ki
   return {a, b};
 }
 
-Tensor nothing_like(const Tensor& t) { return at::zeros({}, t.options()).expand(t.sizes()); }
+// A broadcast scalar of t's shape and dtype, never read (no kernel: not even a fill).
+Tensor nothing_like(const Tensor& t) { return at::empty({}, t.options()).expand(t.sizes()); }
 
 // out = residual + dropout(act(a, b) @ W + bias) from the replay stopped before the activation: an autograd node
-// that computes nothing in forward (its output is a broadcast zero of the residual's shape, a root of the replay's
+// that computes nothing in forward (its output is a broadcast scalar of the residual's shape, never read, a root of the replay's
 // autograd::grad; the residual's own gradient is the root's gradient, given apart) and whose backward computes what
 // ResidualLinearFunction's and the activation's nodes compute in the layer run whole, the same ops on the same
 // values: the last linear's input gradient d_act = g W, the activation's backward writing act over d_act, then
