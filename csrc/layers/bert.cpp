@@ -171,10 +171,10 @@ struct OutLinearTailFunction : torch::autograd::Function<OutLinearTailFunction> 
 };
 
 // OutLinearTailFunction from before the activation (issue 33): o = gelu(i + bi) W^T with i the intermediate GEMM's
-// output, bi its bias (as the layer cast it; may be undefined). Backward: the output linear's input gradient as
-// OutLinearTailFunction computes it, the bias-GELU backward writing the linear's input over it (the forward's bits),
-// then W's gradient from that input -- the ops of the layer run whole (OutLinear's GEMMs, BiasGeluFunction's
-// backward), on the same values.
+// output, bi its bias (as the layer cast it; may be absent). Backward: the output linear's input gradient as
+// OutLinearTailFunction computes it, the bias-GELU backward that also writes the linear's input (the forward's bits;
+// in place: the gradient becomes i's, i the input), then W's gradient from that input -- the ops of the layer run
+// whole (OutLinear's GEMMs, BiasGeluFunction's backward), on the same values.
 struct ActOutLinearTailFunction : torch::autograd::Function<ActOutLinearTailFunction> {
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& i, const std::optional<Tensor>& bi,
                         const Tensor& W, const Tensor& h1, bool mixed, bool tanh) {
@@ -265,8 +265,8 @@ ReplayBackward bert_pre_norm_backward(const LayerSpec& s, const std::vector<Tens
   const Tensor& inter = replayed.act.defined() ? replayed.act.a : replayed.last_input;
   const bool mixed = mixed_norm_input(inter, replayed.residual);
   const Tensor o = replayed.act.defined()
-                       ? ActOutLinearTailFunction::apply(inter, opt(replayed.act.b), w[kOutW], replayed.residual.detach(),
-                                                         mixed, replayed.act.tanh)
+                       ? ActOutLinearTailFunction::apply(inter, opt(replayed.act.b), w[kOutW],
+                                                         replayed.residual.detach(), mixed, replayed.act.tanh)
                        : OutLinearTailFunction::apply(inter, w[kOutW], replayed.residual.detach(), mixed);
   r.outputs.push_back(NormTailFunction::apply(o, replayed.residual, w[kOutB], w[kLn2W], w[kLn2B], b.pre_norm, b.mean,
                                               b.rstd, effective(s.hidden_p, rng), rng.seed));

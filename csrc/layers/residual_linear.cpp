@@ -199,12 +199,12 @@ std::tuple<Tensor, Tensor> activation_backward_writing_act(StoppedActivation::Ki
 Tensor nothing_like(const Tensor& t) { return at::empty({}, t.options()).expand(t.sizes()); }
 
 // out = residual + dropout(act(a, b) @ W + bias) from the replay stopped before the activation: an autograd node
-// that computes nothing in forward (its output is a broadcast scalar of the residual's shape, never read, a root of the replay's
-// autograd::grad; the residual's own gradient is the root's gradient, given apart) and whose backward computes what
-// ResidualLinearFunction's and the activation's nodes compute in the layer run whole, the same ops on the same
-// values: the last linear's input gradient d_act = g W, the activation's backward writing act over d_act, then
-// W's gradient from act and the bias's from g. Tensor arguments (b, bias may be undefined): a, b, weight, bias, and
-// the residual (detached: its shape and dtype only).
+// that computes nothing in forward (its output is a broadcast scalar of the residual's shape, never read, a root of
+// the replay's autograd::grad; the residual's own gradient is the root's gradient, given apart) and whose backward
+// computes what ResidualLinearFunction's and the activation's nodes compute in the layer run whole, the same ops on
+// the same values: the last linear's input gradient d_act = g W, the activation's backward also writing act (in
+// place: activation_backward_writing_act), then W's gradient from act and the bias's from g. Tensor arguments (b,
+// bias may be absent): a, b, weight, bias, and the residual (detached: its shape and dtype only).
 struct ActTailFunction : torch::autograd::Function<ActTailFunction> {
   // (b, bias: optional, as undefined tensors cannot be a node's inputs)
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& a, const std::optional<Tensor>& b,

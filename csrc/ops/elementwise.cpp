@@ -181,8 +181,8 @@ std::tuple<Tensor, Tensor> geglu_backward(const Tensor& grad, const Tensor& gate
 // and no two of them the same memory; the kernels read an element's inputs before they write its outputs.
 void check_written(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> ts) {
   for (const auto& [name, t] : ts)
-    TORCH_CHECK(t->is_contiguous(), "ckpt_ext::", op, ": ", name, " is overwritten and must be contiguous, got strides ",
-                t->strides());
+    TORCH_CHECK(t->is_contiguous(), "ckpt_ext::", op, ": ", name,
+                " is overwritten and must be contiguous, got strides ", t->strides());
   for (auto i = ts.begin(); i != ts.end(); ++i)
     for (auto j = i + 1; j != ts.end(); ++j)
       TORCH_CHECK(i->second->numel() == 0 || !i->second->is_alias_of(*j->second), "ckpt_ext::", op, ": ", i->first,
