@@ -98,6 +98,10 @@ def _autocast_cases(x, rows: int, hidden: int, device, fwd) -> List[tuple]:
     ]
 
 
+def _both(a: Callable, b: Callable) -> Callable:
+    return lambda: (a(), b())
+
+
 def cases(rows: int, hidden: int, dtype, device, grad_forward: bool = True) -> List[tuple]:
     """(op, ours, eager, bytes moved)."""
     fwd = lambda fn, *inputs: _fwd(fn, *inputs, grad=grad_forward)  # noqa: E731
@@ -156,6 +160,15 @@ def cases(rows: int, hidden: int, dtype, device, grad_forward: bool = True) -> L
         ("geglu", fwd(ops.geglu, xi, ui), fwd(lambda t, u: F.gelu(t, approximate="tanh") * u, xi, ui), 3 * ni * e),
         ("geglu_backward", lambda: ops.geglu_backward(gi, xi, ui),
          _grad(lambda t, u: F.gelu(t, approximate="tanh") * u, xi, ui), 5 * ni * e),
+        # issue 33: the backwards that also write the forward's output, in place -- timed on fresh copies of their
+        # inputs (the copies' passes included: an upper bound); eager: autograd's backward and the forward
+        ("swiglu_backward_act_", lambda: ops.swiglu_backward_act_(gi.clone(), xi.clone(), ui.clone()),
+         _both(_grad(lambda t, u: F.silu(t) * u, xi, ui), fwd(lambda t, u: F.silu(t) * u, xi, ui)), 6 * ni * e),
+        ("geglu_backward_act_", lambda: ops.geglu_backward_act_(gi.clone(), xi.clone(), ui.clone()),
+         _both(_grad(lambda t, u: F.gelu(t, approximate="tanh") * u, xi, ui),
+               fwd(lambda t, u: F.gelu(t, approximate="tanh") * u, xi, ui)), 6 * ni * e),
+        ("bias_gelu_backward_act_", lambda: ops.bias_gelu_backward_act_(gi.clone(), xi.clone(), bi),
+         _both(_grad(lambda t: F.gelu(t + bi), xi), fwd(lambda t, u: F.gelu(t + u), xi, bi)), 4 * ni * e),
         ("rotary", fwd(lambda t: ops.rotary(t, cos, sin), xq), fwd(lambda t: t * cos + _rotate_half(t) * sin, xq),
          2 * nq * e),
         ("rotary_backward", lambda: ops.rotary_backward(xq, cos, sin),

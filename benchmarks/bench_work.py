@@ -180,6 +180,10 @@ CKPT_OP_GBPS = {
     "dropout": (2 * _ROW + _H * _KB + _ROW) / 51.0e-6 / 1e9,  # as bias_dropout_add
     "swiglu": 3 * _ROWI / 95.6e-6 / 1e9,
     "swiglu_backward": 3 * _ROWI / 95.6e-6 / 1e9,  # unmeasured: as the forward
+    # unmeasured (issue 33): the backwards that also write the activation, at their backward's rate
+    "swiglu_backward_act_": 3 * _ROWI / 95.6e-6 / 1e9,
+    "geglu_backward_act_": 3 * _ROWI / 95.6e-6 / 1e9,
+    "bias_gelu_backward_act_": (2 * _ROWI + _I * _KB + _ROWI) / 204.3e-6 / 1e9,
     "add_rms_norm": (2 * _ROW + _H * _KB + 2 * _ROW + _STAT) / 42.4e-6 / 1e9,
     "add_rms_norm_backward": (2 * _ROW + _STAT + _H * _KB + _ROW + _H * _KB) / 39.5e-6 / 1e9,
     "rotary": 3 * _ROW / 51.0e-6 / 1e9,  # unmeasured: as bias_dropout_add
@@ -313,8 +317,9 @@ class WorkMode(TorchDispatchMode):
         kwargs = kwargs or {}
         packet = func._overloadpacket
         schema = func._schema
-        if packet in NO_KERNEL or _is_view(func) or not any(
-                str(r.type) in ("Tensor", "Tensor[]", "Optional[Tensor]") for r in schema.returns):
+        # (ckpt_ext's in-place ops returning nothing -- the _act_ backwards -- move data all the same)
+        if packet in NO_KERNEL or _is_view(func) or (func.namespace != "ckpt_ext" and not any(
+                str(r.type) in ("Tensor", "Tensor[]", "Optional[Tensor]") for r in schema.returns)):
             return func(*args, **kwargs)
         tensors_in = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if not any(t.is_floating_point() for t in tensors_in) and func.namespace == "aten" and not any(
@@ -334,7 +339,7 @@ class WorkMode(TorchDispatchMode):
                 results.append(written[frozenset(r.alias_info.before_set)])
             else:
                 results.append(pytree.tree_map(_like_cpu, m))
-        out = tuple(results) if isinstance(mout, tuple) else results[0]
+        out = tuple(results) if isinstance(mout, tuple) else results[0] if results else None
         self._record(func, args, kwargs, out, tensors_in, written)
         if self.clock is not None:
             self.clock.advance(self.ops[-1])
@@ -347,6 +352,9 @@ class WorkMode(TorchDispatchMode):
         if packet in WRITE_ONLY and args:
             reads = [t for t in tensors_in if t is not args[0]]
         nbytes = _nbytes(reads) + _nbytes(outs)
+        if func.namespace == "ckpt_ext":
+            # The arguments the op also writes (the _act_ backwards, in place): their bytes again.
+            nbytes += _nbytes([t for t in written.values() if isinstance(t, torch.Tensor)])
         name = f"{func.namespace}.{packet.__name__}"
         shapes = (",".join("x".join(map(str, t.shape)) for t in tensors_in) + " -> " +
                   ",".join("x".join(map(str, t.shape)) for t in outs))
@@ -354,7 +362,8 @@ class WorkMode(TorchDispatchMode):
             op = packet.__name__
             launches = CKPT_LAUNCHES.get(op, 1)
             if (op == "bias_dropout_add_layer_norm_backward" and _arg(args, kwargs, 10, "grad_bias", False)) or \
-                    (op == "bias_gelu_backward" and _arg(args, kwargs, 4, "grad_bias", False)):
+                    (op in ("bias_gelu_backward", "bias_gelu_backward_act_") and
+                     _arg(args, kwargs, 4, "grad_bias", False)):
                 launches += 1  # the bias's gradient: one more column-sum kernel
             self.ops.append(Op(name, "ckpt", 0.0, nbytes, launches, shapes))
         elif packet in GEMMS:
@@ -810,8 +819,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                     help="autocast: the fused last linear's GEMM output read beside the float32 stream without casts "
                          "(on, the default) or cast as before (off); _C.mixed_dtype_residual, docs/autocast.md. "
                          "A --cache file holds the traces of the setting it was made with")
+    ap.add_argument("--tail-activation", choices=("on", "off"), default="on",
+                    help="the replay of a checkpointed segment's last layer stops before its activation, whose "
+                         "backward writes the last linear's input (on, the default; issue 33) or runs the activation "
+                         "forward as before (off); _C.tail_activation_in_backward. A --cache file holds the traces "
+                         "of the setting it was made with")
     args = ap.parse_args(argv)
     _C.mixed_dtype_residual(args.mixed_residual == "on")
+    _C.tail_activation_in_backward(args.tail_activation == "on")
     if args.peak:
         name, vs = args.peak.split(":")
         cfg = CONFIGS[name]

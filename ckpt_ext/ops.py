@@ -44,6 +44,9 @@ __all__ = [
     "swiglu_backward",
     "geglu",
     "geglu_backward",
+    "swiglu_backward_act_",
+    "geglu_backward_act_",
+    "bias_gelu_backward_act_",
     "rotary",
     "rotary_backward",
 ]
@@ -258,6 +261,27 @@ def geglu_backward(grad: Tensor, gate: Tensor, up: Tensor, approximate: str = "t
     return _lib.geglu_backward.default(grad, gate, up, approximate)
 
 
+def swiglu_backward_act_(grad: Tensor, gate: Tensor, up: Tensor) -> None:
+    """:func:`swiglu_backward` and :func:`swiglu` in one pass, in place: ``grad`` becomes ``swiglu(gate, up)`` (the
+    same bits), ``gate`` and ``up`` their gradients. All three contiguous, distinct. The replay of a checkpointed
+    segment's last layer takes the last linear's input from it instead of running the activation forward, its
+    inputs being its own (issue 33)."""
+    _lib.swiglu_backward_act_.default(grad, gate, up)
+
+
+def geglu_backward_act_(grad: Tensor, gate: Tensor, up: Tensor, approximate: str = "tanh") -> None:
+    """:func:`geglu_backward` and :func:`geglu` in one pass, in place (see :func:`swiglu_backward_act_`)."""
+    _lib.geglu_backward_act_.default(grad, gate, up, approximate)
+
+
+def bias_gelu_backward_act_(grad: Tensor, x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none",
+                            grad_bias: bool = False) -> Tensor:
+    """:func:`bias_gelu_backward` and :func:`bias_gelu` in one pass, in place: ``grad`` becomes ``x``'s gradient,
+    ``x`` becomes ``bias_gelu(x, bias)`` (the same bits). Returns the bias's gradient (empty without
+    ``grad_bias``). ``grad`` and ``x`` contiguous, distinct."""
+    return _lib.bias_gelu_backward_act_.default(grad, x, bias, approximate, grad_bias)
+
+
 def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary position embedding, Hugging Face Llama convention: ``x * cos + rotate_half(x) * sin``.
 
@@ -452,6 +476,22 @@ def _(gate, up, approximate="tanh"):
 @torch.library.register_fake("ckpt_ext::geglu_backward")
 def _(grad, gate, up, approximate="tanh"):
     return _empty(gate), _empty(gate)
+
+
+@torch.library.register_fake("ckpt_ext::swiglu_backward_act_")
+def _(grad, gate, up):
+    _like("swiglu_backward_act_", "gate", gate, up=up, grad=grad)
+
+
+@torch.library.register_fake("ckpt_ext::geglu_backward_act_")
+def _(grad, gate, up, approximate="tanh"):
+    _like("geglu_backward_act_", "gate", gate, up=up, grad=grad)
+
+
+@torch.library.register_fake("ckpt_ext::bias_gelu_backward_act_")
+def _(grad, x, bias, approximate, grad_bias=False):
+    _like("bias_gelu_backward_act_", "x", x, grad=grad, bias=bias)
+    return x.new_empty(x.shape[-1:] if grad_bias else (0,))
 
 
 @torch.library.register_fake("ckpt_ext::rotary")

@@ -98,7 +98,8 @@ class LayerCost:
     levels: Tuple[Level, ...] = ()  # the levels beyond "attention" it can be checkpointed at (measured)
     pre_norm: Optional[PreNorm] = None  # a fused BERT/RoBERTa layer's pre-norm boundary (None: the layer has none)
     # of compute, what the replay does not run when the layer is the last of its segment: a fused GPT-2/Llama layer's
-    # last linear (the segment's replay stops before it; tail_time)
+    # last linear and the activation computing its input (the segment's replay stops before both, the activation's
+    # backward writing that input: _C.tail_activation_in_backward, issue 33; tail_time)
     tail_compute: float = 0.0
 
     @property

@@ -297,14 +297,25 @@ class _FusedGemms(TorchDispatchMode):
     them), its seconds and its process CPU seconds (the kernel alone: the time is taken around the call)."""
 
     _OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    # The activation computing the last linear's input, which a segment's replay of its last layer skips too (its
+    # backward writes that input; _C.tail_activation_in_backward, issue 33): timed into `act`.
+    _ACT = ("swiglu", "geglu", "bias_gelu")
 
     def __init__(self, sync):
         super().__init__()
         self.sync = sync or (lambda: None)
         self.calls: List[Tuple[torch.UntypedStorage, float, float]] = []
         self.numels: List[int] = []  # per call, its output's elements
+        self.act = (0.0, 0.0)  # (seconds, CPU seconds) of the last activation op of the run
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "ckpt_ext" and func._overloadpacket.__name__ in self._ACT:
+            self.sync()
+            start, cpu = probe_time(), time.process_time()
+            out = func(*args, **(kwargs or {}))
+            self.sync()
+            self.act = (probe_time() - start, time.process_time() - cpu)
+            return out
         if func not in self._OPS:
             return func(*args, **(kwargs or {}))
         self.sync()
@@ -340,6 +351,8 @@ def _pre_norm(layer: FusedTransformerLayer, args: Tuple, kwargs: Dict, hidden: O
         _measure(layer, args, kwargs, device, sync, spy)
         found = [(sec, cpu) for (_, sec, cpu), n in zip(spy.calls, spy.numels) if n == hidden.numel()]
         spy.calls.clear()
+        if found and _C.tail_activation_in_backward():  # the replay skips the activation before that GEMM too
+            found[-1] = (found[-1][0] + spy.act[0], found[-1][1] + spy.act[1])
         if found and (gemm is None or found[-1][0] < gemm[0]):
             gemm = found[-1]
     gemm = gemm or (0.0, 0.0)
@@ -389,8 +402,8 @@ def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.dev
         overlaps = [saved.get(ptr, 0) for ptr, *_ in sites]
         gemms.calls.clear()
         if best is None or sum(x[2] for x in sites) < sum(x[2] for x in best[0]):
-            best = (sites, overlaps)
-    sites, overlaps = best
+            best = (sites, overlaps, gemms.act)
+    sites, overlaps, act = best
     attn_kept, attn_seconds, _ = probe.result(_POOL_ALIGNMENT)
     attn_cpu = probe.cpu_seconds if attn_kept is not None else 0.0
     out = {}
@@ -410,8 +423,10 @@ def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.dev
             cpu += attn_cpu
         tail = sites[-1][1] if gemms == "all" and last_linear else 0
         out[level] = (kept, overlap, seconds, cpu, whole, tail)
-    if last_linear:  # the segment's replay stops before its last layer's last linear (LayerCost.tail_compute)
-        out[_TAIL] = (sites[-1][2], sites[-1][3])
+    if last_linear:  # the segment's replay stops before its last layer's last linear (LayerCost.tail_compute), and
+        # before the activation computing its input where _C.tail_activation_in_backward is on (issue 33)
+        act = act if _C.tail_activation_in_backward() else (0.0, 0.0)
+        out[_TAIL] = (sites[-1][2] + act[0], sites[-1][3] + act[1])
     return out
 
 

@@ -69,6 +69,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Autocast: the last linear's GEMM output read beside the float32 stream without casts (residual_linear.cpp);
   // sets it when given, returns the one before.
   m.def("mixed_dtype_residual", &L::mixed_dtype_residual, py::arg("set") = py::none());
+  m.def("tail_activation_in_backward", &L::tail_activation_in_backward, py::arg("set") = py::none(),
+        "The replay of a checkpointed segment's last layer stops before its activation (SwiGLU / GeGLU / "
+        "bias-GELU), whose backward also writes the last linear's input (issue 33; default on); off: it runs the "
+        "activation forward as before (the same bits). On/off (None: unchanged); returns the setting before");
   m.def("mixed_dtype_norms", &L::set_mixed_dtype_norms, py::arg("enable") = py::none(),
         "Autocast: the fused layers' norm ops read a GEMM's bfloat16/float16 output beside the float32 stream "
         "(issue 32); off: it is cast to float32 first. On/off (None: unchanged); returns the setting before");

@@ -77,6 +77,11 @@ def _opcheck_samples(device="cpu"):
         (L.geglu.default, (x, r, "tanh")),
         (L.geglu.default, (x, r.detach(), "none")),
         (L.geglu_backward.default, (g, x.detach(), r.detach(), "tanh")),
+        # issue 33: the backwards writing the activation, in place (fresh tensors: each sample is run more than once)
+        (L.swiglu_backward_act_.default, (t(5, 12), t(5, 12), t(5, 12))),
+        (L.geglu_backward_act_.default, (t(5, 12), t(5, 12), t(5, 12), "none")),
+        (L.bias_gelu_backward_act_.default, (t(5, 12), t(5, 12), b.detach(), "tanh", True)),
+        (L.bias_gelu_backward_act_.default, (t(5, 12), t(5, 12), None, "none")),
         (L.rotary.default, (q, cos, sin)),
         (L.rotary.default, (t(2, 3, 6, 8, grad=True), cos.squeeze(0), sin.squeeze(0))),
         (L.rotary_backward.default, (g.reshape(1, 1, 5, 12), t(5, 12), t(5, 12))),

@@ -87,6 +87,15 @@ struct DropoutArgs {
   void geglu_forward(const at::Tensor& gate, const at::Tensor& up, bool tanh, const at::Tensor& out);       \
   void geglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, bool tanh,      \
                       const at::Tensor& grad_gate, const at::Tensor& grad_up);                                \
+  /* The backwards above that also write the forward's output `act` (issue 33: the replay of a segment's  */ \
+  /* last layer), computed by the forward's element function (its bits); each output may be any of the    */ \
+  /* inputs (an element's inputs are read before its outputs are written)                                 */ \
+  void swiglu_backward_act(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,             \
+                           const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& act);    \
+  void geglu_backward_act(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, bool tanh,  \
+                          const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& act);     \
+  void bias_gelu_backward_act(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh, \
+                              const at::Tensor& grad_x, const at::Tensor& grad_bias, const at::Tensor& act);  \
   /* x, out: [B, H, S, D] with any strides but a contiguous last dim; cos, sin: [B or 1, S, D] contiguous. */ \
   /* forward: out = x * cos + rotate_half(x) * sin; backward: its transpose applied to x (= grad).        */ \
   void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,              \

@@ -93,6 +93,12 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
   }
   const Tensor i =
       plus_lora(gemm_linear(h1_gemm, w[kInterW], Tensor(), kSiteInter), lora_delta(s, w, kLoraInter, h1, rng));
+  if (stops_before_activation(stop, has_out_adapter(s, w), kept_gemm(kSiteInter).defined())) {
+    LayerOutput r;  // the boundary replay: the activation runs in its backward (issue 33)
+    r.act = {StoppedActivation::kBiasGelu, s.gelu_tanh, i, like(w[kInterB], i)};
+    r.residual = h1;
+    return r;
+  }
   const Tensor inter = ops::bias_gelu(i, opt_like(w[kInterB], i), s.gelu_tanh ? "tanh" : "none");
   if (stop && !has_out_adapter(s, w)) {
     LayerOutput r;
@@ -164,6 +170,54 @@ struct OutLinearTailFunction : torch::autograd::Function<OutLinearTailFunction> 
   }
 };
 
+// OutLinearTailFunction from before the activation (issue 33): o = gelu(i + bi) W^T with i the intermediate GEMM's
+// output, bi its bias (as the layer cast it; may be absent). Backward: the output linear's input gradient as
+// OutLinearTailFunction computes it, the bias-GELU backward that also writes the linear's input (the forward's bits;
+// in place: the gradient becomes i's, i the input), then W's gradient from that input -- the ops of the layer run
+// whole (OutLinear's GEMMs, BiasGeluFunction's backward), on the same values.
+struct ActOutLinearTailFunction : torch::autograd::Function<ActOutLinearTailFunction> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& i, const std::optional<Tensor>& bi,
+                        const Tensor& W, const Tensor& h1, bool mixed, bool tanh) {
+    ctx->save_for_backward({i, bi.has_value() ? *bi : Tensor(), W});
+    ctx->saved_data["tanh"] = tanh;
+    // (a broadcast scalar nobody reads: no fill kernel)
+    return at::empty({}, mixed ? i.options() : h1.options()).expand(h1.sizes());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    torch::autograd::variable_list out(6);
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &i = saved[0], &bi = saved[1], &W = saved[2];
+    // Edges (needs_input_grad's numbering): i, bi (if present), W; outputs: by argument.
+    const bool need_i = ctx->needs_input_grad(0), need_bi = bi.defined() && ctx->needs_input_grad(1);
+    const bool need_w = ctx->needs_input_grad(bi.defined() ? 2 : 1);
+    if (!grads[0].defined() || !(need_i || need_bi || need_w)) return out;
+    const char* approximate = ctx->saved_data.at("tanh").toBool() ? "tanh" : "none";
+    const auto cdt = i.scalar_type();
+    const Tensor g = grads[0].scalar_type() == cdt ? grads[0] : grads[0].to(cdt);
+    const Tensor Wc = W.scalar_type() == cdt ? W : W.to(cdt);
+    Tensor act;
+    if (need_i || need_bi) {
+      // In place (the replay's own tensors, which nothing reads after this node): d_act becomes i's gradient, i the
+      // activation.
+      Tensor d_act = gemm_linear_grads(g, i, Wc, true, false).first;
+      if (!d_act.is_contiguous()) d_act = d_act.contiguous();
+      act = i.is_contiguous() ? i : i.contiguous();
+      Tensor dbi = ops::bias_gelu_backward_act_(d_act, act, opt(bi), approximate, need_bi);
+      if (need_i) out[0] = d_act;
+      if (need_bi) out[1] = dbi;
+    } else {
+      act = ops::bias_gelu(i, opt(bi), approximate);
+    }
+    if (need_w) {
+      const Tensor dw = gemm_linear_grads(g, act, Wc, false, true).second;
+      out[2] = dw.scalar_type() == W.scalar_type() ? dw : dw.to(W.scalar_type());
+    }
+    return out;
+  }
+};
+
 // out = LN2(h1 + dropout(o + out_b)) with the stored pre_norm, mean, rstd. Backward: the norm's node backward as
 // BiasDropoutAddLayerNormFunction runs it (no gradient reaches its pre_norm output; the dropout mask regenerated
 // from the seed: the CPU forward's keep bits hold the same mask), the dense bias's gradient from the kernel.
@@ -204,13 +258,16 @@ struct NormTailFunction : torch::autograd::Function<NormTailFunction> {
 ReplayBackward bert_pre_norm_backward(const LayerSpec& s, const std::vector<Tensor>& w, const LayerRng& rng,
                                       const LayerOutput& replayed, PreNormBoundary b, const Tensor& grad_out,
                                       const std::vector<bool>& /*need_slot: autograd asks the node*/) {
-  TORCH_CHECK(b.defined() && replayed.last_input.defined() && replayed.residual.defined(),
+  TORCH_CHECK(b.defined() && (replayed.last_input.defined() || replayed.act.defined()) && replayed.residual.defined(),
               "ckpt_ext: the BERT boundary replay needs the kept pre-norm sum and a replay stopped before the "
               "output linear");
   ReplayBackward r;
-  const Tensor& inter = replayed.last_input;
-  const Tensor o = OutLinearTailFunction::apply(inter, w[kOutW], replayed.residual.detach(),
-                                                mixed_norm_input(inter, replayed.residual));
+  const Tensor& inter = replayed.act.defined() ? replayed.act.a : replayed.last_input;
+  const bool mixed = mixed_norm_input(inter, replayed.residual);
+  const Tensor o = replayed.act.defined()
+                       ? ActOutLinearTailFunction::apply(inter, opt(replayed.act.b), w[kOutW],
+                                                         replayed.residual.detach(), mixed, replayed.act.tanh)
+                       : OutLinearTailFunction::apply(inter, w[kOutW], replayed.residual.detach(), mixed);
   r.outputs.push_back(NormTailFunction::apply(o, replayed.residual, w[kOutB], w[kLn2W], w[kLn2B], b.pre_norm, b.mean,
                                               b.rstd, effective(s.hidden_p, rng), rng.seed));
   r.grads.push_back(grad_out);

@@ -188,6 +188,18 @@ struct ResidualLinearGrads {
 ResidualLinearGrads residual_linear_backward(const Tensor& grad, const Tensor& x, const LastLinear& lin, int64_t seed,
                                              bool need_x, bool need_weight, bool need_bias);
 
+// The replay stopped before the activation (layer.h's StoppedActivation; issue 33): one node (a root computing
+// nothing in forward) whose backward runs the last linear's input gradient, the activation's backward writing the
+// linear's input (the _act_ ops), and the linear's weight and bias gradients; and the residual with grad_out.
+ReplayBackward last_linear_act_backward(const LastLinear& lin, const StoppedActivation& act, const Tensor& residual,
+                                        const Tensor& grad_out, int64_t seed);
+// Whether a replay with `stop` stops before the activation: the switch on, no adapter on the last linear (it reads
+// the activation's output), and the activation's inputs the replay's own (`kept`: one is a GEMM output kept in
+// forward, which the backward must not overwrite; such a layer keeps the replay before the last linear).
+inline bool stops_before_activation(bool stop, bool last_linear_adapter, bool kept) {
+  return stop && !last_linear_adapter && !kept && tail_activation_in_backward(std::nullopt);
+}
+
 // `t` must be [rows, cols] (messages name the family's layer).
 void check_matrix(const LayerSpec& s, const char* name, const Tensor& t, int64_t rows, int64_t cols);
 // Weight slot i must be present.

@@ -109,6 +109,13 @@ LayerOutput forward(const LayerSpec& s, const Tensor& x, const LayerInputs& in, 
                                        opt(w[kLn2B]), effective(s.hidden_p, rng), s.eps, rng.seed, kAttnOut,
                                        ln2_dtype);
   const Tensor fc = plus_lora(conv1d_nobias(ln2, w[kFcW], kSiteFc), lora_delta(s, w, kLoraFc, ln2, rng));
+  if (stops_before_activation(stop, any_adapter(s, w, {kLoraMlpProj, kLoraMlpProj, kLoraMlpProj}),
+                              kept_gemm(kSiteFc).defined())) {
+    LayerOutput r;  // the replay: the activation runs in replay_backward (issue 33)
+    r.act = {StoppedActivation::kBiasGelu, s.gelu_tanh, fc, like(w[kFcB], fc)};
+    r.residual = h1;
+    return r;
+  }
   const Tensor act = ops::bias_gelu(fc, opt_like(w[kFcB], fc), s.gelu_tanh ? "tanh" : "none");
   return last_linear_tail(s, w, rng, last_linear(s, w, rng), act, h1, out_slot, stop,
                           lora_delta(s, w, kLoraMlpProj, act, rng));

@@ -246,6 +246,9 @@ ReplayBackward replay_backward(const LayerSpec& spec, const std::vector<Tensor>&
     }
     return r;
   }
+  if (replayed.act.defined())  // stopped before the activation (issue 33)
+    return last_linear_act_backward(family(spec.family).last_linear(spec, weights, rng), replayed.act,
+                                    replayed.residual, grad_out, rng.seed);
   // Stopped before the last linear: its gradients from the incoming gradient, the rest through autograd
   // from its input (gradient g.x) and the residual (gradient grad_out itself).
   const LastLinear lin = family(spec.family).last_linear(spec, weights, rng);

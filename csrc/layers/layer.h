@@ -125,12 +125,29 @@ bool uses_dropout(const LayerSpec& spec, bool training);
 // to: out = residual + dropout(last_input @ W + b)) with `out` undefined.
 // A BERT layer forward into out_slot (no grad) also returns its last norm's input `pre_norm` and row statistics
 // `mean`, `rstd` (the pre-norm boundary below); undefined elsewhere.
+// A replay stopped before the last linear's input (issue 33): `act` holds the inputs of the activation that
+// computes it (gate, up; or the GEMM output and its bias), `last_input` is undefined, and replay_backward runs the
+// activation's backward, which also writes the last linear's input, instead of the replay's activation forward.
+struct StoppedActivation {
+  enum Kind : int { kNone = 0, kSwiglu, kGeglu, kBiasGelu };
+  Kind kind = kNone;
+  bool tanh = false;  // GeGLU / bias-GELU: the tanh approximation
+  Tensor a, b;        // gate, up (GLUs); x, bias (bias-GELU; the bias may be undefined)
+  bool defined() const { return kind != kNone; }
+};
+
 struct LayerOutput {
   Tensor out;
   Tensor last_input;
   Tensor residual;
   Tensor pre_norm, mean, rstd;
+  StoppedActivation act;
 };
+
+// Whether a replay stops before its last layer's activation where it can (StoppedActivation; default on) or
+// before the last linear as before (off: A/B tests and benchmarks; the same bits). Sets it when `set` is given
+// (between steps: a replay reads it); returns the setting before. _C.tail_activation_in_backward.
+bool tail_activation_in_backward(std::optional<bool> set);
 
 // Keep-attention (a checkpointed segment's keep_attention): what a layer call's attention kernel returned
 // in forward, kept until backward so that the replay runs the layer without the attention forward.

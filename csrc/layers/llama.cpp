@@ -175,6 +175,13 @@ LayerOutput forward(const Decoder& d, const LayerSpec& s, const Tensor& x, const
   // Two GEMMs rather than one over [gate; up]: the gated activation reads contiguous halves without a copy.
   const Tensor gate = plus_lora(gemm_linear(n2, w[kGateW], w[kGateB], kSiteGate), lora_delta(s, w, kLoraGate, n2, rng));
   const Tensor up = plus_lora(gemm_linear(n2_up, w[kUpW], w[kUpB], kSiteUp), lora_delta(s, w, kLoraUp, n2_up, rng));
+  if (!d.sandwich && stops_before_activation(stop, any_adapter(s, w, {kLoraDown, kLoraDown, kLoraDown}),
+                                             kept_gemm(kSiteGate).defined() || kept_gemm(kSiteUp).defined())) {
+    LayerOutput r;  // the replay: the activation runs in replay_backward (issue 33)
+    r.act = {d.gelu ? StoppedActivation::kGeglu : StoppedActivation::kSwiglu, s.gelu_tanh, gate, up};
+    r.residual = h1;
+    return r;
+  }
   const Tensor act = d.gelu ? ops::geglu(gate, up, s.gelu_tanh ? "tanh" : "none") : ops::swiglu(gate, up);
   if (d.sandwich) {
     // out = h1 + RMS(act Wd^T): the down projection is a GEMM site of the recompute levels (kLastLinear's number:

@@ -10,9 +10,11 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -175,6 +177,57 @@ std::tuple<Tensor, Tensor> geglu_backward(const Tensor& grad, const Tensor& gate
   return {grad_gate, grad_up};
 }
 
+// The backwards that also write the forward's output, in place (issue 33). Every tensor written must be contiguous
+// and no two of them the same memory; the kernels read an element's inputs before they write its outputs.
+void check_written(const char* op, std::initializer_list<std::pair<const char*, const Tensor*>> ts) {
+  for (const auto& [name, t] : ts)
+    TORCH_CHECK(t->is_contiguous(), "ckpt_ext::", op, ": ", name,
+                " is overwritten and must be contiguous, got strides ", t->strides());
+  for (auto i = ts.begin(); i != ts.end(); ++i)
+    for (auto j = i + 1; j != ts.end(); ++j)
+      TORCH_CHECK(i->second->numel() == 0 || !i->second->is_alias_of(*j->second), "ckpt_ext::", op, ": ", i->first,
+                  " and ", j->first, " are both overwritten and must not share memory");
+}
+
+void glu_backward_act_checks(const char* op, const Tensor& grad, const Tensor& gate, const Tensor& up) {
+  check_floating(op, "gate", gate);
+  check_same_shape(op, "up", up, "gate", gate);
+  check_same_shape(op, "grad", grad, "gate", gate);
+  check_written(op, {{"grad", &grad}, {"gate", &gate}, {"up", &up}});
+}
+
+void swiglu_backward_act_(Tensor& grad, Tensor& gate, Tensor& up) {
+  glu_backward_act_checks("swiglu_backward_act_", grad, gate, up);
+  // grad's old values -> gate's and up's gradients; gate, up -> the activation.
+  if (gate.numel() > 0) CKPT_EXT_LAUNCH(gate.device(), swiglu_backward_act, grad, gate, up, gate, up, grad);
+}
+
+void geglu_backward_act_(Tensor& grad, Tensor& gate, Tensor& up, c10::string_view approximate) {
+  const char* op = "geglu_backward_act_";
+  const bool tanh = parse_approximate(op, approximate);
+  glu_backward_act_checks(op, grad, gate, up);
+  if (gate.numel() > 0) CKPT_EXT_LAUNCH(gate.device(), geglu_backward_act, grad, gate, up, tanh, gate, up, grad);
+}
+
+Tensor bias_gelu_backward_act_(Tensor& grad, Tensor& x, const OptTensor& bias, c10::string_view approximate,
+                               bool want_grad_bias) {
+  const char* op = "bias_gelu_backward_act_";
+  check_floating(op, "x", x);
+  check_at_least_1d(op, "x", x);
+  check_same_shape(op, "grad", grad, "x", x);
+  check_written(op, {{"grad", &grad}, {"x", &x}});
+  const bool tanh = parse_approximate(op, approximate);
+  if (present(bias)) check_vector(op, "bias", *bias, x.size(-1), "x", x);
+  const Tensor bc = contiguous_or_undefined(bias);
+  Tensor grad_bias = at::empty({want_grad_bias ? x.size(-1) : 0}, x.options());
+  if (want_grad_bias && x.numel() == 0) grad_bias.zero_();
+  // grad -> x's gradient; x -> the activation.
+  if (x.numel() > 0)
+    CKPT_EXT_LAUNCH(x.device(), bias_gelu_backward_act, grad, x, bc, tanh, grad, want_grad_bias ? grad_bias : Tensor(),
+                    x);
+  return grad_bias;
+}
+
 // forward: x * cos + rotate_half(x) * sin; backward: the transpose, applied to grad.
 Tensor rotary_impl(const char* op, const char* name, const Tensor& x, const Tensor& cos, const Tensor& sin,
                    bool backward) {
@@ -237,6 +290,9 @@ void bias_dropout_add_into(const Tensor& x, const OptTensor& bias, const Tensor&
   m.impl("swiglu_backward", &ckpt_ext::swiglu_backward);       \
   m.impl("geglu", &ckpt_ext::geglu);                           \
   m.impl("geglu_backward", &ckpt_ext::geglu_backward);         \
+  m.impl("swiglu_backward_act_", &ckpt_ext::swiglu_backward_act_); \
+  m.impl("geglu_backward_act_", &ckpt_ext::geglu_backward_act_);   \
+  m.impl("bias_gelu_backward_act_", &ckpt_ext::bias_gelu_backward_act_); \
   m.impl("rotary", &ckpt_ext::rotary);                         \
   m.impl("rotary_backward", &ckpt_ext::rotary_backward)
 

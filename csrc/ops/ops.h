@@ -99,6 +99,13 @@ std::tuple<Tensor, Tensor> swiglu_backward(const Tensor& grad, const Tensor& gat
 Tensor geglu(const Tensor& gate, const Tensor& up, c10::string_view approximate);
 std::tuple<Tensor, Tensor> geglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up,
                                           c10::string_view approximate);
+// The backwards above that also write the forward's output (the same bits), in place (issue 33): swiglu / geglu:
+// grad becomes the activation of (gate, up), gate and up their gradients; bias_gelu: grad becomes x's gradient, x
+// the activation (returns the bias's gradient, empty without grad_bias). Every tensor written must be contiguous.
+void swiglu_backward_act_(Tensor& grad, Tensor& gate, Tensor& up);
+void geglu_backward_act_(Tensor& grad, Tensor& gate, Tensor& up, c10::string_view approximate);
+Tensor bias_gelu_backward_act_(Tensor& grad, Tensor& x, const OptTensor& bias, c10::string_view approximate,
+                               bool grad_bias = false);
 Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin);
 Tensor rotary_backward(const Tensor& grad, const Tensor& cos, const Tensor& sin);
 

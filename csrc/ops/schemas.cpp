@@ -49,6 +49,15 @@ TORCH_LIBRARY(ckpt_ext, m) {
   m.def(
       "geglu_backward(Tensor grad, Tensor gate, Tensor up, str approximate=\"tanh\") "
       "-> (Tensor grad_gate, Tensor grad_up)");
+  // The backwards that also write the forward's output, all in place (issue 33: the replay of a segment's last
+  // layer takes the last linear's input from its activation's backward; its inputs are read nowhere else after).
+  // GLUs: grad becomes the activation, gate and up their gradients; bias-GELU: grad becomes x's gradient, x the
+  // activation.
+  m.def("swiglu_backward_act_(Tensor(a!) grad, Tensor(b!) gate, Tensor(c!) up) -> ()");
+  m.def("geglu_backward_act_(Tensor(a!) grad, Tensor(b!) gate, Tensor(c!) up, str approximate=\"tanh\") -> ()");
+  m.def(
+      "bias_gelu_backward_act_(Tensor(a!) grad, Tensor(b!) x, Tensor? bias, str approximate, bool grad_bias=False) "
+      "-> Tensor grad_bias");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("rotary_backward(Tensor grad, Tensor cos, Tensor sin) -> Tensor");
 }
@@ -151,6 +160,17 @@ Tensor swiglu(const Tensor& gate, const Tensor& up) {
 }
 T2 swiglu_backward(const Tensor& grad, const Tensor& gate, const Tensor& up) {
   CKPT_EXT_CALL("swiglu_backward", T2(const Tensor&, const Tensor&, const Tensor&), grad, gate, up);
+}
+void swiglu_backward_act_(Tensor& grad, Tensor& gate, Tensor& up) {
+  CKPT_EXT_CALL("swiglu_backward_act_", void(Tensor&, Tensor&, Tensor&), grad, gate, up);
+}
+void geglu_backward_act_(Tensor& grad, Tensor& gate, Tensor& up, c10::string_view approximate) {
+  CKPT_EXT_CALL("geglu_backward_act_", void(Tensor&, Tensor&, Tensor&, c10::string_view), grad, gate, up, approximate);
+}
+Tensor bias_gelu_backward_act_(Tensor& grad, Tensor& x, const OptTensor& bias, c10::string_view approximate,
+                               bool grad_bias) {
+  CKPT_EXT_CALL("bias_gelu_backward_act_", Tensor(Tensor&, Tensor&, const OptTensor&, c10::string_view, bool), grad,
+                x, bias, approximate, grad_bias);
 }
 Tensor geglu(const Tensor& gate, const Tensor& up, c10::string_view approximate) {
   CKPT_EXT_CALL("geglu", Tensor(const Tensor&, const Tensor&, c10::string_view), gate, up, approximate);

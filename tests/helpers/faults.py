@@ -194,8 +194,12 @@ class Path:
         """A context manager around the forward (phase "forward") or the backward (phase "replay") that
         makes the fault happen there."""
         if self.fused:
-            # The first fused GELU of the forward; the second one of the backward, which is in a replay.
-            return OpTrap(torch.ops.ckpt_ext.bias_gelu.default, 1 if phase == "forward" else 2, exc_type, message)
+            # The first fused GELU of the forward; the second one of the backward, which is in a replay. (GPT-2's
+            # replays stop before their last layer's GELU, whose backward writes it -- issue 33 --: its second LN2.)
+            op = torch.ops.ckpt_ext.bias_gelu.default
+            if phase != "forward" and self.kind == "fused-gpt2":
+                op = torch.ops.ckpt_ext.bias_dropout_add_layer_norm.default
+            return OpTrap(op, 1 if phase == "forward" else 2, exc_type, message)
         self.trap().arm(phase, exc_type, message)
         return contextlib.nullcontext()
 

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/gelu_backward.h>
 #include <ATen/ops/mul.h>
@@ -476,6 +477,108 @@ void geglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Te
       }
     });
   });
+}
+
+// ---- the backwards that also write the forward's output (issue 33) ----------------------------------------
+//
+// The outputs may be any of the inputs (the replay overwrites them: nothing else reads them afterwards). With the
+// SIMD kernels: block by block (DropoutWords::kBlock elements, in cache), the forward kernel into a buffer on the
+// stack, then the backward kernel (each vector step loads before it stores, so an output over an input of the same
+// elements is safe), then the buffer into `act` -- the forward's own element function, whose lanes compute each
+// element alone (the same bits wherever a block starts). Elsewhere (float64, CPUs without the SIMD kernels): the
+// forward and the backward, whole, into new tensors, copied to the outputs.
+
+namespace {
+
+// fn(i, n) over [0, numel) in blocks of at most kBlock elements, in parallel.
+template <typename F>
+void for_blocks(int64_t numel, const F& fn) {
+  at::parallel_for(0, numel, kElementGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i += DropoutWords::kBlock) fn(i, std::min(end - i, DropoutWords::kBlock));
+  });
+}
+
+void copy_into(const at::Tensor& dst, const at::Tensor& src) {
+  at::Tensor d = dst;
+  d.copy_(src);
+}
+
+}  // namespace
+
+void swiglu_backward_act(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
+                         const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& act) {
+  if (with_vec(gate.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T *dy = grad.const_data_ptr<T>(), *gp = gate.const_data_ptr<T>(), *up_ = up.const_data_ptr<T>();
+        T *dg = grad_gate.data_ptr<T>(), *du = grad_up.data_ptr<T>(), *ap = act.data_ptr<T>();
+        for_blocks(gate.numel(), [&](int64_t i, int64_t n) {
+          T buf[DropoutWords::kBlock];
+          k.swiglu(gp + i, up_ + i, buf, n);
+          k.swiglu_backward(dy + i, gp + i, up_ + i, dg + i, du + i, n);
+          std::copy(buf, buf + n, ap + i);
+        });
+      }))
+    return;
+  const at::Tensor a = at::empty_like(gate), g = at::empty_like(gate), u = at::empty_like(gate);
+  swiglu_forward(gate, up, a);
+  swiglu_backward(grad, gate, up, g, u);
+  copy_into(act, a);
+  copy_into(grad_gate, g);
+  copy_into(grad_up, u);
+}
+
+void geglu_backward_act(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, bool tanh,
+                        const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& act) {
+  if (with_vec(gate.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T *dy = grad.const_data_ptr<T>(), *gp = gate.const_data_ptr<T>(), *up_ = up.const_data_ptr<T>();
+        T *dg = grad_gate.data_ptr<T>(), *du = grad_up.data_ptr<T>(), *ap = act.data_ptr<T>();
+        for_blocks(gate.numel(), [&](int64_t i, int64_t n) {
+          T buf[DropoutWords::kBlock];
+          k.geglu(gp + i, up_ + i, buf, n, tanh);
+          k.geglu_backward(dy + i, gp + i, up_ + i, dg + i, du + i, n, tanh);
+          std::copy(buf, buf + n, ap + i);
+        });
+      }))
+    return;
+  const at::Tensor a = at::empty_like(gate), g = at::empty_like(gate), u = at::empty_like(gate);
+  geglu_forward(gate, up, tanh, a);
+  geglu_backward(grad, gate, up, tanh, g, u);
+  copy_into(act, a);
+  copy_into(grad_gate, g);
+  copy_into(grad_up, u);
+}
+
+void bias_gelu_backward_act(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,
+                            const at::Tensor& grad_x, const at::Tensor& grad_bias, const at::Tensor& act) {
+  const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  if (with_vec(x.scalar_type(), [&](const auto& k) {
+        using T = typename std::decay_t<decltype(k)>::Scalar;
+        const T *gp = grad.const_data_ptr<T>(), *xp = x.const_data_ptr<T>(), *bp = ptr_or_null<T>(bias);
+        T *dp = grad_x.data_ptr<T>(), *ap = act.data_ptr<T>();
+        // n elements from i, the bias from column col.
+        auto block = [&](int64_t i, int64_t n, int64_t col) {
+          T buf[DropoutWords::kBlock];
+          k.bias_gelu(xp + i, bp ? bp + col : nullptr, buf, n, tanh);
+          k.bias_gelu_backward(gp + i, xp + i, bp ? bp + col : nullptr, dp + i, n, tanh);
+          std::copy(buf, buf + n, ap + i);
+        };
+        if (grad_bias.defined()) {  // row by row, the column sums of grad_x's row after it
+          rows_with_column_sums<T>(rows, hidden, dp, grad_bias, [&](int64_t base) {
+            for (int64_t j = 0; j < hidden; j += DropoutWords::kBlock)
+              block(base + j, std::min(hidden - j, DropoutWords::kBlock), j);
+          });
+          return;
+        }
+        for_segments(x.numel(), hidden, philox::Dropout{},
+                     [&](int64_t i, int64_t n, int64_t col, DropoutWords&) { block(i, n, col); });
+      }))
+    return;
+  const at::Tensor a = at::empty_like(x), d = at::empty_like(x);
+  bias_gelu_forward(x, bias, tanh, a);
+  bias_gelu_backward(grad, x, bias, tanh, d, grad_bias);
+  copy_into(act, a);
+  copy_into(grad_x, d);
 }
 
 void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward,

@@ -242,6 +242,40 @@ struct GegluBackward {  // in: grad, gate, up; out: grad_gate, grad_up
   }
 };
 
+// The backwards that also write the forward's output `act` (issue 33), by the forward's functor itself (its bits);
+// each output may be one of the inputs (the ops write them in place): the kernel loads a group's inputs before it
+// stores any of its outputs, and a group's outputs are its own elements.
+struct SwigluBackwardAct {  // in: grad, gate, up; out: grad_gate, grad_up, act
+  __device__ void operator()(int64_t group, int64_t base, int count, const float (&in)[3][4],
+                             float (&out)[3][4]) const {
+    SwigluBackward{}(group, base, count, in, reinterpret_cast<float (&)[2][4]>(out));
+    SwigluForward{}(group, base, count, reinterpret_cast<const float (&)[2][4]>(in[1]),
+                    reinterpret_cast<float (&)[1][4]>(out[2]));
+  }
+};
+
+struct GegluBackwardAct {  // in: grad, gate, up; out: grad_gate, grad_up, act
+  bool tanh;
+  __device__ void operator()(int64_t group, int64_t base, int count, const float (&in)[3][4],
+                             float (&out)[3][4]) const {
+    GegluBackward{tanh}(group, base, count, in, reinterpret_cast<float (&)[2][4]>(out));
+    GegluForward{tanh}(group, base, count, reinterpret_cast<const float (&)[2][4]>(in[1]),
+                       reinterpret_cast<float (&)[1][4]>(out[2]));
+  }
+};
+
+template <typename T>
+struct BiasGeluBackwardAct {  // in: grad, x; out: grad_x, act
+  RowBias<T> bias;
+  bool tanh;
+  __device__ void operator()(int64_t group, int64_t base, int count, const float (&in)[2][4],
+                             float (&out)[2][4]) const {
+    BiasGeluBackward<T>{bias, tanh}(group, base, count, in, reinterpret_cast<float (&)[1][4]>(out[0]));
+    BiasGeluForward<T>{bias, tanh}(group, base, count, reinterpret_cast<const float (&)[1][4]>(in[1]),
+                                   reinterpret_cast<float (&)[1][4]>(out[1]));
+  }
+};
+
 __global__ void dropout_mask_kernel(bool* mask, int64_t n, philox::Dropout dropout) {
   const int64_t groups = (n + 3) / 4;
   for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
@@ -294,7 +328,7 @@ constexpr int kColumnThreads = 128;
 template <typename T>
 __global__ void __launch_bounds__(kColumnThreads)
     bias_gelu_backward_columns_kernel(const T* grad, const T* x, const T* bias, T* grad_x, float* partial,
-                                      int64_t rows, int hidden, bool tanh, bool vec) {
+                                      int64_t rows, int hidden, bool tanh, bool vec, T* act = nullptr) {
   const int col = (blockIdx.x * kColumnThreads + threadIdx.x) * 4;
   if (col >= hidden) return;
   const int count = min(4, hidden - col);
@@ -320,6 +354,12 @@ __global__ void __launch_bounds__(kColumnThreads)
         acc[k] += static_cast<float>(static_cast<T>(d[k]));  // as stored
       }
       store4(grad_x, (r + h * step) * hidden + col, count, vec, d);
+      if (act != nullptr) {  // the forward's value (BiasGeluForward's expression); act may be x (both rows loaded)
+        float a[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) a[k] = gelu(v[h][k] + b[k], tanh);
+        store4(act, (r + h * step) * hidden + col, count, vec, a);
+      }
     }
   }
   float* out = partial + int64_t(blockIdx.y) * hidden;
@@ -479,6 +519,68 @@ void geglu_backward(const at::Tensor& grad, const at::Tensor& gate, const at::Te
             {grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>()}},
         MutPtrs<scalar_t, 2>{{grad_gate.mutable_data_ptr<scalar_t>(), grad_up.mutable_data_ptr<scalar_t>()}},
         gate.numel(), GegluBackward{tanh});
+  });
+}
+
+void swiglu_backward_act(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up,
+                         const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& act) {
+  const c10::DeviceGuard guard(gate.device());
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(gate.scalar_type(), "ckpt_ext::swiglu_backward_act", [&] {
+    launch_elementwise4(
+        gate.device(),
+        ConstPtrs<scalar_t, 3>{
+            {grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>()}},
+        MutPtrs<scalar_t, 3>{{grad_gate.mutable_data_ptr<scalar_t>(), grad_up.mutable_data_ptr<scalar_t>(),
+                              act.data_ptr<scalar_t>()}},
+        gate.numel(), SwigluBackwardAct{});
+  });
+}
+
+void geglu_backward_act(const at::Tensor& grad, const at::Tensor& gate, const at::Tensor& up, bool tanh,
+                        const at::Tensor& grad_gate, const at::Tensor& grad_up, const at::Tensor& act) {
+  const c10::DeviceGuard guard(gate.device());
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(gate.scalar_type(), "ckpt_ext::geglu_backward_act", [&] {
+    launch_elementwise4(
+        gate.device(),
+        ConstPtrs<scalar_t, 3>{
+            {grad.const_data_ptr<scalar_t>(), gate.const_data_ptr<scalar_t>(), up.const_data_ptr<scalar_t>()}},
+        MutPtrs<scalar_t, 3>{{grad_gate.mutable_data_ptr<scalar_t>(), grad_up.mutable_data_ptr<scalar_t>(),
+                              act.data_ptr<scalar_t>()}},
+        gate.numel(), GegluBackwardAct{tanh});
+  });
+}
+
+void bias_gelu_backward_act(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,
+                            const at::Tensor& grad_x, const at::Tensor& grad_bias, const at::Tensor& act) {
+  const c10::DeviceGuard guard(x.device());
+  if (grad_bias.defined()) {  // bias_gelu_backward's column kernel, also storing act
+    const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+    const cudaStream_t stream = current_stream(x.device());
+    CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_gelu_backward_act", [&] {
+      using T = scalar_t;
+      const T *gp = grad.const_data_ptr<T>(), *xp = x.const_data_ptr<T>(), *bp = ptr_or_null<T>(bias);
+      T* dp = grad_x.mutable_data_ptr<T>();
+      T* ap = act.data_ptr<T>();
+      const bool vec = hidden % 4 == 0 && pack4_aligned<T>(gp) && pack4_aligned<T>(xp) && pack4_aligned<T>(bp) &&
+                       pack4_aligned<T>(dp) && pack4_aligned<T>(ap);
+      const int col_blocks = static_cast<int>((hidden + 4 * kColumnThreads - 1) / (4 * kColumnThreads));
+      const int64_t want = std::max<int64_t>(1, int64_t(multiprocessor_count()) * 8 / col_blocks);
+      const int row_groups = static_cast<int>(std::min<int64_t>({want, (rows + 1) / 2, 65535}));
+      const at::Tensor partial = at::empty({row_groups, hidden}, x.options().dtype(at::kFloat));
+      bias_gelu_backward_columns_kernel<T><<<dim3(col_blocks, row_groups), kColumnThreads, 0, stream>>>(
+          gp, xp, bp, dp, partial.mutable_data_ptr<float>(), rows, static_cast<int>(hidden), tanh, vec, ap);
+      CKPT_EXT_CUDA_LAUNCH_CHECK();
+      column_sums_kernel<T><<<static_cast<int>((hidden + 255) / 256), 256, 0, stream>>>(
+          partial.const_data_ptr<float>(), row_groups, static_cast<int>(hidden), grad_bias.mutable_data_ptr<T>());
+      CKPT_EXT_CUDA_LAUNCH_CHECK();
+    });
+    return;
+  }
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_gelu_backward_act", [&] {
+    launch_elementwise4(x.device(),
+                        ConstPtrs<scalar_t, 2>{{grad.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>()}},
+                        MutPtrs<scalar_t, 2>{{grad_x.mutable_data_ptr<scalar_t>(), act.data_ptr<scalar_t>()}},
+                        x.numel(), BiasGeluBackwardAct<scalar_t>{row_bias<scalar_t>(bias, x.size(-1)), tanh});
   });
 }
 
