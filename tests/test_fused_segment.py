@@ -15,6 +15,7 @@ from helpers.devices import DEVICES  # noqa: E402
 from helpers.hf_models import (B, H, RELATIVES, S, close, embeds_call,  # noqa: E402
                                fused_copy, hf_enable, inputs_for, layers_of, make_model)
 from helpers.fused import _checkpointed_pair, _seed  # noqa: E402,F401  (an autouse fixture)
+from helpers.pool import allocator_events  # noqa: E402
 
 
 # ---- checkpointing: SegmentFunction --------------------------------------------------------------------------------
@@ -132,24 +133,6 @@ def test_replay_skips_the_last_linear(family):
     assert weight.grad is not None
 
 
-def _allocator_events(fn):
-    """(ptr, bytes: + allocated / - freed, the op that allocated it) of the CPU allocator while fn() runs."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            op = e.parent
-            while op is not None and op.name.startswith(("aten::empty", "aten::zeros", "aten::resize")):
-                op = op.parent
-            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size, op.name if op else ""))
-    return [ev[1:] for ev in sorted(events, key=lambda ev: ev[0])]
-
-
 def test_replayed_output_is_freed_before_the_layer_backward():
     """BERT's replay runs its last layer whole; the layer's output (its last norm's, which the norm's backward
     does not read: it saves the pre-norm sum) is only the root of the inner backward, and its memory goes back
@@ -162,7 +145,7 @@ def test_replayed_output_is_freed_before_the_layer_backward():
     try:
         out = ck(**inputs_for("bert", padding=False)).last_hidden_state
         row_bytes = out.numel() * out.element_size()
-        events = _allocator_events(lambda: out.backward(torch.ones_like(out)))
+        events = allocator_events(lambda: out.backward(torch.ones_like(out)))
     finally:
         ckpt_ext._C.pre_norm_boundaries(before)
     norm = [k for k, (_, size, op) in enumerate(events) if size == row_bytes and op == "ckpt_ext::bias_dropout_add_layer_norm"]

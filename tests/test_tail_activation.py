@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 from helpers.devices import DEVICES  # noqa: E402
 from helpers.fused import _checkpointed_pair, _seed, assert_switch_defaults_on, switched  # noqa: E402,F401
 from helpers.hf_models import embeds_call, inputs_for, layers_of  # noqa: E402
+from helpers.pool import allocator_peak  # noqa: E402
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # Odd sizes: vector-loop tails (8 / 16 float lanes, 2 x that per step), rows that are not a multiple of 4 (CUDA's
@@ -227,26 +228,6 @@ def test_lora_on_the_last_linear_keeps_the_replay_before_it(family):
 # ---- the memory ----------------------------------------------------------------------------------------------------
 
 
-def _peak_during(fn):
-    """The peak of the CPU allocator's live bytes (from the profiler's allocation events) while fn() runs, above
-    what was live before it."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-    live = peak = 0
-    for _, size in sorted(events):
-        live += size
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
 def test_the_replay_holds_one_activation_less_at_the_peak(family):
     """One layer, one segment, no dropout: the backward's peak (the allocator's live bytes over the backward) is
@@ -260,7 +241,7 @@ def test_the_replay_holds_one_activation_less_at_the_peak(family):
         out = ck(**kw).last_hidden_state
         g = torch.ones_like(out)
         with switched(_C.tail_activation_in_backward, on):
-            peaks[on] = _peak_during(lambda: out.backward(g))
+            peaks[on] = allocator_peak(lambda: out.backward(g))
         inter = layers_of(ck)[0]
         width = {"gpt2": lambda m: m.mlp.c_fc.weight.shape[1], "llama": lambda m: m.mlp.up_proj.weight.shape[0],
                  "bert": lambda m: m.intermediate.dense.weight.shape[0]}[family](inter)

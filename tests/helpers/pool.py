@@ -52,3 +52,30 @@ def _empty_pool_at_start():
     s = ckpt_ext.pool_stats("cpu")
     assert (s["reserved_bytes"], s["chunks"]) == (0, 0)
     return s
+
+
+def allocator_events(fn):
+    """(ptr, bytes: + allocated / - freed, the op that allocated it) of the CPU allocator while fn() runs."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            op = e.parent
+            while op is not None and op.name.startswith(("aten::empty", "aten::zeros", "aten::resize")):
+                op = op.parent
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size, op.name if op else ""))
+    return [ev[1:] for ev in sorted(events, key=lambda ev: ev[0])]
+
+
+def allocator_peak(fn) -> int:
+    """The peak of the CPU allocator's live bytes while fn() runs, above what was live before it."""
+    live = peak = 0
+    for _, size, _ in allocator_events(fn):
+        live += size
+        peak = max(peak, live)
+    return peak

@@ -378,6 +378,33 @@ __global__ void column_sums_kernel(const float* partial, int parts, int hidden, 
   grad_bias[col] = static_cast<T>(s);
 }
 
+// bias_gelu_backward's path with the bias's gradient: the column kernel, then the column sums of `partial`; `act`
+// (undefined: none) also gets the activation (bias_gelu_backward_act).
+void launch_bias_gelu_columns(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& bias, bool tanh,
+                              const at::Tensor& grad_x, const at::Tensor& grad_bias, const at::Tensor& act) {
+  const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  const cudaStream_t stream = current_stream(x.device());
+  CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_gelu_backward", [&] {
+    using T = scalar_t;
+    const T *gp = grad.const_data_ptr<T>(), *xp = x.const_data_ptr<T>(), *bp = ptr_or_null<T>(bias);
+    T* dp = grad_x.mutable_data_ptr<T>();
+    T* ap = act.defined() ? act.data_ptr<T>() : nullptr;
+    const bool vec = hidden % 4 == 0 && pack4_aligned<T>(gp) && pack4_aligned<T>(xp) && pack4_aligned<T>(bp) &&
+                     pack4_aligned<T>(dp) && pack4_aligned<T>(ap);
+    const int col_blocks = static_cast<int>((hidden + 4 * kColumnThreads - 1) / (4 * kColumnThreads));
+    // Enough row groups for about eight resident blocks per SM, each walking at least two rows.
+    const int64_t want = std::max<int64_t>(1, int64_t(multiprocessor_count()) * 8 / col_blocks);
+    const int row_groups = static_cast<int>(std::min<int64_t>({want, (rows + 1) / 2, 65535}));
+    const at::Tensor partial = at::empty({row_groups, hidden}, x.options().dtype(at::kFloat));
+    bias_gelu_backward_columns_kernel<T><<<dim3(col_blocks, row_groups), kColumnThreads, 0, stream>>>(
+        gp, xp, bp, dp, partial.mutable_data_ptr<float>(), rows, static_cast<int>(hidden), tanh, vec, ap);
+    CKPT_EXT_CUDA_LAUNCH_CHECK();
+    column_sums_kernel<T><<<static_cast<int>((hidden + 255) / 256), 256, 0, stream>>>(
+        partial.const_data_ptr<float>(), row_groups, static_cast<int>(hidden), grad_bias.mutable_data_ptr<T>());
+    CKPT_EXT_CUDA_LAUNCH_CHECK();
+  });
+}
+
 }  // namespace
 
 void bias_gelu_forward(const at::Tensor& x, const at::Tensor& bias, bool tanh, const at::Tensor& out) {
@@ -393,26 +420,7 @@ void bias_gelu_backward(const at::Tensor& grad, const at::Tensor& x, const at::T
                         const at::Tensor& grad_x, const at::Tensor& grad_bias) {
   const c10::DeviceGuard guard(x.device());
   if (grad_bias.defined()) {
-    const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
-    const cudaStream_t stream = current_stream(x.device());
-    CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_gelu_backward", [&] {
-      using T = scalar_t;
-      const T *gp = grad.const_data_ptr<T>(), *xp = x.const_data_ptr<T>(), *bp = ptr_or_null<T>(bias);
-      T* dp = grad_x.mutable_data_ptr<T>();
-      const bool vec = hidden % 4 == 0 && pack4_aligned<T>(gp) && pack4_aligned<T>(xp) && pack4_aligned<T>(bp) &&
-                       pack4_aligned<T>(dp);
-      const int col_blocks = static_cast<int>((hidden + 4 * kColumnThreads - 1) / (4 * kColumnThreads));
-      // Enough row groups for about eight resident blocks per SM, each walking at least two rows.
-      const int64_t want = std::max<int64_t>(1, int64_t(multiprocessor_count()) * 8 / col_blocks);
-      const int row_groups = static_cast<int>(std::min<int64_t>({want, (rows + 1) / 2, 65535}));
-      const at::Tensor partial = at::empty({row_groups, hidden}, x.options().dtype(at::kFloat));
-      bias_gelu_backward_columns_kernel<T><<<dim3(col_blocks, row_groups), kColumnThreads, 0, stream>>>(
-          gp, xp, bp, dp, partial.mutable_data_ptr<float>(), rows, static_cast<int>(hidden), tanh, vec);
-      CKPT_EXT_CUDA_LAUNCH_CHECK();
-      column_sums_kernel<T><<<static_cast<int>((hidden + 255) / 256), 256, 0, stream>>>(
-          partial.const_data_ptr<float>(), row_groups, static_cast<int>(hidden), grad_bias.mutable_data_ptr<T>());
-      CKPT_EXT_CUDA_LAUNCH_CHECK();
-    });
+    launch_bias_gelu_columns(grad, x, bias, tanh, grad_x, grad_bias, at::Tensor());
     return;
   }
   CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_gelu_backward", [&] {
@@ -554,26 +562,7 @@ void bias_gelu_backward_act(const at::Tensor& grad, const at::Tensor& x, const a
                             const at::Tensor& grad_x, const at::Tensor& grad_bias, const at::Tensor& act) {
   const c10::DeviceGuard guard(x.device());
   if (grad_bias.defined()) {  // bias_gelu_backward's column kernel, also storing act
-    const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
-    const cudaStream_t stream = current_stream(x.device());
-    CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_gelu_backward_act", [&] {
-      using T = scalar_t;
-      const T *gp = grad.const_data_ptr<T>(), *xp = x.const_data_ptr<T>(), *bp = ptr_or_null<T>(bias);
-      T* dp = grad_x.mutable_data_ptr<T>();
-      T* ap = act.data_ptr<T>();
-      const bool vec = hidden % 4 == 0 && pack4_aligned<T>(gp) && pack4_aligned<T>(xp) && pack4_aligned<T>(bp) &&
-                       pack4_aligned<T>(dp) && pack4_aligned<T>(ap);
-      const int col_blocks = static_cast<int>((hidden + 4 * kColumnThreads - 1) / (4 * kColumnThreads));
-      const int64_t want = std::max<int64_t>(1, int64_t(multiprocessor_count()) * 8 / col_blocks);
-      const int row_groups = static_cast<int>(std::min<int64_t>({want, (rows + 1) / 2, 65535}));
-      const at::Tensor partial = at::empty({row_groups, hidden}, x.options().dtype(at::kFloat));
-      bias_gelu_backward_columns_kernel<T><<<dim3(col_blocks, row_groups), kColumnThreads, 0, stream>>>(
-          gp, xp, bp, dp, partial.mutable_data_ptr<float>(), rows, static_cast<int>(hidden), tanh, vec, ap);
-      CKPT_EXT_CUDA_LAUNCH_CHECK();
-      column_sums_kernel<T><<<static_cast<int>((hidden + 255) / 256), 256, 0, stream>>>(
-          partial.const_data_ptr<float>(), row_groups, static_cast<int>(hidden), grad_bias.mutable_data_ptr<T>());
-      CKPT_EXT_CUDA_LAUNCH_CHECK();
-    });
+    launch_bias_gelu_columns(grad, x, bias, tanh, grad_x, grad_bias, act);
     return;
   }
   CKPT_EXT_DISPATCH_CUDA_FLOATING(x.scalar_type(), "ckpt_ext::bias_gelu_backward_act", [&] {
