@@ -56,7 +56,9 @@ def test_the_policy_decides_which_products_run(family, layout):
     model = fused_copy(make_model(family, dropout=0.1)).train()
     _, out = embeds_call(model, family, inputs_for(family, padding=False))
     names = " ".join(sorted(_node_names(out)))
-    ours = "::LinearFunction>" in names and "::MatmulFunction>" in names  # attention dropout: written out on CPU
+    # attention with dropout on CPU: ckpt_ext's fused node (its products through the same layout functions, without
+    # autograd nodes of their own), or the written-out ops' MatmulFunction nodes where it is switched off
+    ours = "::LinearFunction>" in names and ("::MatmulFunction>" in names or "::FusedPhiloxAttentionFunction>" in names)
     aten = "AddmmBackward" in names or "MmBackward" in names
     assert (ours, aten) == ((True, False) if layout == "nt" else (False, True)), names
 
