@@ -248,7 +248,7 @@ struct FusedPhiloxAttentionFunction : torch::autograd::Function<FusedPhiloxAtten
     const double scale = ctx->saved_data.at("scale").toDouble();
     const kernels::DropoutArgs dropout{ctx->saved_data.at("p").toDouble(), ctx->saved_data.at("seed").toInt(),
                                        ctx->saved_data.at("offset").toInt()};
-    const int64_t n = q3.size(0), S = q3.size(1), Sk = k3.size(1);
+    const int64_t n = q3.size(0), S = q3.size(1);
     // the written-out path's view backward (a reshape), then its second product's backward
     const Tensor g3 = cast_to(grad, v3.scalar_type()).reshape({n, S, v3.size(2)});
     const Tensor grad_dropped = gemm_bmm(g3, v3.transpose(1, 2)).contiguous();
@@ -265,7 +265,6 @@ struct FusedPhiloxAttentionFunction : torch::autograd::Function<FusedPhiloxAtten
                    .view(k_sizes);
     if (ctx->needs_input_grad(2))
       out[2] = cast_to(gemm_bmm(dropped.transpose(1, 2), g3), static_cast<at::ScalarType>(dtypes[2])).view(v_sizes);
-    (void)Sk;
     return out;
   }
 };
