@@ -35,7 +35,7 @@ from ._compiler import check_not_capturing, in_compile_fallback, traced_under_co
 from ._extension import load
 from ._layout import BERT, DECODERS, FAMILY_NAMES
 from ._user_frame import user_stacklevel
-from .keep import warn_not_kept
+from .keep import compiled_level_fallback, level_of, warn_not_kept
 from .hf.cache import cache_parameters, find_cache
 from .hf.versions import check_versions
 from .hf.head import fuse_lm_head
@@ -441,7 +441,7 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
     kernel with a log-sum-exp (SDPA's math path, attention dropout in training on CPU, a CUDA flash head dim
     SDPA pads) keeps nothing and is replayed in full: one warning per reason (keep.warn_not_kept, naming the
     layer by ``names[i]``), and ``report(i, reason)`` is told for every layer (reason None: kept).
-    ``NotImplementedError`` under torch.compile.
+    Under torch.compile the operator keeps only the segment's input: warned once (keep.compiled_level_fallback).
 
     ``gemms`` (the recompute levels, keep.LEVELS): "before" keeps each layer's q/k/v projection output, "all" every
     GEMM output of each layer (the last layer's last linear excepted where its replay skips it), held by the node
@@ -466,11 +466,11 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
         return NotImplemented
     if any(t is not None and t.requires_grad for t in (call.mask, call.cos, call.sin)):
         return NotImplemented
-    if keep_attention:
-        _check_keep_attention()
     if gemms is not None and gemms not in _GEMM_LEVELS:
         raise ValueError(f"run_segment: gemms must be None, 'before' or 'all', got {gemms!r}")
     if compiled.use_ops():
+        if keep_attention or gemms is not None:  # the operator keeps only its input
+            compiled_level_fallback(level_of(bool(keep_attention), gemms))
         return first._as_returned(compiled.fused_segment(layers, call.hidden, call.mask, call.cos, call.sin,
                                                          first.training))
     _check_segment_not_capturing()
@@ -502,16 +502,6 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
 
 
 _GEMM_LEVELS = {"before": 1, "all": 2}  # run_segment's gemms= -> _C.segment_apply_levels' gemm_level
-
-
-def _check_keep_attention():
-    """What keep-attention refuses before any compute: torch.compile. (A layer whose attention has no
-    log-sum-exp to keep is replayed in full instead: run_segment.)"""
-    if compiled.use_ops() or in_compile_fallback():
-        raise NotImplementedError(
-            "ckpt_ext: keeping the attention of checkpointed fused layers is not supported under torch.compile "
-            "(the ckpt_ext::fused_segment operator keeps only its input); compile with full recompute, or run "
-            "keep-attention eagerly.")
 
 
 def _copy_hooks(src: nn.Module, dst: nn.Module):

@@ -52,7 +52,7 @@ from ._user_frame import user_stacklevel
 
 __all__ = ["KEEP_VALUES", "LEVELS", "check_keep", "keep_attention", "keep_level", "KeepAttention", "KeepLevel",
            "AttentionProbe", "LevelProbe", "LSE_OPS", "GEMM_OPS", "compiled_context_fn", "warn_not_kept", "fused_level",
-           "compiled_fused_level"]
+           "compiled_fused_level", "compiled_level_fallback", "level_of"]
 
 # The documented values of keep=, with what each keeps besides the checkpointed segments' inputs, from least to
 # most (docs/keep-attention.md "Recompute levels").
@@ -109,6 +109,15 @@ def check_keep(keep: Any) -> str:
                      f"means it), got {keep!r} ({allowed})")
 
 
+def level_of(attention: bool, gemms: Optional[str]) -> str:
+    """The keep level that keeps attention (or not) and the GEMM outputs `gemms` (None, "before", "all"); "before"
+    without attention is "attention_inputs" (there is no level keeping the projections alone)."""
+    for name, (a, g) in LEVELS.items():
+        if (a, g) == (attention or gemms == "before", gemms):
+            return name
+    raise ValueError(f"no keep level keeps attention={attention} and gemms={gemms!r}")
+
+
 def keeps_attention(keep: str) -> bool:
     """Whether keep level `keep` keeps the attention kernels' outputs and log-sum-exps."""
     return LEVELS.get(keep, (False, None))[0]
@@ -126,9 +135,26 @@ def fused_level(keep: str) -> str:
 
 def compiled_fused_level(keep: str) -> str:
     """The level a fused segment keeps for `keep` under torch.compile, where it is the ``ckpt_ext::fused_segment``
-    operator, which keeps only its input: a level keeping GEMM outputs runs as "boundaries" there (explain() says
-    so); keep="attention" is refused under torch.compile (fused.run_segment), unless the budget planner chose it."""
-    return "attention" if keep == "attention" else "boundaries"
+    operator, which keeps only its input: every level (attention, its inputs, GEMM outputs) runs as "boundaries"
+    there, warned once (:func:`compiled_level_fallback`; explain() says so)."""
+    return "boundaries"
+
+
+def compiled_level_fallback(keep: str) -> str:
+    """Under torch.compile a checkpointed group of fused layers at keep level `keep` runs as the level the
+    ``ckpt_ext::fused_segment`` operator keeps (:func:`compiled_fused_level`: "boundaries"): the same gradients, more
+    recompute and less memory than the level. Warns once per level. Dynamo calls it while tracing (a constant result,
+    no graph break), so the warning comes at compile time."""
+    level = compiled_fused_level(keep)
+    warn_once(("compiled fused level", keep),
+              f"ckpt_ext keep={keep!r}: under torch.compile a checkpointed group of fused layers is the "
+              f"ckpt_ext::fused_segment operator, which keeps only its input, so these groups run as keep={level!r} "
+              "there (attention and any GEMM outputs are recomputed in backward: more recompute and less memory than "
+              "the level; the same gradients). Run the step eagerly to keep them. ckpt_ext.explain(model) says so too.")
+    return level
+
+
+compiled_level_fallback._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets
 
 
 # --------------------------------------------------------------------------------------------------

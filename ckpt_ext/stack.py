@@ -18,8 +18,8 @@ from ._discovery import _ATOMS, _add_module, _check_fsdp_units, _Found, _fsdp_un
 from .checkpoint import _checkpoint
 from ._layout import BERT
 from .fused import _C, FusedTransformerLayer, run_segment
-from .keep import (KEEP_VALUES, KeepLevel, check_keep, compiled_fused_level, fused_level, keeps_attention, keeps_gemms,
-                   warn_once)
+from .keep import (KEEP_VALUES, KeepLevel, check_keep, compiled_level_fallback, fused_level, keeps_attention,
+                   keeps_gemms, warn_once)
 from .hf.versions import check_versions
 from .hf.cache import drop_cache, remember_signature
 from .hf.layers import attention_implementation
@@ -211,14 +211,12 @@ class _Group:
         # by the segment's node.
         keep, gemms = keeps_attention(self.keep), keeps_gemms(self.keep)
         if (keep or gemms is not None) and torch.compiler.is_compiling() and layers and is_fused_layer(layers[0]):
-            # The ckpt_ext::fused_segment operator keeps only its input: a level keeping GEMM outputs runs as
-            # "boundaries" there (warned once while Dynamo traces; explain() says so), keep="attention" alone is
-            # refused (run_segment) unless the planner chose it in eager steps (less memory than planned; the same
-            # gradients).
-            if gemms is not None:
-                _compiled_level_fallback(self.keep)
-            if gemms is not None or (self.planner is not None and self.planner.keep == "auto"):
-                keep, gemms = False, None
+            # The ckpt_ext::fused_segment operator keeps only its input: every level runs as "boundaries" there
+            # (warned once while Dynamo traces, unless the planner chose the level in eager steps: less memory than
+            # planned; explain() says so; the same gradients).
+            if self.planner is None or self.planner.keep != "auto":
+                compiled_level_fallback(self.keep)
+            keep, gemms = False, None
         hidden = layer_args[0] if layer_args and isinstance(layer_args[0], torch.Tensor) else None
         # BERT's pre-norm boundary moves a boundary from a segment's input to its output (one more at the end of a
         # chain): planned groups run with it where the plan accounts for it (Plan.boundaries; held bytes as predicted)
@@ -370,20 +368,6 @@ class _Group:
         return out
 
 
-def _compiled_level_fallback(keep: str) -> str:
-    """Under torch.compile a fused segment at keep level `keep` (one keeping GEMM outputs) runs as the level the
-    ``ckpt_ext::fused_segment`` operator keeps (keep.compiled_fused_level: "boundaries"): warns once. Dynamo calls it
-    while tracing (a constant result, no graph break), so the warning comes at compile time."""
-    level = compiled_fused_level(keep)
-    warn_once(("compiled fused level", keep),
-              f"ckpt_ext keep={keep!r}: under torch.compile a checkpointed group of fused layers is the "
-              f"ckpt_ext::fused_segment operator, which keeps only its input, so these groups run as keep={level!r} "
-              "there (the GEMM outputs and attention are recomputed in backward: more recompute and less memory than "
-              "the level; the same gradients). Run the step eagerly to keep them. ckpt_ext.explain(model) says so too.")
-    return level
-
-
-_compiled_level_fallback._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets
 
 
 def _layer_name(stack: str, i: int, layer: nn.Module) -> str:
@@ -840,7 +824,8 @@ def _not_kept_summary(groups: List["_Group"]) -> List[str]:
                 layers.setdefault(seen[1], []).append(g.names[k])
     lines = [f"  replayed in full (attention not kept) in the last step: {', '.join(names)}, because {why}"
              for why, names in layers.items()]
-    compiled = sorted({g.keep for g in groups if keeps_gemms(g.keep) is not None and is_fused_layer(g.layers[0])})
+    compiled = sorted({g.keep for g in groups if (keeps_attention(g.keep) or keeps_gemms(g.keep) is not None) and
+                       is_fused_layer(g.layers[0])})
     if compiled:
         lines.append(f"  under torch.compile a fused segment (the ckpt_ext::fused_segment operator) keeps only its "
                      f"input: keep={'/'.join(map(repr, compiled))} runs as keep='boundaries' there (warned once)")

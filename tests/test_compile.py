@@ -598,14 +598,32 @@ def test_fused_layer_whose_rotary_tables_require_grad_under_compile_raises_a_cle
 
 
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks-allowed", "fullgraph"])
-def test_keep_attention_of_fused_layers_under_compile_raises_a_clear_error(fullgraph):
-    """keep="attention" on checkpointed fused layers is refused under torch.compile, never run eagerly."""
+def test_keep_attention_of_fused_layers_under_compile_runs_as_boundaries(fullgraph):
+    """keep="attention" on checkpointed fused layers under torch.compile: the operator keeps only its input, so the
+    groups run as keep="boundaries" (one warning at trace time), never failing the step and never running the eager
+    engine; gradients as the eager keep="attention" step's."""
+    import ckpt_ext.keep as keep_mod
+    torch._dynamo.reset()
+    keep_mod._warned.discard(("compiled fused level", "attention"))
     model, kw = _hf("bert", dropout=0.0, layers=2)
     ckpt_ext.fuse(model)
+    eager = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         ckpt_ext.enable_checkpointing(model, every=2, keep="attention")
-    _assert_compile_refuses(model, kw, fullgraph, "not supported under torch.compile")
+        ckpt_ext.enable_checkpointing(eager, every=2, keep="attention")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
+    frames = ckpt_ext._C.checkpoint_frames_created()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compiled(**kw).last_hidden_state.sum().backward()
+    assert ckpt_ext._C.checkpoint_frames_created() == frames
+    assert [str(w.message) for w in seen if "run as keep='boundaries'" in str(w.message)], \
+        [str(w.message) for w in seen]
+    eager(**kw).last_hidden_state.sum().backward()
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+    torch._dynamo.reset()
 
 
 def test_eager_run_inside_a_compiled_region_refuses_what_compile_refuses(monkeypatch):
@@ -636,8 +654,7 @@ def test_eager_run_inside_a_compiled_region_refuses_what_compile_refuses(monkeyp
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         ckpt_ext.enable_checkpointing(model, every=2, keep="attention")
-    with pytest.raises(NotImplementedError, match="not supported under torch.compile"):  # through the stack's entry
-        model(**kw)
+    model(**kw).last_hidden_state.sum().backward()  # the eager run keeps the attention, as eager steps do
 
 
 def test_compiled_block_inside_checkpoint_keeps_its_dropout_masks():

@@ -298,11 +298,21 @@ def test_cudnn_attention_is_kept_exactly(family, every, forced):
         assert fwd.runs == 0 and bwd.runs == 2
 
 
-def test_keep_attention_under_compile_is_refused(monkeypatch):
-    monkeypatch.setattr(compiled, "USE_OPS_EAGERLY", True)  # the operator path torch.compile takes
+def test_keep_attention_on_the_operator_path_runs_as_boundaries(monkeypatch):
+    """The operator path (torch.compile's) keeps only the segment's input: keep="attention" runs as "boundaries"
+    there, warned once, with the same gradients as the eager keep="attention" step."""
+    import ckpt_ext.keep as keep_mod
+    keep_mod._warned.discard(("compiled fused level", "attention"))
     _, ck = _pair("bert", every=1, layers=1)
-    with pytest.raises(NotImplementedError, match="not supported under torch.compile"):
-        ck(**inputs_for("bert", padding=False))
+    kw = inputs_for("bert", padding=False)
+    ck(**kw).last_hidden_state.sum().backward()
+    expected = {n: p.grad.clone() for n, p in ck.named_parameters()}
+    ck.zero_grad(set_to_none=True)
+    monkeypatch.setattr(compiled, "USE_OPS_EAGERLY", True)  # the operator path torch.compile takes
+    with pytest.warns(UserWarning, match="run as keep='boundaries'"):
+        ck(**kw).last_hidden_state.sum().backward()
+    for n, p in ck.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 # ---- explain() through enable_checkpointing ------------------------------------------------------------------------

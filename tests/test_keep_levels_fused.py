@@ -247,10 +247,10 @@ def test_cuda_levels_bit_identical(family, keep, dtype):
     _assert_same(step(_segments(copy.deepcopy(model), 2, keep)), plain)
 
 
-@pytest.mark.parametrize("keep", ["gemms", "gemms_attention"])
+@pytest.mark.parametrize("keep", ["attention", "attention_inputs", "gemms", "gemms_attention"])
 def test_compiled_fused_levels_run_as_boundaries_with_one_warning(keep):
-    """Under torch.compile a fused group is the ckpt_ext::fused_segment operator (keeps only its input): a level
-    keeping GEMM outputs runs as keep="boundaries" there, warned once (at trace time: no graph break), never fails
+    """Under torch.compile a fused group is the ckpt_ext::fused_segment operator (keeps only its input): every level
+    runs as keep="boundaries" there, warned once (at trace time: no graph break), never fails
     the step; gradients as the eager step's; explain() says so."""
     from torch._dynamo.utils import counters
     import ckpt_ext.keep as keep_mod
