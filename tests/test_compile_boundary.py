@@ -30,7 +30,7 @@ import ckpt_ext
 import ckpt_ext.compiled
 import ckpt_ext.fused
 from reference import assert_grads_close, loss_of, run_step
-from helpers.hf_models import inputs_for, make_model
+from helpers.hf_models import H, inputs_for, make_model
 from helpers.pool import allocator_events
 
 pytest.importorskip("transformers")
@@ -273,3 +273,43 @@ def test_compiled_boundary_holds_one_boundary_more_not_the_outputs():
     gc.collect()
     assert held_on - held_off <= hidden + stats + 4096, (held_on, held_off, hidden)
     assert held_on - held_off >= hidden - 4096, (held_on, held_off, hidden)  # the last group's boundary is kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_segment_boundary_opcheck(dtype):
+    """The operator pair's schemas, fake kernels (shapes, dtypes, strides of the kept boundary) and autograd
+    registration (torch.library.opcheck): a segment keeping its boundary, and the next one taking it."""
+    model, _ = _model("bert", 0.1, layers=2, every=1, dtype=dtype)
+    layers = [m for m in model.modules() if isinstance(m, ckpt_ext.fused.FusedTransformerLayer)]
+    hidden = torch.randn(2, 5, H, dtype=dtype, requires_grad=True)
+    op = torch.ops.ckpt_ext.fused_segment_boundary.default
+    first = ckpt_ext.compiled.operator_args(layers[:1])
+    args = (first[0], hidden, None, None, None, first[1], first[2], True, torch.tensor([3]), None, True, None, -1,
+            None, None)
+    torch.library.opcheck(op, args)
+    out, pre_norm, mean, rstd = op(*args)
+    assert pre_norm.shape == hidden.shape and pre_norm.dtype == dtype and mean.shape == rstd.shape == (2, 5)
+    assert mean.dtype == torch.float32
+    w = layers[0].fused_weights()
+    ln = ckpt_ext.compiled._LN2_WEIGHT, ckpt_ext.compiled._LN2_BIAS
+    second = ckpt_ext.compiled.operator_args(layers[1:])
+    taking = (second[0], out.detach().requires_grad_(), None, None, None, second[1], second[2], True,
+              torch.tensor([4]), None, False, pre_norm, layers[0].spec_id, w[ln[0]], w[ln[1]])
+    torch.library.opcheck(op, taking)
+    grad = torch.randn_like(out)
+    needs = [1] + [1] * len(second[1])
+    detached = [x.detach() for x in second[1]]
+    backward = torch.ops.ckpt_ext.fused_segment_boundary_backward.default
+    # the input recomputed from the pre-norm sum, the replay from the segment's own boundary
+    torch.library.opcheck(backward, (second[0], grad, None, None, None, None, detached, second[2], True,
+                                     torch.tensor([4]), None, needs, None, None, None, pre_norm, layers[0].spec_id,
+                                     w[ln[0]].detach(), w[ln[1]].detach()))
+    torch.library.opcheck(backward, (first[0], grad, hidden.detach(), None, None, None,
+                                     [x.detach() for x in first[1]], first[2], True, torch.tensor([3]), None,
+                                     [1] * (1 + len(first[1])), pre_norm, mean, rstd, None, -1, None, None))
+    with pytest.raises(RuntimeError, match="has no pre-norm boundary"):
+        gpt2, _ = _model("gpt2", 0.0, layers=1, every=1)
+        g = [m for m in gpt2.modules() if isinstance(m, ckpt_ext.fused.FusedTransformerLayer)]
+        ids, ws, layout, _ = ckpt_ext.compiled.operator_args(g)
+        op(ids, torch.randn(2, 5, H), None, None, None, ws, layout, True, torch.tensor([1]), None, True,
+           None, -1, None, None)
