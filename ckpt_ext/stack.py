@@ -550,6 +550,7 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     if group.kept:
         return type(self).forward(self, *args, **kwargs)
     if group.layers[0] is self:
+        group.handed = None  # (a compiled frame's hand-over, where the next group then ran eagerly)
         args, kwargs = drop_cache(self, args, kwargs)
         out = group.checkpointed(args, kwargs)
         if measuring:
