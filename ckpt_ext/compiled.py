@@ -17,6 +17,14 @@ seeds the eager path draws in C++ (other numbers from the same generator), so a 
 dropout draws other masks than the same model run eagerly, as any compiled dropout does; the replay
 uses the forward's seeds, so gradients are exact for the masks drawn.
 
+BERT's pre-norm boundary (C++ layers::PreNormBoundary; what the eager segments do: SegmentState::keeps_boundary /
+input_from): a checkpointed BERT group is ``ckpt_ext::fused_segment_boundary`` instead, which also returns its last
+layer's pre-norm sum and row statistics (non-differentiable outputs saved for its own backward, whose replay then
+stops before that layer's output linear and GELU), and, given the pre-norm sum of the group before (whose output is
+its input: stack.py hands it over while Dynamo traces), saves that sum instead of its input and recomputes the
+input from it in backward. The same ops run in the compiled replay as in the eager one, and the same tensors are
+held (docs/compile.md).
+
 A fused layer that is not checkpointed runs, in training, as the eager fused layer behind a graph break
 (fused._traced_forward); where the graph may not break (fullgraph=True, torch.export) it is the one-layer
 segment: its backward replays the layer (one extra layer forward), where the eager path keeps its activations.

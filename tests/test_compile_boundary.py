@@ -168,6 +168,7 @@ def test_compiled_boundary_gradients_are_bit_identical(family, every, dropout):
     got = _step(model, kw, 4, compiled)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert backend.count(BOUNDARY_OP) == 4 // every and backend.count(SEGMENT_OP) == 0
+    assert _taking(backend) == 4 // every - 1  # every group but the first keeps the sum before it, not its input
     assert_grads_close(got, reference, exact=True)
     with torch.compiler.set_stance("fail_on_recompile"):
         assert_grads_close(_step(model, kw, 4, compiled), got, exact=True)
@@ -233,7 +234,7 @@ def test_three_compiled_steps_with_the_boundary_compile_once():
         for seed in (1, 2):
             _step(model, kw, seed, compiled)
             _step(eager, kw, seed)
-    assert len(backend.graphs) == 1 and backend.count(BOUNDARY_OP) == 3
+    assert len(backend.graphs) == 1 and backend.count(BOUNDARY_OP) == 3 and _taking(backend) == 2
     assert not counters["graph_break"], dict(counters["graph_break"])
     groups = {id(g): g for m in model.modules() for g in [getattr(m, ckpt_ext.stack._ATTR, None)] if g is not None}
     assert groups and all(g.handed is None and g.traced is None for g in groups.values())
@@ -338,3 +339,27 @@ def test_compiled_boundary_under_inductor():
             assert_grads_close(on, off, exact=True)
     finally:
         torch.set_num_threads(threads)
+
+
+def _taking(backend):
+    """How many boundary operators in the recorded graphs were given the pre-norm sum of the group before."""
+    return sum(str(n.target) in (BOUNDARY_OP, BOUNDARY_OP + ".default") and n.args[11] is not None
+               for g in backend.graphs for n in g.graph.nodes if n.op == "call_function")
+
+
+def test_compiled_boundary_hand_over_across_a_graph_break():
+    """A graph break between two groups (here a layer's forward pre-hook): the hand-over is carried from one frame
+    to the next on the group (Dynamo stores it after the first), taken there and cleared; every group after the
+    first takes its input's pre-norm sum, and the gradients are the eager fused model's, bit for bit."""
+    model, kw = _model("bert", 0.0, layers=4, every=1)
+    reference = _step(copy.deepcopy(model), kw, 4)
+    fused = [m for m in model.modules() if isinstance(m, ckpt_ext.fused.FusedTransformerLayer)]
+    fused[2].register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
+    compiled, backend = _compiled(model, fullgraph=False)
+    got = _step(model, kw, 4, compiled)
+    assert any("graph_break()" in reason for reason in counters["graph_break"])
+    assert len(backend.graphs) > 1 and backend.count(BOUNDARY_OP) == 4 and _taking(backend) == 3
+    assert_grads_close(got, reference, exact=True)
+    assert_grads_close(_step(model, kw, 4, compiled), reference, exact=True)
+    groups = {id(g): g for m in fused for g in [getattr(m, ckpt_ext.stack._ATTR)]}
+    assert all(g.handed is None for g in groups.values())
