@@ -428,7 +428,7 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
                 names: Optional[Sequence[str]] = None, report: Optional[Callable[[int, Optional[str]], None]] = None,
                 gemms: Optional[str] = None,
                 report_gemms: Optional[Callable[[int, int, Optional[str]], None]] = None,
-                pre_norm_boundary: bool = True):
+                pre_norm_boundary: bool = True, traced_boundary: Optional[dict] = None):
     """Runs consecutive fused layers as one C++ SegmentFunction (checkpointed: one autograd node that
     replays them in backward), calling them with the first layer's arguments as Hugging Face's stack
     does. Returns ``NotImplemented`` when the layers or the call do not allow it (not all fused layers of
@@ -453,7 +453,12 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
     instead of replaying its output linear and norm, and the next such segment keeps that sum instead of its input
     (csrc/layers/layer.h, PreNormBoundary; ``_C.pre_norm_boundaries()`` the process-wide switch, which this argument
     is ANDed with and never changes). False: this call keeps its input and replays in full, and takes no boundary
-    from the segment before (the budget planner's groups where its plan has no boundary: stack.py)."""
+    from the segment before (the budget planner's groups where its plan has no boundary: stack.py).
+
+    ``traced_boundary`` (stack.py, while Dynamo traces): the same boundary between the operators
+    (``ckpt_ext::fused_segment_boundary``): its "take" entry, (output, pre-norm sum, layer) of the segment before,
+    is taken when the call's hidden states are that output; the segment's own, when it keeps one, is put in its
+    "give" entry."""
     first = layers[0] if layers else None
     if not isinstance(first, FusedTransformerLayer):
         return NotImplemented
@@ -471,8 +476,22 @@ def run_segment(layers: Sequence[nn.Module], args: tuple, kwargs: dict, keep_att
     if compiled.use_ops():
         if keep_attention or gemms is not None:  # the operator keeps only its input
             compiled_level_fallback(level_of(bool(keep_attention), gemms))
-        return first._as_returned(compiled.fused_segment(layers, call.hidden, call.mask, call.cos, call.sin,
-                                                         first.training))
+        if traced_boundary is None or not pre_norm_boundary or not compiled.pre_norm_boundaries_enabled():
+            return first._as_returned(compiled.fused_segment(layers, call.hidden, call.mask, call.cos, call.sin,
+                                                             first.training))
+        given = traced_boundary.get("take")
+        taken = None
+        if given is not None and given[0] is call.hidden and given[1].shape == call.hidden.shape and \
+                given[1].dtype == call.hidden.dtype:
+            taken = given[1:]
+        keep = compiled.has_pre_norm_boundary(layers[-1])
+        out = compiled.fused_segment(layers, call.hidden, call.mask, call.cos, call.sin, first.training,
+                                     keep_boundary=keep, taken=taken)
+        if keep or taken is not None:
+            out, pre_norm = out
+            if pre_norm is not None:
+                traced_boundary["give"] = (out, pre_norm, layers[-1])
+        return first._as_returned(out)
     _check_segment_not_capturing()
     specs, weights = zip(*(layer._call_args() for layer in layers))
     boundary = bool(pre_norm_boundary)

@@ -150,12 +150,17 @@ class _Group:
         self.context_fn = self._context_fn()
         self.pending: Optional[_Pending] = None  # after a checkpointed group run, until its last layer
         self.traced: Optional[tuple] = None  # the same while Dynamo traces (_traced_layer_forward)
+        # While Dynamo traces: the pre-norm boundary (output, pre-norm sum, producing layer) the group before handed
+        # to this one, set and taken within the traced frame (_traced_layer_forward); `after`: the group after this
+        # one in its stack (_attach_groups)
+        self.handed: Optional[tuple] = None
+        self.after: Optional["_Group"] = None
         self.siblings: List["_Group"] = []  # the multi-layer groups of the stack (see _check_order)
 
     # Pickled (torch.save of the model, a spawned process, copy.deepcopy): the configuration only. What belongs
     # to one step of this process -- the pending output (weak references to a graph), the traced hand-over, the
     # attention bytes seen, the keep-attention mode bound to this group -- starts afresh.
-    _RUNTIME = ("running", "attention", "gemm_bytes", "gemm_why", "context_fn", "pending", "traced")
+    _RUNTIME = ("running", "attention", "gemm_bytes", "gemm_why", "context_fn", "pending", "traced", "handed")
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
@@ -172,6 +177,8 @@ class _Group:
         self.context_fn = self._context_fn()
         self.pending = None
         self.traced = None
+        self.handed = None
+        self.__dict__.setdefault("after", None)
         for layer in self.layers:
             if not isinstance(layer, FusedTransformerLayer):  # (a fused layer reads its own when loaded)
                 remember_signature(layer)
@@ -203,7 +210,8 @@ class _Group:
         return _checkpoint(self.call, layer_args, layer_kwargs, modules=self.layers, outside=self.layers[0],
                            context_fn=self.context_fn)
 
-    def fused_segment(self, layers: List[nn.Module], layer_args: Tuple, layer_kwargs: Dict):
+    def fused_segment(self, layers: List[nn.Module], layer_args: Tuple, layer_kwargs: Dict,
+                      traced_boundary: Optional[dict] = None):
         """run_segment (fused layers as one C++ SegmentFunction) with this group's keep=. Keeping attention, the
         pool slots the segment takes besides its output are its layers' kept attention outputs and LSEs:
         explain() reports them."""
@@ -224,7 +232,7 @@ class _Group:
         if (not keep and gemms is None) or layers is not self.layers or torch.compiler.is_compiling() or \
                 hidden is None or not is_fused_layer(layers[0]):
             return run_segment(layers, layer_args, layer_kwargs, keep_attention=keep, gemms=gemms,
-                               pre_norm_boundary=boundary)
+                               pre_norm_boundary=boundary, traced_boundary=traced_boundary)
         before = pool_stats(hidden.device)["in_use_bytes"]
         why: List[Optional[str]] = [None] * len(layers)
         gemm_bytes: List[Tuple[int, Optional[str]]] = [(0, None)] * len(layers)
@@ -410,8 +418,9 @@ def _attach_planned(planner: StackPlanner, segments: List[Tuple[int, int, Union[
 def _attach_groups(groups: List[_Group]):
     """Installs the groups of one stack."""
     siblings = [g for g in groups if len(g.layers) > 1]
-    for group in groups:
+    for group, after in zip(groups, groups[1:] + [None]):
         group.siblings = siblings
+        group.after = after
         for layer in group.layers:
             _attach(layer, group)
 
@@ -464,7 +473,14 @@ def _traced_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
         return type(self).forward(self, *args, **kwargs)
     args, kwargs = drop_cache(self, args, kwargs)
     if group.layers[0] is self:
-        out = group.fused_segment(group.layers, args, kwargs)
+        # BERT's pre-norm boundary between the groups' operators, as the eager segments hand it on (C++
+        # offer_boundary / adopt_boundary): taken here from the group before, handed to the group after when that one
+        # is checkpointed; never left on a group after the traced frame (the last group of a stack hands nothing on)
+        hand = {"take": group.handed} if group.handed is not None else {}
+        group.handed = None
+        out = group.fused_segment(group.layers, args, kwargs, traced_boundary=hand)
+        if "give" in hand and group.after is not None and not group.after.kept:
+            group.after.handed = hand["give"]
         if out is NotImplemented:
             out = _checkpoint(group.run, (args, kwargs), {}, modules=group.layers, outside=self,
                               context_fn=group.context_fn)
@@ -518,6 +534,7 @@ def _training_layer_forward(self: nn.Module, args: Tuple, kwargs: Dict):
     if group.kept:
         return type(self).forward(self, *args, **kwargs)
     if group.layers[0] is self:
+        group.handed = None  # (a compiled frame's hand-over, where the next group then ran eagerly)
         args, kwargs = drop_cache(self, args, kwargs)
         out = group.checkpointed(args, kwargs)
         if measuring:

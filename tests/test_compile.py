@@ -324,9 +324,10 @@ def test_hugging_face_model_checkpointed_compiles_fullgraph(family):
 
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama", "qwen2", "mistral", "qwen3", "gemma", "gemma3", "gemma2"])
 def test_fused_hugging_face_model_compiles_to_fused_segment_ops(family):
-    """fuse + enable_checkpointing(every=2): one ckpt_ext::fused_segment per group, no graph break. Without
-    dropout the compiled model equals the eager fused model; with dropout, the same operators run eagerly
-    (same seeds drawn in the same order)."""
+    """fuse + enable_checkpointing(every=2): one ckpt_ext::fused_segment per group (BERT:
+    ckpt_ext::fused_segment_boundary, which carries the pre-norm boundary; test_compile_boundary.py), no graph
+    break. Without dropout the compiled model equals the eager fused model; with dropout, the same operators run
+    eagerly (same seeds drawn in the same order)."""
     for dropout in (0.0, 0.2):
         torch._dynamo.reset()
         model, kw = _hf(family, dropout=dropout, layers=4)
@@ -335,7 +336,8 @@ def test_fused_hugging_face_model_compiles_to_fused_segment_ops(family):
         ckpt_ext.fused._warned.clear()  # checkpointed: no notice (compiled_step accepts no warning)
         compiled, backend, params, got = _compiled_checkpointed_step(model, kw)
         assert_grads_close(got, eager, exact=True)
-        assert backend.count(SEGMENT_OP) == 2 and backend.count(CHECKPOINT_OP) == 0
+        op = SEGMENT_OP + "_boundary" if family == "bert" else SEGMENT_OP
+        assert backend.count(op) == 2 and backend.count(CHECKPOINT_OP) == 0
         second_step_does_not_recompile(lambda: compiled(**kw).last_hidden_state, [], params, seed=5)
 
 

@@ -519,38 +519,38 @@ at::Tensor fused_segment_op(at::IntArrayRef specs, const at::Tensor& hidden, con
   return run_forward(*st, hidden);
 }
 
-// Gradients of the inputs flagged in `needs` ([hidden, weights...]), in that order. A weight passed twice
-// (tied) gets its whole gradient in its first needed entry, zeros in the others (autograd sums them).
-std::vector<at::Tensor> fused_segment_backward_op(at::IntArrayRef specs, const at::Tensor& grad_out,
-                                                  const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
-                                                  const std::optional<at::Tensor>& cos,
-                                                  const std::optional<at::Tensor>& sin, at::TensorList weights,
-                                                  at::IntArrayRef layout, bool training, const at::Tensor& seeds,
-                                                  std::optional<at::ScalarType> autocast_dtype, at::IntArrayRef needs) {
+// Gradients of the inputs flagged in `needs` ([hidden, weights...]), in that order, by replaying the segment of
+// `st` from `x` (its input, saved or recomputed). A weight passed twice (tied) gets its whole gradient in its first
+// needed entry, zeros in the others (autograd sums them). `boundary` (defined: the segment kept its last layer's
+// pre-norm boundary): the replay goes back from it (layers::pre_norm_replay_*), as SegmentFunction's does.
+// `inputs`: the operator's tensor inputs that the returned gradients must not alias.
+std::vector<at::Tensor> segment_op_grads(const SegmentState& st, const at::Tensor& x, const at::Tensor& grad_out,
+                                         at::TensorList weights, at::IntArrayRef layout, at::IntArrayRef needs,
+                                         layers::PreNormBoundary* boundary, std::vector<const at::Tensor*> inputs) {
   TORCH_CHECK(needs.size() == 1 + weights.size(), "ckpt_ext::fused_segment_backward: needs has ", needs.size(),
               " entries, expected ", 1 + weights.size());
-  auto st = op_state(specs, hidden, mask, cos, sin, weights, layout, training, seeds, autocast_dtype);
   // The dispatcher runs this kernel below autograd (Autograd keys excluded); the replay needs autograd.
   c10::impl::LocalDispatchKeySet tls = c10::impl::tls_local_dispatch_key_set();
   tls.excluded_ = tls.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
   c10::impl::ForceDispatchKeyGuard with_autograd(tls);
-  std::vector<int64_t> param_of(weights.size(), -1);  // weight k -> index into st->params
+  std::vector<int64_t> param_of(weights.size(), -1);  // weight k -> index into st.params
   size_t f = 0;
-  for (const auto& idx : st->weight_index) {
+  for (const auto& idx : st.weight_index) {
     for (int64_t j : idx) {
       if (layout[f] >= 0) param_of[static_cast<size_t>(layout[f])] = j;
       ++f;
     }
   }
-  std::vector<bool> need_param(st->params.size(), false);
+  std::vector<bool> need_param(st.params.size(), false);
   for (size_t k = 0; k < weights.size(); ++k) {
     TORCH_CHECK(param_of[k] >= 0, "ckpt_ext::fused_segment_backward: weight ", k, " is in no slot of the layout");
     if (needs[1 + k]) need_param[static_cast<size_t>(param_of[k])] = true;
   }
-  const variable_list grads = replay_grads(*st, hidden, grad_out.contiguous(), needs[0] != 0, need_param);
+  const variable_list grads =
+      replay_grads(st, x, grad_out.contiguous(), needs[0] != 0, need_param, nullptr, nullptr, boundary);
   std::vector<at::Tensor> out;
-  std::vector<bool> given(st->params.size(), false);
-  if (needs[0]) out.push_back(grads[0].defined() ? grads[0] : at::zeros_like(hidden));
+  std::vector<bool> given(st.params.size(), false);
+  if (needs[0]) out.push_back(grads[0].defined() ? grads[0] : at::zeros_like(x, at::MemoryFormat::Contiguous));
   for (size_t k = 0; k < weights.size(); ++k) {
     if (!needs[1 + k]) continue;
     const size_t j = static_cast<size_t>(param_of[k]);
@@ -562,8 +562,10 @@ std::vector<at::Tensor> fused_segment_backward_op(at::IntArrayRef specs, const a
   // An operator's outputs alias neither each other nor its inputs (the replay's gradients may be views of
   // one buffer, e.g. of a fused projection's): such an output is copied. All are contiguous, at offset 0
   // (as the fake kernel's).
-  std::unordered_set<const c10::StorageImpl*> seen{grad_out.storage().unsafeGetStorageImpl(),
-                                                   hidden.storage().unsafeGetStorageImpl()};
+  std::unordered_set<const c10::StorageImpl*> seen{grad_out.storage().unsafeGetStorageImpl()};
+  for (const at::Tensor* t : inputs) {
+    if (t->defined() && t->has_storage()) seen.insert(t->storage().unsafeGetStorageImpl());
+  }
   for (const auto& w : weights) seen.insert(w.storage().unsafeGetStorageImpl());
   for (auto& t : out) {
     if (!seen.insert(t.storage().unsafeGetStorageImpl()).second || t.storage_offset() != 0) {
@@ -573,6 +575,118 @@ std::vector<at::Tensor> fused_segment_backward_op(at::IntArrayRef specs, const a
     }
   }
   return out;
+}
+
+std::vector<at::Tensor> fused_segment_backward_op(at::IntArrayRef specs, const at::Tensor& grad_out,
+                                                  const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
+                                                  const std::optional<at::Tensor>& cos,
+                                                  const std::optional<at::Tensor>& sin, at::TensorList weights,
+                                                  at::IntArrayRef layout, bool training, const at::Tensor& seeds,
+                                                  std::optional<at::ScalarType> autocast_dtype, at::IntArrayRef needs) {
+  auto st = op_state(specs, hidden, mask, cos, sin, weights, layout, training, seeds, autocast_dtype);
+  return segment_op_grads(*st, hidden, grad_out, weights, layout, needs, nullptr, {&hidden});
+}
+
+// ---- BERT's pre-norm boundary under torch.compile (ckpt_ext::fused_segment_boundary; docs/compile.md) ----------
+//
+// The operator pair of a segment that keeps its last layer's pre-norm boundary (`keep_boundary`: returned as the
+// outputs 1-3, non-differentiable, for its own backward), or whose input is the output of such a segment
+// (`in_pre_norm` given: its backward gets that pre-norm sum instead of the input, and recomputes the input with the
+// producing layer's last norm: spec `in_spec`, norm weight and bias `in_ln_weight`, `in_ln_bias`), or both. The
+// forward is fused_segment's; without keep_boundary the outputs 1-3 are empty ([0], hidden's dtype).
+
+// The producing layer's weight slots as layers::output_from_pre_norm reads them: only its last norm's weight and
+// bias (found by name in the family's slots) are given.
+std::vector<at::Tensor> last_norm_weights(const layers::LayerSpec& spec, const std::optional<at::Tensor>& w,
+                                          const std::optional<at::Tensor>& b) {
+  const auto& info = layers::family_info(spec.family);
+  std::vector<at::Tensor> slots(info.num_weights());
+  bool found = false;
+  for (size_t i = 0; i < info.slots.size(); ++i) {
+    if (info.slots[i] == "ln2_weight") {
+      slots[i] = w.value_or(at::Tensor());
+      found = true;
+    }
+    if (info.slots[i] == "ln2_bias") slots[i] = b.value_or(at::Tensor());
+  }
+  TORCH_CHECK(found && w.has_value(), "ckpt_ext::fused_segment_boundary: the producing layer (", spec.repr(),
+              ") has no last norm weight to recompute the input from its pre-norm sum");
+  return slots;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_segment_boundary_op(
+    at::IntArrayRef specs, const at::Tensor& hidden, const std::optional<at::Tensor>& mask,
+    const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin, at::TensorList weights,
+    at::IntArrayRef layout, bool training, const at::Tensor& seeds, std::optional<at::ScalarType> autocast_dtype,
+    bool keep_boundary, const std::optional<at::Tensor>& in_pre_norm, int64_t in_spec,
+    const std::optional<at::Tensor>& in_ln_weight, const std::optional<at::Tensor>& in_ln_bias) {
+  (void)in_spec;
+  (void)in_ln_weight;
+  (void)in_ln_bias;
+  TORCH_CHECK(!in_pre_norm.has_value() ||
+                  (in_pre_norm->sizes().equals(hidden.sizes()) && in_pre_norm->scalar_type() == hidden.scalar_type()),
+              "ckpt_ext::fused_segment_boundary: in_pre_norm must have the shape and dtype of hidden");
+  auto st = op_state(specs, hidden, mask, cos, sin, weights, layout, training, seeds, autocast_dtype);
+  if (keep_boundary) {
+    const size_t last = st->specs.size() - 1;
+    TORCH_CHECK(layers::has_pre_norm_boundary(st->specs[last], st->weights_of(last, st->params)),
+                "ckpt_ext::fused_segment_boundary: keep_boundary, but the segment's last layer (",
+                st->specs[last].repr(), ") has no pre-norm boundary (not BERT, or a LoRA adapter on its output "
+                "linear)");
+    st->keeps_boundary = true;
+  }
+  at::Tensor out = run_forward(*st, hidden);
+  if (!keep_boundary) {
+    auto none = [&] { return at::empty({0}, hidden.options()); };
+    return {out, none(), none(), none()};
+  }
+  layers::PreNormBoundary b = std::move(st->boundary);
+  // As the fake kernel says: the pre-norm sum contiguous in hidden's shape and dtype, the row statistics [..., ]
+  // without the last dim, float32 (float64 for float64 hidden states).
+  const auto stats_dtype = hidden.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor pre_norm = b.pre_norm.view(hidden.sizes());
+  auto stats_sizes = hidden.sizes().vec();
+  stats_sizes.pop_back();
+  TORCH_CHECK(pre_norm.scalar_type() == hidden.scalar_type() && pre_norm.is_contiguous() &&
+                  b.mean.numel() == pre_norm.numel() / hidden.size(-1) && b.mean.scalar_type() == stats_dtype &&
+                  b.rstd.scalar_type() == stats_dtype && b.mean.is_contiguous() && b.rstd.is_contiguous(),
+              "ckpt_ext::fused_segment_boundary: the kept boundary is not laid out as the fake kernel says");
+  return {out, pre_norm, b.mean.view(stats_sizes), b.rstd.view(stats_sizes)};
+}
+
+std::vector<at::Tensor> fused_segment_boundary_backward_op(
+    at::IntArrayRef specs, const at::Tensor& grad_out, const std::optional<at::Tensor>& hidden,
+    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+    at::TensorList weights, at::IntArrayRef layout, bool training, const at::Tensor& seeds,
+    std::optional<at::ScalarType> autocast_dtype, at::IntArrayRef needs, const std::optional<at::Tensor>& pre_norm,
+    const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
+    const std::optional<at::Tensor>& in_pre_norm, int64_t in_spec, const std::optional<at::Tensor>& in_ln_weight,
+    const std::optional<at::Tensor>& in_ln_bias) {
+  TORCH_CHECK(hidden.has_value() != in_pre_norm.has_value(), "ckpt_ext::fused_segment_boundary_backward: give "
+              "either the segment's input (hidden) or the pre-norm sum it is recomputed from (in_pre_norm)");
+  at::Tensor x;
+  if (hidden.has_value()) {
+    x = *hidden;
+  } else {
+    // The input as SegmentFunction's backward recomputes it (input_from_boundary): the producing layer's last
+    // norm on the kept pre-norm sum, no grad, bit-identical to that layer's output in forward.
+    const layers::LayerSpec& spec = registered_spec(in_spec);
+    RecomputingScope recomputing;
+    x = layers::output_from_pre_norm(spec, last_norm_weights(spec, in_ln_weight, in_ln_bias), *in_pre_norm);
+  }
+  auto st = op_state(specs, x, mask, cos, sin, weights, layout, training, seeds, autocast_dtype);
+  layers::PreNormBoundary boundary;
+  if (pre_norm.has_value()) {
+    TORCH_CHECK(mean.has_value() && rstd.has_value(), "ckpt_ext::fused_segment_boundary_backward: pre_norm given "
+                "without mean and rstd");
+    boundary = layers::PreNormBoundary{*pre_norm, *mean, *rstd};
+    st->keeps_boundary = true;
+  }
+  const at::Tensor none;
+  return segment_op_grads(*st, x, grad_out, weights, layout, needs, pre_norm.has_value() ? &boundary : nullptr,
+                          {hidden.has_value() ? &*hidden : &none, pre_norm.has_value() ? &*pre_norm : &none,
+                           mean.has_value() ? &*mean : &none, rstd.has_value() ? &*rstd : &none,
+                           in_pre_norm.has_value() ? &*in_pre_norm : &none});
 }
 
 }  // namespace
@@ -605,9 +719,20 @@ TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
       "fused_segment_backward(int[] specs, Tensor grad_out, Tensor hidden, Tensor? mask, Tensor? cos, Tensor? sin, "
       "Tensor[] weights, int[] layout, bool training, Tensor seeds, ScalarType? autocast_dtype, int[] needs) "
       "-> Tensor[]");
+  m.def(
+      "fused_segment_boundary(int[] specs, Tensor hidden, Tensor? mask, Tensor? cos, Tensor? sin, Tensor[] weights, "
+      "int[] layout, bool training, Tensor seeds, ScalarType? autocast_dtype, bool keep_boundary, "
+      "Tensor? in_pre_norm, int in_spec, Tensor? in_ln_weight, Tensor? in_ln_bias) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "fused_segment_boundary_backward(int[] specs, Tensor grad_out, Tensor? hidden, Tensor? mask, Tensor? cos, "
+      "Tensor? sin, Tensor[] weights, int[] layout, bool training, Tensor seeds, ScalarType? autocast_dtype, "
+      "int[] needs, Tensor? pre_norm, Tensor? mean, Tensor? rstd, Tensor? in_pre_norm, int in_spec, "
+      "Tensor? in_ln_weight, Tensor? in_ln_bias) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CompositeExplicitAutograd, m) {
   m.impl("fused_segment", &ckpt_ext::fused_segment_op);
   m.impl("fused_segment_backward", &ckpt_ext::fused_segment_backward_op);
+  m.impl("fused_segment_boundary", &ckpt_ext::fused_segment_boundary_op);
+  m.impl("fused_segment_boundary_backward", &ckpt_ext::fused_segment_boundary_backward_op);
 }

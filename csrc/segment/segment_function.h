@@ -53,8 +53,9 @@ at::Tensor segment_apply(const std::vector<layers::LayerSpec>& specs, const at::
 // BERT's pre-norm boundary between eager segments (layers::PreNormBoundary): a segment whose last layer has one
 // keeps it (not its output) and replays without that layer's output linear and norm; a segment called on such
 // a segment's output (unchanged) keeps not its input but that boundary, recomputing the input in its replay.
-// The compiled operators below keep today's behaviour. On by default; `enable` sets it (tests compare both);
-// returns the setting before the call.
+// Under torch.compile the operator pair ckpt_ext::fused_segment_boundary / _backward (below) carries the same
+// boundary between the operators (ckpt_ext/compiled.py, stack.py's traced hand-over; docs/compile.md). On by
+// default (eager and compiled); `enable` sets it (tests compare both); returns the setting before the call.
 bool pre_norm_boundaries(std::optional<bool> enable);
 
 // The operators ckpt_ext::fused_segment(specs, hidden, mask, cos, sin, weights, layout, training, seeds,
@@ -63,6 +64,12 @@ bool pre_norm_boundaries(std::optional<bool> enable);
 // layers are named by ids from register_spec; `weights` holds the present weights, `layout` each layer's
 // slots in turn (index into weights, -1: absent bias); `seeds` (int64, one per layer) replaces the draw;
 // the backward replays the segment from `hidden` in C++.
+// ckpt_ext::fused_segment_boundary(..., bool keep_boundary, Tensor? in_pre_norm, int in_spec, Tensor? in_ln_weight,
+// Tensor? in_ln_bias) -> (out, pre_norm, mean, rstd) and ckpt_ext::fused_segment_boundary_backward(..., needs,
+// pre_norm, mean, rstd, in_pre_norm, in_spec, in_ln_weight, in_ln_bias) -> grads: the same with BERT's pre-norm
+// boundary: `keep_boundary` returns the last layer's (empty [0] tensors otherwise), which the backward's replay goes
+// back from; `in_pre_norm` (the segment before's, whose output `hidden` is) is what the backward recomputes its
+// input from (`hidden` then not given), with the producing layer's last norm (spec id, weight, bias).
 int64_t register_spec(const layers::LayerSpec& spec);
 const layers::LayerSpec& registered_spec(int64_t id);
 
