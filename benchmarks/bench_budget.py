@@ -137,6 +137,118 @@ def held_by_stack(model, layers, call):
     return out, sum(storages.values()) + pooled
 
 
+_MARKS = (1000003, 1000033, 1000037, 1000039)  # byte sizes of the window markers (primes: no tensor has them)
+
+
+def step_peak(model, layers, call, backward) -> Dict[str, int]:
+    """The layer stack's activation peak in one training step, measured exactly from the CPU allocator's events
+    (torch.profiler, profile_memory=True; deterministic, whatever the machine's load). Runs out = call(model) (the
+    forward) and backward(out) under the profiler, `layers` being the stack (model.layers).
+
+    Counted: every allocation made during the step that is alive at a moment of the stack's forward (from its first
+    layer's start to its last layer's end) or of the stack's backward (from its output's gradient to its input's),
+    except (a) the parameters' gradients (the allocations that end as a parameter's .grad: the budget is of
+    activations) and (b) what was allocated before the stack's forward and is not passed to its first layer (the
+    embeddings' own saved tensors, outside the stack). So it counts what the planner's held bytes count (the stack's
+    input, the tensors every layer receives, what the layers keep from forward to backward) plus everything the
+    layers allocate and free on the way: each layer's forward temporaries, the replayed saved tensors, the
+    gradients flowing between layers (the stack's output gradient included) and the layers' backward temporaries.
+    Not counted: the rest of the model between the stack's forward and backward (the head and the loss), and
+    memory below the allocator's view of tensors (none on CPU; a GPU library's workspace).
+
+    Returns {"peak": the larger of the two, "forward": the forward window's peak, "backward": the backward's,
+    "held": counted bytes alive when the backward window opens less the stack's output gradient, "output_grad"}."""
+    received, outs, inputs = [], [], []
+
+    def mark(k):
+        torch.empty(_MARKS[k], dtype=torch.uint8)
+
+    def pre(module, args, kwargs):
+        received.extend(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        inputs.extend(t for t in tree_leaves(args)[:1] if isinstance(t, torch.Tensor) and t.requires_grad)
+        mark(0)
+
+    def post(module, args, out):
+        mark(1)
+        for t in tree_leaves(out)[:1]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                outs.append(t.untyped_storage().nbytes())
+                t.register_hook(lambda g: mark(2))
+        for t in inputs[:1]:
+            t.register_hook(lambda g: mark(3))
+        inputs.clear()
+
+    def run():
+        out = call(model)
+        backward(out)
+
+    from bench_step_memory import allocations
+    hooks = [layers[0].register_forward_pre_hook(pre, with_kwargs=True), layers[-1].register_forward_hook(post)]
+    # The boundary pool's slots as allocations of their own: chunks of the least size, so each slot (256-byte
+    # aligned) takes a chunk of exactly its size, returned to the allocator when the slot is freed; none left over.
+    chunk = ckpt_ext.pool_chunk_bytes("cpu")
+    ckpt_ext.set_pool_chunk_bytes(ckpt_ext.pool_min_chunk_bytes(), "cpu")
+    ckpt_ext.empty_pool("cpu")
+    try:
+        events = [ev[1:] for ev in allocations(run, torch.device("cpu"))]
+    finally:
+        for h in hooks:
+            h.remove()
+        ckpt_ext.set_pool_chunk_bytes(chunk, "cpu")
+        ckpt_ext.empty_pool("cpu")
+    grads = {q.grad.untyped_storage().data_ptr() for q in model.parameters() if q.grad is not None}
+    recv = {t.untyped_storage().data_ptr() for t in received}
+    received.clear()
+    # the allocation that ends as a parameter's gradient: the last one at its address
+    last = {}
+    for k, (ptr, size, _) in enumerate(events):
+        if size > 0:
+            last[ptr] = k
+    grad_events = {last[p] for p in grads if p in last}
+    live: Dict[int, int] = {}  # counted allocations alive: address -> bytes
+    alive_all: Dict[int, int] = {}
+    counted, window, marks = 0, None, []
+    peaks = {"forward": 0, "backward": 0}
+    held = None
+    for k, (ptr, size, _) in enumerate(events):
+        if size in _MARKS:
+            continue
+        if -size in _MARKS:
+            m = _MARKS.index(-size)
+            marks.append(m)
+            if m == 0:  # the stack's forward starts: what is alive and not passed to it is the embeddings'
+                window = "forward"
+                live = {p: n for p, n in alive_all.items() if p in recv}
+                counted = sum(live.values())
+            elif m == 1:
+                window = None
+            elif m == 2:
+                window = "backward"
+                held = counted
+            elif m == 3:
+                window = None
+            if window:
+                peaks[window] = max(peaks[window], counted)
+            continue
+        if size > 0:
+            alive_all[ptr] = size
+            if marks and k not in grad_events:
+                live[ptr] = size
+                counted += size
+        else:
+            alive_all.pop(ptr, None)
+            counted -= live.pop(ptr, 0)
+        if window:
+            peaks[window] = max(peaks[window], counted)
+    if marks[:2] != [0, 1]:
+        raise RuntimeError(f"the stack's forward was not seen whole (markers {marks})")
+    if 2 not in marks:
+        raise RuntimeError("the stack's output got no gradient: no backward window")
+    out_grad = outs[0] if outs else 0
+    return {"peak": max(peaks.values()), "forward": peaks["forward"], "backward": peaks["backward"],
+            "held": held - out_grad, "output_grad": out_grad}
+
+
 def stack_held(model, forward) -> int:
     """Bytes the layer stack holds from forward to backward (see the module's docstring); runs forward() (returns
     the loss) and the backward."""

@@ -16,11 +16,13 @@ attention* (its input boundary and its layers' attention outputs and LSEs are ke
 without the attention forwards), or checkpointed at another keep level (keeping what that level keeps, the replay
 skipping what computed it). Its memory is
 
-  need = held + largest replay
+  need = held + largest replay + working set
   held    = sum of act_bytes over kept layers + boundary_bytes of each checkpointed segment's first layer
             (+ the bytes its layers keep at its level: attn_bytes when it keeps attention)
   replay  = act_bytes of a checkpointed segment, rebuilt while that segment's backward runs (less the kept
             bytes among them: the replay is handed the kept tensors, already counted),
+  working = the largest work_bytes of any layer: what a layer has alive on top of those in its forward or backward
+            (temporaries, its output's and input's gradients), the same for every plan,
 
 and its cost is the recompute: the compute of every checkpointed layer (less its attn_compute in a
 segment keeping attention, less what its level skips at another level). A plan's segments are (start, end, how):
@@ -101,6 +103,12 @@ class LayerCost:
     # last linear and the activation computing its input (the segment's replay stops before both, the activation's
     # backward writing that input: _C.tail_activation_in_backward, issue 33; tail_time)
     tail_compute: float = 0.0
+    # the layer's working set: the most bytes it has alive on top of what it keeps for backward -- in its forward
+    # (temporaries and its output, beyond act_bytes) or in its backward (its output's gradient, the gradients and
+    # temporaries of its backward, its input's gradient; less the saved tensors it frees on the way) --, measured
+    # (stack_plan._working_set). Every layer runs forward and backward in every plan, so a plan's peak counts the
+    # largest of them once (Plan.working_bytes).
+    work_bytes: int = 0
 
     @property
     def keeps_attention(self) -> bool:
@@ -200,10 +208,12 @@ class Plan:
     # the starts of the segments run with BERT's pre-norm boundary (LayerCost.pre_norm), and the chain's `chained`
     boundaries: frozenset = frozenset()
     chained: Optional[List[bool]] = field(default=None, repr=False)
+    # the layers' working set (the largest LayerCost.work_bytes): alive on top of held + replay at the peak
+    working_bytes: int = 0
 
     @property
     def need_bytes(self) -> int:
-        return self.held_bytes + self.replay_bytes
+        return self.held_bytes + self.replay_bytes + self.working_bytes
 
     def checkpointed_layers(self) -> List[int]:
         return [i for s, e, c in self.segments if c for i in range(s, e)]
@@ -216,8 +226,10 @@ class Plan:
             lines.append(f"budget {fmt_bytes(self.budget)}")
         shared = (f" (of which {fmt_bytes(self.shared_bytes)} the tensors every layer receives)"
                   if self.shared_bytes else "")
+        working = (f" + {fmt_bytes(self.working_bytes)} for a layer's forward or backward working set"
+                   if self.working_bytes else "")
         lines.append(f"predicted peak: {fmt_bytes(self.held_bytes)} held from forward to backward{shared} + "
-                     f"{fmt_bytes(self.replay_bytes)} for the largest replay = {fmt_bytes(self.need_bytes)}")
+                     f"{fmt_bytes(self.replay_bytes)} for the largest replay{working} = {fmt_bytes(self.need_bytes)}")
         share = self.recompute / self.total_compute if self.total_compute else 0.0
         n = sum(e - s for s, e, _ in self.segments)
         replayed = len(self.checkpointed_layers())
@@ -324,7 +336,7 @@ def _check_costs(costs: Sequence[LayerCost]):
                 any(lv.kept_bytes < 0 or lv.saved_kept_bytes < 0 or lv.skipped < 0 or lv.name not in LEVELS[1:] or
                     not 0 <= lv.tail_bytes <= lv.kept_bytes
                     for lv in c.levels) or \
-                (c.pre_norm is not None and (c.pre_norm.kept_bytes < 0 or c.pre_norm.skipped < 0 or
+                c.work_bytes < 0 or (c.pre_norm is not None and (c.pre_norm.kept_bytes < 0 or c.pre_norm.skipped < 0 or
                                              c.pre_norm.input_compute < 0)):
             raise ValueError(f"layer costs must be non-negative, got {c}")
 
@@ -333,7 +345,13 @@ def _finish(costs, segments, budget, boundaries=frozenset(), chained=None) -> Pl
     per = segment_costs(costs, segments, boundaries, chained)
     return Plan(list(segments), sum(p[0] for p in per), max((p[1] for p in per), default=0), sum(p[2] for p in per),
                 sum(c.compute for c in costs), budget, list(costs), boundaries=frozenset(boundaries),
-                chained=None if chained is None else list(chained))
+                chained=None if chained is None else list(chained), working_bytes=working_bytes(costs))
+
+
+def working_bytes(costs: Sequence[LayerCost]) -> int:
+    """The working set every plan adds to its held bytes and largest replay: the largest layer's (LayerCost.work_bytes;
+    a layer runs forward and backward whatever the plan)."""
+    return max((c.work_bytes for c in costs), default=0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -671,11 +689,12 @@ def plan_chain(costs: Sequence[LayerCost], budget: Optional[int], chained: Optio
     if shared_bytes < 0:
         raise ValueError(f"shared_bytes must be non-negative, got {shared_bytes}")
     chain = _Chain(costs, chained, KEEPS[keep])
-    least = chain.least_need() + shared_bytes
+    fixed = shared_bytes + working_bytes(costs)  # held or alive whatever the plan
+    least = chain.least_need() + fixed
     if budget is not None and least > budget:
         raise ValueError(f"the memory budget {fmt_bytes(budget)} is below the least achievable for this model "
                          f"and input: {fmt_bytes(least)} ({least} bytes) of activations")
-    plan = _plan_within(chain, (least if budget is None else budget) - shared_bytes)
+    plan = _plan_within(chain, (least if budget is None else budget) - fixed)
     plan.budget = budget
     plan.held_bytes += shared_bytes
     plan.shared_bytes = shared_bytes

@@ -230,8 +230,16 @@ class StackPlanner:
         # (the levels keeping GEMM outputs run without BERT's pre-norm boundary: planner.BOUNDARY_HOWS)
         pre_norm, self.cpu_pre_norm[i] = _pre_norm(layer, args, kwargs, hidden, device, sync) \
             if fused and self.keep in ("auto", "boundaries", "attention") else (None, (0.0, 0.0))
+        # the working set, measured once per kind of layer and input (identical layers have the same)
+        key = (type(layer).__name__, tuple((tuple(q.shape), q.dtype, q.requires_grad) for q in layer.parameters()),
+               None if hidden is None else (tuple(hidden.shape), hidden.dtype, hidden.requires_grad), saved)
+        keys = self.__dict__.setdefault("work_keys", [None] * len(self.layers))
+        work = next((c.work_bytes for c, k in zip(self.costs, keys) if c is not None and k == key), None)
+        if work is None:
+            work = _working_set(layer, args, kwargs, hidden, device, saved)
+        keys[i] = key
         self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0,
-                                  extra, pre_norm, tail[0])
+                                  extra, pre_norm, tail[0], work)
         # the same runs' process CPU time (the benchmarks compare it on a shared machine)
         skipped = {name: v[3] for name, v in levels.items()}
         skipped["attention"] = probe.cpu_seconds if attn_bytes is not None else 0.0
@@ -428,6 +436,81 @@ def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.dev
         act = act if _C.tail_activation_in_backward() else (0.0, 0.0)
         out[_TAIL] = (sites[-1][2] + act[0], sites[-1][3] + act[1])
     return out
+
+
+_MARKS = (1000003, 1000033, 1000037)  # byte sizes of _working_set's markers (primes: no tensor of its run has them)
+
+
+def _working_set(layer: nn.Module, args: Tuple, kwargs: Dict, hidden: torch.Tensor, device: torch.device,
+                 saved: int) -> int:
+    """LayerCost.work_bytes of `layer`: one throw-away forward and backward (RNG forked; the parameters' gradients
+    returned, not accumulated), its allocations read from the allocator's events (torch.profiler,
+    profile_memory=True: exact, C++ temporaries included). The larger of: the forward's peak of live bytes above
+    what was live before it (its saved tensors, temporaries, output) less `saved` (its act_bytes, counted by the
+    plan), and its backward's peak above what was live before it (so its saved tensors freed on the way count
+    negative) plus its output's gradient, the parameters' gradients not counted (a plan's budget is of
+    activations). 0 where it cannot be measured: no floating-point hidden state, an output that needs no gradient,
+    a profiler already running (profilers do not nest), under torch.compile."""
+    from torch.autograd.profiler import _is_profiler_enabled
+    if hidden is None or not hidden.is_floating_point() or _is_profiler_enabled or \
+            torch.compiler.is_compiling():
+        return 0
+    from torch.profiler import ProfilerActivity, profile
+    from torch._C._profiler import _EventType
+    params = [q for q in layer.parameters() if q.requires_grad]
+    x = hidden.detach().requires_grad_(hidden.requires_grad)
+    leaves = [t for t in [x] + params if t.requires_grad]
+    grads: List[int] = []
+    found = [0]  # its output gradient's bytes
+
+    def run():
+        torch.empty(_MARKS[0], dtype=torch.uint8)
+        out = type(layer).forward(layer, x, *args[1:], **kwargs)
+        first = next((t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+        torch.empty(_MARKS[1], dtype=torch.uint8)
+        if first is None or not first.requires_grad or not leaves:
+            return
+        g = torch.ones_like(first)
+        found[0] = g.untyped_storage().nbytes()
+        torch.empty(_MARKS[2], dtype=torch.uint8)
+        got = torch.autograd.grad(first, leaves, g, allow_unused=True)
+        grads.extend(t.untyped_storage().data_ptr() for t in got[1 if x.requires_grad else 0:] if t is not None)
+        torch.empty(_MARKS[0], dtype=torch.uint8)
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            profile(activities=acts, profile_memory=True) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == device.type:
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+    events.sort(key=lambda ev: ev[0])
+    last = {ptr: k for k, (_, ptr, size) in enumerate(events) if size > 0}
+    skip = {last[p] for p in grads if p in last}  # the allocations that end as a parameter's gradient
+    counted, live, phase, peaks = 0, {}, None, {1: 0, 3: 0}
+    for k, (_, ptr, size) in enumerate(events):
+        if abs(size) in _MARKS:
+            if size < 0:  # a marker is freed at once: its free marks the moment
+                phase = {0: 1 if phase is None else None, 1: 2, 2: 3}[_MARKS.index(-size)]
+                if phase in peaks:
+                    counted = 0  # bytes above those live when the forward / the backward starts
+            continue
+        if size > 0:
+            if k not in skip:
+                live[ptr] = size
+                counted += size
+        elif ptr in live:
+            counted -= live.pop(ptr)
+        elif phase == 3:  # a saved tensor allocated before the run's forward (none) or a view's base: freed
+            counted += size
+        if phase in peaks:
+            peaks[phase] = max(peaks[phase], counted)
+    return max(peaks[1] - saved, peaks[3] + found[0] if found[0] else 0, 0)
 
 
 def _measure(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, spy, hf: bool = False):
