@@ -88,6 +88,9 @@ class PreNorm:
     skipped: float
     input_compute: float
     keeps: bool = True
+    # of the segment's replay bytes, what a segment ending at the layer with the boundary does not rebuild: its
+    # output linear's input (the activation's output, written in place by the activation's backward)
+    replay_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,10 @@ class LayerCost:
     # (stack_plan._working_set). Every layer runs forward and backward in every plan, so a plan's peak counts the
     # largest of them once (Plan.working_bytes).
     work_bytes: int = 0
+    # of act_bytes, what the replay does not rebuild when the layer is the last of its segment: a fused GPT-2/Llama
+    # layer's last linear's input (the activation's output, which the activation's backward writes in place:
+    # _C.tail_activation_in_backward; tail_replay)
+    tail_replay_bytes: int = 0
 
     @property
     def keeps_attention(self) -> bool:
@@ -149,6 +156,13 @@ class LayerCost:
             return 0.0
         return min(self.tail_compute, self.recompute(how))
 
+    def tail_replay(self, how) -> int:
+        """Of level(how)'s replay bytes, those the layer's replay does not rebuild as the last layer of its segment
+        (tail_replay_bytes): none at the levels keeping GEMM outputs (their replay runs the activation forward)."""
+        if how in ("gemms", "gemms_attention"):
+            return 0
+        return min(self.tail_replay_bytes, self.level(how, strict=False)[1])
+
     def recompute(self, how) -> float:
         """What replaying the layer costs in a segment checkpointed `how` (True or a level)."""
         return self.level(how, strict=False)[2]
@@ -158,7 +172,7 @@ def segment_bytes(costs: Sequence[LayerCost], s: int, e: int, how) -> Tuple[int,
     """(held, replay) bytes of segment [s, e) checkpointed `how` (True or a level)."""
     parts = [c.level(how, strict=False) for c in costs[s:e]]
     return (costs[s].boundary_bytes + sum(p[0] for p in parts) - costs[e - 1].tail(how, strict=False),
-            sum(p[1] for p in parts))
+            sum(p[1] for p in parts) - costs[e - 1].tail_replay(how))
 
 
 def segment_costs(costs: Sequence[LayerCost], segments, boundaries=frozenset(),
@@ -184,6 +198,7 @@ def segment_costs(costs: Sequence[LayerCost], segments, boundaries=frozenset(),
             takes = before and s > 0 and (chained is None or chained[s])
             if keeps:
                 held += last.kept_bytes
+                replay = max(0, replay - last.replay_bytes)
                 rc = max(0.0, rc - last.skipped)
             if takes:
                 held -= costs[s].boundary_bytes
@@ -336,7 +351,7 @@ def _check_costs(costs: Sequence[LayerCost]):
                 any(lv.kept_bytes < 0 or lv.saved_kept_bytes < 0 or lv.skipped < 0 or lv.name not in LEVELS[1:] or
                     not 0 <= lv.tail_bytes <= lv.kept_bytes
                     for lv in c.levels) or \
-                c.work_bytes < 0 or (c.pre_norm is not None and (c.pre_norm.kept_bytes < 0 or c.pre_norm.skipped < 0 or
+                c.work_bytes < 0 or c.tail_replay_bytes < 0 or (c.pre_norm is not None and c.pre_norm.replay_bytes < 0) or (c.pre_norm is not None and (c.pre_norm.kept_bytes < 0 or c.pre_norm.skipped < 0 or
                                              c.pre_norm.input_compute < 0)):
             raise ValueError(f"layer costs must be non-negative, got {c}")
 
@@ -414,6 +429,8 @@ class _Chain:
         # per how, per layer: its recompute, and what its replay skips as the last layer of a segment (tail_time)
         self.rc = {how: [c.recompute(how) for c in costs] for how in self.hows}
         self.tailc = {how: [c.tail_time(how) for c in costs] for how in self.hows}
+        # per how, per layer: the replay bytes it does not rebuild as the last layer of a segment (tail_replay)
+        self.tailr = {how: [c.tail_replay(how) for c in costs] for how in self.hows}
         for how in self.hows:
             pw, pk, pc, paid, bad = [0], [0], [0.0], [0], [0]
             for c in costs:
@@ -445,8 +462,9 @@ class _Chain:
         """options(j, how) run with the pre-norm boundary (every layer has one), not taking the sum before as the
         input (source state 0 where the segment would take it, else _ANY) or, with `takes`, taking it (source 1)."""
         last = self.pre_norm[j - 1]
-        kept, skipped = (last.kept_bytes, last.skipped) if last.keeps else (0, 0.0)
+        kept, skipped, fewer = (last.kept_bytes, last.skipped, last.replay_bytes) if last.keeps else (0, 0.0, 0)
         for i, work, held, rc, free in self.options(j, how):
+            work = max(0, work - fewer)
             if self.pre_norm[i] is None:
                 return
             before = self.pre_norm[i - 1] if i > 0 and (self.chained is None or self.chained[i]) else None
@@ -462,19 +480,19 @@ class _Chain:
         """The segments [i, j) checkpointed `how`, nearest start first: (i, replay bytes, held bytes, recompute,
         free). Their replay and recompute grow as i falls."""
         pw, pk, pc, paid, bad = self.pw[how], self.pk[how], self.pc[how], self.paid[how], self.bad[how]
-        tail, tailc = self.tail[how][j - 1], self.tailc[how][j - 1]
+        tail, tailc, tailr = self.tail[how][j - 1], self.tailc[how][j - 1], self.tailr[how][j - 1]
         last_free = self.rc[how][j - 1] - tailc <= 0  # the last layer recomputes nothing but what it skips there
         for i in range(j - 1, self.first[j] - 1, -1):
             if bad[j] != bad[i]:
                 return
-            yield (i, pw[j] - pw[i], self.bnd[i] + pk[j] - pk[i] - tail, max(0.0, pc[j] - pc[i] - tailc),
+            yield (i, pw[j] - pw[i] - tailr, self.bnd[i] + pk[j] - pk[i] - tail, max(0.0, pc[j] - pc[i] - tailc),
                    paid[j - 1] == paid[i] and last_free)
 
     def bounds(self, limit: Optional[int]) -> List[int]:
         sizes = {0}
         for j in range(1, self.n + 1):
-            for how in self.hows:
-                sizes.update(w for _, w, *_ in self.options(j, how))
+            for *_, opts in self.variants(j):
+                sizes.update(o[1] for o in opts)
         return sorted(w for w in sizes if limit is None or w <= limit)
 
     def least_held(self, b: int, free_only: bool) -> int:

@@ -192,6 +192,7 @@ class StackPlanner:
         # saw until then); each level's skipped time is the fastest run's.
         saved, elapsed, probe, cpu, levels = None, None, None, 0.0, {}
         tail = (0.0, 0.0)  # (seconds, CPU seconds) of a fused layer's last linear (LayerCost.tail_compute)
+        tail_replay = 0  # the bytes of its input (LayerCost.tail_replay_bytes)
         for _ in range(_PROBE_RUNS):
             spy = LevelProbe(sync, gemms=gemms) if attention and not fused else None
             storages, seconds, cpu_seconds = _measure(layer, args, kwargs, device, sync, spy)
@@ -220,8 +221,11 @@ class StackPlanner:
                         spy.clear()
                 levels = _fused_levels(layer, args, kwargs, device, sync, probe, shared) if gemms else {}
                 tail = levels.pop(_TAIL, (0.0, 0.0))
+                tail_replay = levels.pop(_TAIL_BYTES, 0)
             # a fused segment keeps them in pool slots (whole multiples of the pool's alignment)
             attn_bytes, attn_seconds, self.why[i] = probe.result(_POOL_ALIGNMENT if fused else 1)
+        if fused and not (attention and gemms):  # (else _fused_levels measured it)
+            tail_replay = _tail_input(layer, args, kwargs, device, sync, shared)
         boundary = hidden.untyped_storage().nbytes() if hidden is not None else 0
         if hidden is not None and is_pooled(hidden):  # the output of a fused segment before: a pool slot
             boundary = -(-boundary // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
@@ -239,7 +243,7 @@ class StackPlanner:
             work = _working_set(layer, args, kwargs, hidden, device, saved)
         keys[i] = key
         self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0,
-                                  extra, pre_norm, tail[0], work)
+                                  extra, pre_norm, tail[0], work, tail_replay)
         # the same runs' process CPU time (the benchmarks compare it on a shared machine)
         skipped = {name: v[3] for name, v in levels.items()}
         skipped["attention"] = probe.cpu_seconds if attn_bytes is not None else 0.0
@@ -291,6 +295,7 @@ def _probe_seconds(probe: LevelProbe) -> float:
 
 
 _TAIL = "tail"  # in _fused_levels' answer: (seconds, CPU seconds) of the layer's last linear (LayerCost.tail_compute)
+_TAIL_BYTES = "tail_bytes"  # ... and the bytes of its input a segment's replay does not rebuild (tail_replay_bytes)
 
 # The GEMMs of one fused layer call that the recompute levels keep (layers::KeptGemms sites), per family: their
 # number, and whether the last is the layer's last linear (its output is not kept in a segment's last layer).
@@ -314,6 +319,7 @@ class _FusedGemms(TorchDispatchMode):
         self.sync = sync or (lambda: None)
         self.calls: List[Tuple[torch.UntypedStorage, float, float]] = []
         self.numels: List[int] = []  # per call, its output's elements
+        self.inputs: List[Tuple[int, int]] = []  # per call, its input operand's storage (address, bytes)
         self.act = (0.0, 0.0)  # (seconds, CPU seconds) of the last activation op of the run
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -332,6 +338,8 @@ class _FusedGemms(TorchDispatchMode):
         self.sync()
         self.calls.append((out.untyped_storage(), probe_time() - start, time.process_time() - cpu))
         self.numels.append(out.numel())
+        x = (args[0] if func is self._OPS[0] else args[1]).untyped_storage()
+        self.inputs.append((x.data_ptr(), x.nbytes()))
         return out
 
 
@@ -356,8 +364,12 @@ def _pre_norm(layer: FusedTransformerLayer, args: Tuple, kwargs: Dict, hidden: O
     gemm = None
     for _ in range(_PROBE_RUNS):
         spy = _FusedGemms(sync)
-        _measure(layer, args, kwargs, device, sync, spy)
+        saved, _, _ = _measure(layer, args, kwargs, device, sync, spy)
         found = [(sec, cpu) for (_, sec, cpu), n in zip(spy.calls, spy.numels) if n == hidden.numel()]
+        # the output GEMM's input (the activation's output): not rebuilt by a replay ending with the boundary where
+        # the activation's backward writes it (saved by the layer: else its bytes are in no replay)
+        inp = [x for x, n in zip(spy.inputs, spy.numels) if n == hidden.numel()]
+        replay = inp[-1][1] if inp and inp[-1][0] in saved and _C.tail_activation_in_backward() else 0
         spy.calls.clear()
         if found and _C.tail_activation_in_backward():  # the replay skips the activation before that GEMM too
             found[-1] = (found[-1][0] + spy.act[0], found[-1][1] + spy.act[1])
@@ -381,8 +393,27 @@ def _pre_norm(layer: FusedTransformerLayer, args: Tuple, kwargs: Dict, hidden: O
             del r
             if norm is None or seconds[0] < norm[0]:
                 norm = seconds
-    pre_norm = PreNorm(kept if keeps else 0, gemm[0] + norm[0] if keeps else 0.0, norm[0], keeps)
+    pre_norm = PreNorm(kept if keeps else 0, gemm[0] + norm[0] if keeps else 0.0, norm[0], keeps,
+                       replay if keeps else 0)
     return pre_norm, ((gemm[1] + norm[1]) if keeps else 0.0, norm[1])
+
+
+def _tail_input(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, shared: Dict[int, int]) -> int:
+    """LayerCost.tail_replay_bytes of fused layer `layer` where _fused_levels does not run (keep="boundaries" or
+    "attention"): the bytes of its last linear's input, which a segment's replay of it as its last layer does not
+    rebuild (the activation's backward writes it: _C.tail_activation_in_backward), as _fused_levels finds them; 0
+    for a family without a last linear, a call with LoRA adapters (it runs as before) or the switch off."""
+    from ._layout import FAMILY_NAMES
+    count, last_linear = _FUSED_SITES.get(FAMILY_NAMES[layer.family], (5, True))
+    if not last_linear or layer._adapter_terms()[0] is not None or not _C.tail_activation_in_backward():
+        return 0
+    gemms = _FusedGemms(sync)
+    saved, _, _ = _measure(layer, args, kwargs, device, sync, gemms)
+    gemms.calls.clear()
+    if len(gemms.inputs) != count:
+        return 0
+    ptr = gemms.inputs[-1][0]
+    return saved.get(ptr, 0) if ptr not in shared else 0
 
 
 def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, probe: LevelProbe,
@@ -408,10 +439,12 @@ def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.dev
         sites = [(st.data_ptr(), st.nbytes(), sec, cpu) for st, sec, cpu in gemms.calls]
         saved = {p: n for p, n in saved.items() if p not in shared}
         overlaps = [saved.get(ptr, 0) for ptr, *_ in sites]
+        # the last linear's input, where the layer saves it (LayerCost.tail_replay_bytes)
+        tail_input = saved.get(gemms.inputs[-1][0], 0)
         gemms.calls.clear()
         if best is None or sum(x[2] for x in sites) < sum(x[2] for x in best[0]):
-            best = (sites, overlaps, gemms.act)
-    sites, overlaps, act = best
+            best = (sites, overlaps, gemms.act, tail_input)
+    sites, overlaps, act, tail_input = best
     attn_kept, attn_seconds, _ = probe.result(_POOL_ALIGNMENT)
     attn_cpu = probe.cpu_seconds if attn_kept is not None else 0.0
     out = {}
@@ -433,8 +466,11 @@ def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.dev
         out[level] = (kept, overlap, seconds, cpu, whole, tail)
     if last_linear:  # the segment's replay stops before its last layer's last linear (LayerCost.tail_compute), and
         # before the activation computing its input where _C.tail_activation_in_backward is on (issue 33)
-        act = act if _C.tail_activation_in_backward() else (0.0, 0.0)
+        on = _C.tail_activation_in_backward()
+        act = act if on else (0.0, 0.0)
         out[_TAIL] = (sites[-1][2] + act[0], sites[-1][3] + act[1])
+        # nor does it rebuild that linear's input, which the activation's backward writes in place (switch on)
+        out[_TAIL_BYTES] = tail_input if on else 0
     return out
 
 
