@@ -266,7 +266,7 @@ def mixed_budget(costs, shared: int) -> int:
     some layers whole and checkpoints others at a level beyond attention (else: keeping attention; else: mixes any two
     choices; else the middle)."""
     least = plan_chain(costs, None, shared_bytes=shared).need_bytes
-    total = sum(c.act_bytes for c in costs) + shared
+    total = plan_chain(costs, 1 << 50, shared_bytes=shared).need_bytes  # keeping everything (+ the working set)
     grid = [least + (total - least) * k // 200 for k in range(1, 200)]
     kinds = {b: {how for *_, how in plan_chain(costs, b, shared_bytes=shared).segments} for b in grid}
     beyond = set(LEVELS) - {ATTENTION}

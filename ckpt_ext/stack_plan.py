@@ -240,7 +240,7 @@ class StackPlanner:
         keys = self.__dict__.setdefault("work_keys", [None] * len(self.layers))
         work = next((c.work_bytes for c, k in zip(self.costs, keys) if c is not None and k == key), None)
         if work is None:
-            work = _working_set(layer, args, kwargs, hidden, device, saved)
+            work = _working_set(layer, args, kwargs, hidden, device, saved, max(0, saved - tail_replay))
         keys[i] = key
         self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0,
                                   extra, pre_norm, tail[0], work, tail_replay)
@@ -478,30 +478,49 @@ _MARKS = (1000003, 1000033, 1000037)  # byte sizes of _working_set's markers (pr
 
 
 def _working_set(layer: nn.Module, args: Tuple, kwargs: Dict, hidden: torch.Tensor, device: torch.device,
-                 saved: int) -> int:
-    """LayerCost.work_bytes of `layer`: one throw-away forward and backward (RNG forked; the parameters' gradients
-    returned, not accumulated), its allocations read from the allocator's events (torch.profiler,
-    profile_memory=True: exact, C++ temporaries included). The larger of: the forward's peak of live bytes above
+                 saved: int, replay: int) -> int:
+    """LayerCost.work_bytes of `layer`: throw-away forwards and backwards (RNG forked; the parameters' gradients
+    returned, not accumulated), their allocations read from the allocator's events (torch.profiler,
+    profile_memory=True: exact, C++ temporaries included). The largest of: the forward's peak of live bytes above
     what was live before it (its saved tensors, temporaries, output) less `saved` (its act_bytes, counted by the
-    plan), and its backward's peak above what was live before it (so its saved tensors freed on the way count
-    negative) plus its output's gradient, the parameters' gradients not counted (a plan's budget is of
-    activations). 0 where it cannot be measured: no floating-point hidden state, an output that needs no gradient,
-    a profiler already running (profilers do not nest), under torch.compile."""
+    plan); its backward's peak above what was live before it (its saved tensors freed on the way count negative)
+    plus its output's gradient, the parameters' gradients not counted (a plan's budget is of activations); and, for
+    a fused layer, the same for its backward as a checkpointed one-layer segment (a C++ replay, then the replayed
+    graph's backward: other kernels, other temporaries) less `replay` (its replay bytes there, counted by the plan).
+    0 where it cannot be measured: no floating-point hidden state, an output that needs no gradient, a profiler
+    already running (profilers do not nest), under torch.compile."""
     from torch.autograd.profiler import _is_profiler_enabled
     if hidden is None or not hidden.is_floating_point() or _is_profiler_enabled or \
             torch.compiler.is_compiling():
         return 0
+    x = hidden.detach().requires_grad_(hidden.requires_grad)
+    forward, backward = _alloc_peaks(layer, lambda: type(layer).forward(layer, x, *args[1:], **kwargs), x, device)
+    work = max(forward - saved, backward, 0)
+    if isinstance(layer, FusedTransformerLayer):
+        from .fused import run_segment
+
+        def segment():
+            out = run_segment([layer], (x,) + tuple(args[1:]), kwargs, pre_norm_boundary=False)
+            return None if out is NotImplemented else out
+        _, backward = _alloc_peaks(layer, segment, x, device)
+        work = max(work, backward - replay)
+    return work
+
+
+def _alloc_peaks(layer: nn.Module, forward: Callable, x: torch.Tensor, device: torch.device) -> Tuple[int, int]:
+    """(peak of live bytes during forward() above those live before it; peak during the backward of its first output
+    from a gradient of ones above those live before it, plus that gradient's bytes, the parameters' gradients not
+    counted), from the allocator's events; (0, 0) where forward() returns None."""
     from torch.profiler import ProfilerActivity, profile
     from torch._C._profiler import _EventType
     params = [q for q in layer.parameters() if q.requires_grad]
-    x = hidden.detach().requires_grad_(hidden.requires_grad)
     leaves = [t for t in [x] + params if t.requires_grad]
     grads: List[int] = []
     found = [0]  # its output gradient's bytes
 
     def run():
         torch.empty(_MARKS[0], dtype=torch.uint8)
-        out = type(layer).forward(layer, x, *args[1:], **kwargs)
+        out = forward()
         first = next((t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
         torch.empty(_MARKS[1], dtype=torch.uint8)
         if first is None or not first.requires_grad or not leaves:
@@ -542,11 +561,11 @@ def _working_set(layer: nn.Module, args: Tuple, kwargs: Dict, hidden: torch.Tens
                 counted += size
         elif ptr in live:
             counted -= live.pop(ptr)
-        elif phase == 3:  # a saved tensor allocated before the run's forward (none) or a view's base: freed
+        elif phase == 3:  # freed in the backward, allocated before the run (none) or uncounted: a release
             counted += size
         if phase in peaks:
             peaks[phase] = max(peaks[phase], counted)
-    return max(peaks[1] - saved, peaks[3] + found[0] if found[0] else 0, 0)
+    return peaks[1], (peaks[3] + found[0] if found[0] else 0)
 
 
 def _measure(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, spy, hf: bool = False):
