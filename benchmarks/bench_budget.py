@@ -300,6 +300,8 @@ def run(config: str, budget, rounds: int, warmup: int, device) -> dict:
         cpu_recompute = {name: recompute_cpu_seconds(planner_of(models[name]), plans[name]) for name in plans}
         explain = str(ckpt_ext.explain(models["planned"]))
         held = {name: stack_held(m, lambda m=m: work.forward(plain, m, batch)) for name, m in models.items()}
+        peak = {name: step_peak(m, m.layers, lambda m: work.forward(plain, m, batch), lambda loss: loss.backward())
+                for name, m in models.items()}
         cpu: Dict[str, List[float]] = {name: [] for name in models}
 
         def timed(name):
@@ -312,13 +314,15 @@ def run(config: str, budget, rounds: int, warmup: int, device) -> dict:
     rows = []
     for name, m in models.items():
         plan = plans.get(name)
-        row = {"variant": name, "step_s": stats[name], "cpu_s": quantiles(cpu[name]), "held_bytes": held[name]}
+        row = {"variant": name, "step_s": stats[name], "cpu_s": quantiles(cpu[name]), "held_bytes": held[name],
+               "peak_bytes": peak[name]["peak"]}
         if plan is not None:
             rc, rc_cpu = plan.recompute, cpu_recompute[name]
             row.update(
                 segments=plan.segments, predicted_held=plan.held_bytes, predicted_peak=plan.need_bytes,
                 predicted_recompute_s=rc, predicted_recompute_cpu_s=rc_cpu, base_time_s=plan.base_time,
                 held_ratio=plan.held_bytes / held[name] if held[name] else None,
+                peak_ratio=plan.need_bytes / peak[name]["peak"],
                 step_ratio=statistics.median((n + rc) / x for n, x in zip(raw["none"], raw[name])),
                 cpu_step_ratio=statistics.median((n + rc_cpu) / x for n, x in zip(cpu["none"], cpu[name])),
                 measured_overhead_s=statistics.median(x - n for n, x in zip(raw["none"], raw[name])),
@@ -326,6 +330,84 @@ def run(config: str, budget, rounds: int, warmup: int, device) -> dict:
         rows.append(row)
     return {"config": config, "model": spec.describe(), "batch": batch, "budget": budget, "rows": rows,
             "explain": explain}
+
+
+# --peaks: (spec, batch, fused, keep) per case; the CPU target's shapes (BERT at seq 512, its positions' limit)
+PEAK_CASES = {
+    "llama-plain": (CONFIGS["llama-s1024"][0], 1, False, None),
+    "llama-fused": (CONFIGS["llama-s1024"][0], 1, True, None),
+    "bert-fused": (ModelSpec("bert-4x256", "bert", 4, 256, 4, 512, 1024, 1000), 1, True, None),
+    "bert-fused-boundaries": (ModelSpec("bert-4x256", "bert", 4, 256, 4, 512, 1024, 1000), 1, True, "boundaries"),
+    "llama-tiny-plain": (CONFIGS["llama-tiny"][0], 2, False, None),  # the tests' smoke run
+}
+
+
+def peak_sweep(cases, points: int, device) -> List[dict]:
+    """Per case: one measuring step, then plans at `points` budgets from the least achievable to keeping every layer
+    (StackPlanner.replan, one set of measured costs), each distinct plan installed by a step and its step measured
+    (step_peak: the layer stack's activation peak from the allocator's events; bytes only, no timing)."""
+    rows = []
+    for case in cases:
+        spec, batch, fused, keep = PEAK_CASES[case]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            work = Workload(spec, "fp32", device)
+            plain = Variant()
+            model = work.fresh()
+            if fused:
+                model = ckpt_ext.fuse(model)
+            layers = model.layers if hasattr(model, "layers") else model.encoder.layer
+            options = {} if keep is None else {"keep": keep}
+            ckpt_ext.enable_checkpointing(model, budget="1TiB", **options)
+            work.step(plain, model, batch)  # measures
+            p = planner_of(model)
+            shared = sum(p.shared.values())
+            least = plan_chain(p.costs, None, p.chained, keep=keep or "auto", shared_bytes=shared).need_bytes
+            top = plan_chain(p.costs, 1 << 50, p.chained, keep=keep or "auto", shared_bytes=shared).need_bytes
+            seen = set()
+            for k in range(points):
+                budget = least + (top - least) * k // max(1, points - 1)
+                plan = p.replan(budget)
+                key = (tuple(plan.segments), plan.boundaries)
+                if key in seen:
+                    continue
+                seen.add(key)
+                work.step(plain, model, batch)  # installs the plan
+                held = stack_held(model, lambda: work.forward(plain, model, batch))
+                r = step_peak(model, layers, lambda m: work.forward(plain, m, batch), lambda loss: loss.backward())
+                rows.append({"case": case, "model": spec.describe(), "fused": fused, "keep": keep, "batch": batch,
+                             "budget": budget, "segments": plan.segments, "boundaries": sorted(plan.boundaries),
+                             "predicted_held": plan.held_bytes, "held": held, "replay_peak": plan.replay_bytes,
+                             "working": plan.working_bytes, "predicted_peak": plan.need_bytes,
+                             "peak": r["peak"], "forward_peak": r["forward"], "backward_peak": r["backward"],
+                             "ratio": plan.need_bytes / r["peak"]})
+            ckpt_ext.disable_checkpointing(model)
+    return rows
+
+
+def peaks_markdown(info: dict, rows: List[dict], cfg: dict) -> str:
+    lines = [f"# budget= planner: predicted peak vs measured ({info['device_name']}, {info['device']})", "",
+             env_line(info), "",
+             "Predicted peak = held from forward to backward + the replay at the peak (a segment's replay beside the "
+             "bytes held by it and the segments before it, less the bytes held) + the largest layer's working set "
+             "(Plan.need_bytes, what explain() prints). Measured: the layer stack's activation peak over one training "
+             "step from the CPU allocator's events (bench_budget.step_peak: allocations alive during the stack's "
+             "forward or backward, parameters' gradients and the embeddings' own tensors apart; gradients set to None "
+             "before the step). fp32; plans from one measuring step per case at "
+             f"{cfg['points']} budgets from the least to keeping every layer (distinct plans only).", "",
+             "| case | budget | plan (layer: choice) | pre-norm boundary at | held pred / meas | replay at peak | "
+             "working set | predicted peak | measured peak (fwd; bwd) | pred / meas |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {fmt_bytes(r['budget'])} | {_segments(r['segments'])} | "
+                     f"{','.join(map(str, r['boundaries'])) or '-'} | {fmt_bytes(r['predicted_held'])} / "
+                     f"{fmt_bytes(r['held'])} | {fmt_bytes(r['replay_peak'])} | {fmt_bytes(r['working'])} | "
+                     f"{fmt_bytes(r['predicted_peak'])} | {fmt_bytes(r['peak'])} ({fmt_bytes(r['forward_peak'])}; "
+                     f"{fmt_bytes(r['backward_peak'])}) | **{r['ratio']:.3f}** |")
+    ratios = [r["ratio"] for r in rows]
+    if ratios:
+        lines += ["", f"{len(rows)} plans; predicted / measured peak {min(ratios):.3f} - {max(ratios):.3f}."]
+    return "\n".join(lines + [""])
 
 
 def _segments(segments) -> str:
@@ -339,17 +421,18 @@ def to_markdown(info: dict, res: dict, cfg: dict) -> str:
              "", f"{res['model']}, batch {res['batch']}, fp32; budget {fmt_bytes(res['budget'])} ({res['budget']} "
              f"bytes); {cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up round(s).", "",
              "| variant | plan (layer: choice) | step ms median (p20-p80) | CPU ms | held fwd→bwd, measured | predicted "
-             "held (pred/meas) | predicted peak | predicted recompute ms (wall; CPU) | measured overhead ms (wall; CPU) | "
-             "predicted step / measured (wall; CPU) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "held (pred/meas) | peak, measured | predicted peak (pred/meas) | predicted recompute ms (wall; CPU) | "
+             "measured overhead ms (wall; CPU) | predicted step / measured (wall; CPU) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         s = r["step_s"]
         head = (f"| {r['variant']} | {_segments(r['segments']) if 'segments' in r else '-'} | {ms(s['median'])} "
                 f"({ms(s['p20'])}-{ms(s['p80'])}) | {ms(r['cpu_s']['median'])} | {fmt_bytes(r['held_bytes'])} |")
         if "segments" not in r:
-            lines.append(head + " - | - | - | - | - |")
+            lines.append(head + f" - | {fmt_bytes(r['peak_bytes'])} | - | - | - | - |")
             continue
-        lines.append(head + f" {fmt_bytes(r['predicted_held'])} ({r['held_ratio']:.3f}) | "
-                     f"{fmt_bytes(r['predicted_peak'])} | {ms(r['predicted_recompute_s'])}; "
+        lines.append(head + f" {fmt_bytes(r['predicted_held'])} ({r['held_ratio']:.3f}) | {fmt_bytes(r['peak_bytes'])} | "
+                     f"{fmt_bytes(r['predicted_peak'])} ({r['peak_ratio']:.3f}) | {ms(r['predicted_recompute_s'])}; "
                      f"{ms(r['predicted_recompute_cpu_s'])} | {ms(r['measured_overhead_s'])}; "
                      f"{ms(r['measured_cpu_overhead_s'])} | {r['step_ratio']:.3f}; {r['cpu_step_ratio']:.3f} |")
     for r in res["rows"]:
@@ -372,12 +455,29 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--peaks", default=None, metavar="CASES",
+                   help="instead of the timed run: predicted against measured step peaks over a sweep of budgets for "
+                        f"these cases (comma-separated: {', '.join(PEAK_CASES)}; 'all')")
+    p.add_argument("--points", type=int, default=8, help="--peaks: budgets per case")
     add_output_args(p)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     info = env_info(device)
+    if args.peaks:
+        cases = list(PEAK_CASES) if args.peaks == "all" else args.peaks.split(",")
+        bad = [c for c in cases if c not in PEAK_CASES]
+        if bad:
+            p.error(f"unknown --peaks case(s) {bad}: choose from {', '.join(PEAK_CASES)}")
+        rows = peak_sweep(cases, args.points, device)
+        cfg = {"points": args.points, "argv": list(sys.argv[1:] if argv is None else argv)}
+        md = peaks_markdown(finish_env(info), rows, cfg)
+        print(md)
+        result = {"env": info, "config": cfg, "rows": rows}
+        result["files"] = write_results(output_dir(args, info), "budget_peaks", result, md)
+        print("wrote " + ", ".join(result["files"]), file=sys.stderr)
+        return result
     budget = parse_bytes(args.budget) if args.budget else None
     res = run(args.config, budget, args.rounds, args.warmup, device)
     cfg = {"rounds": args.rounds, "warmup": args.warmup, "argv": list(sys.argv[1:] if argv is None else argv)}
