@@ -249,10 +249,10 @@ def step_peak(model, layers, call, backward) -> Dict[str, int]:
             "held": held - out_grad, "output_grad": out_grad}
 
 
-def stack_held(model, forward) -> int:
+def stack_held(model, forward, layers=None) -> int:
     """Bytes the layer stack holds from forward to backward (see the module's docstring); runs forward() (returns
     the loss) and the backward."""
-    loss, held = held_by_stack(model, model.layers, lambda _: forward())
+    loss, held = held_by_stack(model, model.layers if layers is None else layers, lambda _: forward())
     loss.backward()
     return held
 
@@ -373,7 +373,7 @@ def peak_sweep(cases, points: int, device) -> List[dict]:
                     continue
                 seen.add(key)
                 work.step(plain, model, batch)  # installs the plan
-                held = stack_held(model, lambda: work.forward(plain, model, batch))
+                held = stack_held(model, lambda: work.forward(plain, model, batch), layers)
                 r = step_peak(model, layers, lambda m: work.forward(plain, m, batch), lambda loss: loss.backward())
                 rows.append({"case": case, "model": spec.describe(), "fused": fused, "keep": keep, "batch": batch,
                              "budget": budget, "segments": plan.segments, "boundaries": sorted(plan.boundaries),
