@@ -67,6 +67,8 @@ class StackPlanner:
         self.backward: List[Optional[float]] = [None] * len(layers)  # measuring: each layer's replay + backward
         self.chained: List[bool] = [True] * len(layers)  # layer i is called on layer i-1's output
         self.outputs: List[Optional[weakref.ref]] = [None] * len(layers)  # while measuring: what each passed on
+        # per layer measured: what its working set was measured for (the same kind of layer and input: measured once)
+        self.work_keys: List[Optional[tuple]] = [None] * len(layers)
         self.plan: Optional[Plan] = None
         self.installed = False
         self.shape = None  # input shape the plan was made for
@@ -86,6 +88,7 @@ class StackPlanner:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("work_keys", [None] * len(self.layers))  # (pickled before it existed)
         self.index = {id(m): i for i, m in enumerate(self.layers)}
 
     def replan(self, budget: int) -> Plan:
@@ -237,11 +240,10 @@ class StackPlanner:
         # the working set, measured once per kind of layer and input (identical layers have the same)
         key = (type(layer).__name__, tuple((tuple(q.shape), q.dtype, q.requires_grad) for q in layer.parameters()),
                None if hidden is None else (tuple(hidden.shape), hidden.dtype, hidden.requires_grad), saved)
-        keys = self.__dict__.setdefault("work_keys", [None] * len(self.layers))
-        work = next((c.work_bytes for c, k in zip(self.costs, keys) if c is not None and k == key), None)
+        work = next((c.work_bytes for c, k in zip(self.costs, self.work_keys) if c is not None and k == key), None)
         if work is None:
             work = _working_set(layer, args, kwargs, hidden, device, saved, max(0, saved - tail_replay))
-        keys[i] = key
+        self.work_keys[i] = key
         self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0,
                                   extra, pre_norm, tail[0], work, tail_replay)
         # the same runs' process CPU time (the benchmarks compare it on a shared machine)
@@ -489,8 +491,7 @@ def _working_set(layer: nn.Module, args: Tuple, kwargs: Dict, hidden: torch.Tens
     graph's backward: other kernels, other temporaries) less `replay` (its replay bytes there, counted by the plan).
     0 where it cannot be measured: no floating-point hidden state, an output that needs no gradient, a profiler
     already running (profilers do not nest), under torch.compile."""
-    from torch.autograd.profiler import _is_profiler_enabled
-    if hidden is None or not hidden.is_floating_point() or _is_profiler_enabled or \
+    if hidden is None or not hidden.is_floating_point() or torch.autograd._profiler_enabled() or \
             torch.compiler.is_compiling():
         return 0
     x = hidden.detach().requires_grad_(hidden.requires_grad)

@@ -94,3 +94,27 @@ def test_predicted_peak_within_ten_percent_of_measured(family, fused):
 def test_predicted_peak_with_keep_restricted(family, fused, keep):
     results = _peaks(family, fused, keep=keep, points=4)
     _check(results)
+
+
+def test_measuring_step_under_a_profiler_plans_without_the_working_set():
+    """Profilers do not nest: a measuring step run under the user's torch.profiler measures no working set (0, the
+    prediction as without it) instead of failing, and the user's profiler still records the step."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    model = hf.make_model("llama", layers=2).train()
+    kw = hf.inputs_for("llama", padding=False)
+    ckpt_ext.enable_checkpointing(model, budget="1TiB")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(**kw).last_hidden_state.pow(2).mean().backward()  # measures and plans
+    plan = _planner(model).plan
+    assert plan is not None and plan.working_bytes == 0 and all(c.work_bytes == 0 for c in plan.costs)
+    assert any(e.name == "aten::mm" for e in prof.events())
+    text = ckpt_ext.explain(model)
+    assert "predicted peak" in text and "working set" not in text, text
+    # measured again without a profiler: the working set counts
+    ckpt_ext.disable_checkpointing(model)
+    ckpt_ext.enable_checkpointing(model, budget="1TiB")
+    model(**kw).last_hidden_state.pow(2).mean().backward()
+    assert _planner(model).plan.working_bytes > 0
+    assert "for a layer's forward or backward working set" in ckpt_ext.explain(model)
+    ckpt_ext.disable_checkpointing(model)
