@@ -17,7 +17,7 @@ and keeping everything whose plan mixes choices (some layers kept whole, some at
 some keeping attention).
 
 Predictions, read from the plan after its measuring step: bytes held from forward to backward by the layer stack
-(plan.held_bytes) and the peak (held + the largest replay, plan.need_bytes); the recompute a step adds
+(plan.held_bytes) and the peak (plan.need_bytes: docs/planner.md "The predicted peak"); the recompute a step adds
 (plan.recompute: the layers' measured forward times, less the calls -- attention forwards, GEMMs -- a group's level
 skips).
 The planner does not time the rest of a step, so the predicted step time is the measured step without
