@@ -528,11 +528,9 @@ def _step(model, call, seed):
     ("llama", False, True), ("llama", True, True)],
     ids=["llama-plain", "llama-fused", "gpt2-plain", "gpt2-fused", "llama-plain-autocast", "llama-fused-autocast"])
 def test_hugging_face_budget_keeps_attention_where_it_pays(family, fused, autocast):
-    """A budget with room for every layer checkpointed alone keeping its attention: the planner keeps attention in
-    some group (at a level keeping it: it replays less; which level, and whether the last layer is kept whole -- its
-    bytes are freed before the others replay --, the measured costs decide), the bytes held fit the budget and equal
-    the predicted ones, and every gradient is bitwise that of training without checkpointing (GPT-2 with residual
-    dropout; fp32, and CPU autocast bfloat16)."""
+    """A budget with room for every layer checkpointed alone keeping its attention, keep="attention": the plan keeps
+    attention in some group, the bytes held fit the budget and equal the predicted ones, and every gradient is bitwise
+    that of training without checkpointing (GPT-2 with residual dropout; fp32, and CPU autocast bfloat16)."""
     hf = _hf()
     over = {"attn_pdrop": 0.0, "resid_pdrop": 0.1, "embd_pdrop": 0.1} if family == "gpt2" else {}
     model = hf.make_model(family, layers=4, **over).train()
@@ -555,11 +553,14 @@ def test_hugging_face_budget_keeps_attention_where_it_pays(family, fused, autoca
         assert all(c.keeps_attention and c.attn_compute > 0 for c in costs), costs
         alone = _finish(costs, [(i, i + 1, ATTENTION) for i in range(4)], None).need_bytes + shared
         budget = alone
-        ckpt_ext.enable_checkpointing(model, budget=budget)
+        # keep="attention": each group kept whole or keeping attention (with keep=None the plan may keep the last
+        # layer whole and replay the others in full -- its bytes are freed before they replay --: which one, the
+        # measured times decide; the choice among levels is brute-force tested above)
+        ckpt_ext.enable_checkpointing(model, budget=budget, keep="attention")
         assert "pending" in ckpt_ext.explain(model)
         steps = [_step(model, call, seed=1) for _ in range(2)]  # measure and plan; run the plan
     plan = _planner_of(model).plan
-    assert {how for *_, how in plan.segments} & {ATTENTION, "attention_inputs", "gemms_attention"}, plan.segments
+    assert ATTENTION in [how for *_, how in plan.segments], plan.segments
     assert plan.need_bytes <= budget
     for out, grads, held in steps:
         assert torch.equal(out, ref[0])
@@ -572,7 +573,7 @@ def test_hugging_face_budget_keeps_attention_where_it_pays(family, fused, autoca
     assert "in use" in text and "predicted peak" in text and "predicted overhead" in text, text
     # the layers' forward + backward timed in the measuring step: the step time without checkpointing
     assert plan.base_time and plan.base_time > 0 and "without checkpointing took" in text, text
-    assert "attention outputs + LSEs" in text
+    assert "keeping its input and attention outputs + LSEs" in text
     assert "the replay skips the attention forward" in text and "checked at the first" not in text, text
     ckpt_ext.disable_checkpointing(model)
 
