@@ -17,7 +17,7 @@ and keeping everything whose plan mixes choices (some layers kept whole, some at
 some keeping attention).
 
 Predictions, read from the plan after its measuring step: bytes held from forward to backward by the layer stack
-(plan.held_bytes) and the peak (held + the largest replay, plan.need_bytes); the recompute a step adds
+(plan.held_bytes) and the peak (plan.need_bytes: docs/planner.md "The predicted peak"); the recompute a step adds
 (plan.recompute: the layers' measured forward times, less the calls -- attention forwards, GEMMs -- a group's level
 skips).
 The planner does not time the rest of a step, so the predicted step time is the measured step without
@@ -137,10 +137,122 @@ def held_by_stack(model, layers, call):
     return out, sum(storages.values()) + pooled
 
 
-def stack_held(model, forward) -> int:
+_MARKS = (1000003, 1000033, 1000037, 1000039)  # byte sizes of the window markers (primes: no tensor has them)
+
+
+def step_peak(model, layers, call, backward) -> Dict[str, int]:
+    """The layer stack's activation peak in one training step, measured exactly from the CPU allocator's events
+    (torch.profiler, profile_memory=True; deterministic, whatever the machine's load). Runs out = call(model) (the
+    forward) and backward(out) under the profiler, `layers` being the stack (model.layers).
+
+    Counted: every allocation made during the step that is alive at a moment of the stack's forward (from its first
+    layer's start to its last layer's end) or of the stack's backward (from its output's gradient to its input's),
+    except (a) the parameters' gradients (the allocations that end as a parameter's .grad: the budget is of
+    activations) and (b) what was allocated before the stack's forward and is not passed to its first layer (the
+    embeddings' own saved tensors, outside the stack). So it counts what the planner's held bytes count (the stack's
+    input, the tensors every layer receives, what the layers keep from forward to backward) plus everything the
+    layers allocate and free on the way: each layer's forward temporaries, the replayed saved tensors, the
+    gradients flowing between layers (the stack's output gradient included) and the layers' backward temporaries.
+    Not counted: the rest of the model between the stack's forward and backward (the head and the loss), and
+    memory below the allocator's view of tensors (none on CPU; a GPU library's workspace).
+
+    Returns {"peak": the larger of the two, "forward": the forward window's peak, "backward": the backward's,
+    "held": counted bytes alive when the backward window opens less the stack's output gradient, "output_grad"}."""
+    received, outs, inputs = [], [], []
+
+    def mark(k):
+        torch.empty(_MARKS[k], dtype=torch.uint8)
+
+    def pre(module, args, kwargs):
+        received.extend(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        inputs.extend(t for t in tree_leaves(args)[:1] if isinstance(t, torch.Tensor) and t.requires_grad)
+        mark(0)
+
+    def post(module, args, out):
+        mark(1)
+        for t in tree_leaves(out)[:1]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                outs.append(t.untyped_storage().nbytes())
+                t.register_hook(lambda g: mark(2))
+        for t in inputs[:1]:
+            t.register_hook(lambda g: mark(3))
+        inputs.clear()
+
+    def run():
+        out = call(model)
+        backward(out)
+
+    from bench_step_memory import allocations
+    hooks = [layers[0].register_forward_pre_hook(pre, with_kwargs=True), layers[-1].register_forward_hook(post)]
+    # The boundary pool's slots as allocations of their own: chunks of the least size, so each slot (256-byte
+    # aligned) takes a chunk of exactly its size, returned to the allocator when the slot is freed; none left over.
+    chunk = ckpt_ext.pool_chunk_bytes("cpu")
+    ckpt_ext.set_pool_chunk_bytes(ckpt_ext.pool_min_chunk_bytes(), "cpu")
+    ckpt_ext.empty_pool("cpu")
+    try:
+        events = [ev[1:] for ev in allocations(run, torch.device("cpu"))]
+    finally:
+        for h in hooks:
+            h.remove()
+        ckpt_ext.set_pool_chunk_bytes(chunk, "cpu")
+        ckpt_ext.empty_pool("cpu")
+    grads = {q.grad.untyped_storage().data_ptr() for q in model.parameters() if q.grad is not None}
+    recv = {t.untyped_storage().data_ptr() for t in received}
+    received.clear()
+    # the allocation that ends as a parameter's gradient: the last one at its address
+    last = {}
+    for k, (ptr, size, _) in enumerate(events):
+        if size > 0:
+            last[ptr] = k
+    grad_events = {last[p] for p in grads if p in last}
+    live: Dict[int, int] = {}  # counted allocations alive: address -> bytes
+    alive_all: Dict[int, int] = {}
+    counted, window, marks = 0, None, []
+    peaks = {"forward": 0, "backward": 0}
+    held = None
+    for k, (ptr, size, _) in enumerate(events):
+        if size in _MARKS:
+            continue
+        if -size in _MARKS:
+            m = _MARKS.index(-size)
+            marks.append(m)
+            if m == 0:  # the stack's forward starts: what is alive and not passed to it is the embeddings'
+                window = "forward"
+                live = {p: n for p, n in alive_all.items() if p in recv}
+                counted = sum(live.values())
+            elif m == 1:
+                window = None
+            elif m == 2:
+                window = "backward"
+                held = counted
+            elif m == 3:
+                window = None
+            if window:
+                peaks[window] = max(peaks[window], counted)
+            continue
+        if size > 0:
+            alive_all[ptr] = size
+            if marks and k not in grad_events:
+                live[ptr] = size
+                counted += size
+        else:
+            alive_all.pop(ptr, None)
+            counted -= live.pop(ptr, 0)
+        if window:
+            peaks[window] = max(peaks[window], counted)
+    if marks[:2] != [0, 1]:
+        raise RuntimeError(f"the stack's forward was not seen whole (markers {marks})")
+    if 2 not in marks:
+        raise RuntimeError("the stack's output got no gradient: no backward window")
+    out_grad = outs[0] if outs else 0
+    return {"peak": max(peaks.values()), "forward": peaks["forward"], "backward": peaks["backward"],
+            "held": held - out_grad, "output_grad": out_grad}
+
+
+def stack_held(model, forward, layers=None) -> int:
     """Bytes the layer stack holds from forward to backward (see the module's docstring); runs forward() (returns
     the loss) and the backward."""
-    loss, held = held_by_stack(model, model.layers, lambda _: forward())
+    loss, held = held_by_stack(model, model.layers if layers is None else layers, lambda _: forward())
     loss.backward()
     return held
 
@@ -154,7 +266,7 @@ def mixed_budget(costs, shared: int) -> int:
     some layers whole and checkpoints others at a level beyond attention (else: keeping attention; else: mixes any two
     choices; else the middle)."""
     least = plan_chain(costs, None, shared_bytes=shared).need_bytes
-    total = sum(c.act_bytes for c in costs) + shared
+    total = plan_chain(costs, 1 << 50, shared_bytes=shared).need_bytes  # keeping everything (+ the working set)
     grid = [least + (total - least) * k // 200 for k in range(1, 200)]
     kinds = {b: {how for *_, how in plan_chain(costs, b, shared_bytes=shared).segments} for b in grid}
     beyond = set(LEVELS) - {ATTENTION}
@@ -188,6 +300,8 @@ def run(config: str, budget, rounds: int, warmup: int, device) -> dict:
         cpu_recompute = {name: recompute_cpu_seconds(planner_of(models[name]), plans[name]) for name in plans}
         explain = str(ckpt_ext.explain(models["planned"]))
         held = {name: stack_held(m, lambda m=m: work.forward(plain, m, batch)) for name, m in models.items()}
+        peak = {name: step_peak(m, m.layers, lambda m: work.forward(plain, m, batch), lambda loss: loss.backward())
+                for name, m in models.items()}
         cpu: Dict[str, List[float]] = {name: [] for name in models}
 
         def timed(name):
@@ -200,13 +314,15 @@ def run(config: str, budget, rounds: int, warmup: int, device) -> dict:
     rows = []
     for name, m in models.items():
         plan = plans.get(name)
-        row = {"variant": name, "step_s": stats[name], "cpu_s": quantiles(cpu[name]), "held_bytes": held[name]}
+        row = {"variant": name, "step_s": stats[name], "cpu_s": quantiles(cpu[name]), "held_bytes": held[name],
+               "peak_bytes": peak[name]["peak"]}
         if plan is not None:
             rc, rc_cpu = plan.recompute, cpu_recompute[name]
             row.update(
                 segments=plan.segments, predicted_held=plan.held_bytes, predicted_peak=plan.need_bytes,
                 predicted_recompute_s=rc, predicted_recompute_cpu_s=rc_cpu, base_time_s=plan.base_time,
                 held_ratio=plan.held_bytes / held[name] if held[name] else None,
+                peak_ratio=plan.need_bytes / peak[name]["peak"],
                 step_ratio=statistics.median((n + rc) / x for n, x in zip(raw["none"], raw[name])),
                 cpu_step_ratio=statistics.median((n + rc_cpu) / x for n, x in zip(cpu["none"], cpu[name])),
                 measured_overhead_s=statistics.median(x - n for n, x in zip(raw["none"], raw[name])),
@@ -214,6 +330,84 @@ def run(config: str, budget, rounds: int, warmup: int, device) -> dict:
         rows.append(row)
     return {"config": config, "model": spec.describe(), "batch": batch, "budget": budget, "rows": rows,
             "explain": explain}
+
+
+# --peaks: (spec, batch, fused, keep) per case; the CPU target's shapes (BERT at seq 512, its positions' limit)
+PEAK_CASES = {
+    "llama-plain": (CONFIGS["llama-s1024"][0], 1, False, None),
+    "llama-fused": (CONFIGS["llama-s1024"][0], 1, True, None),
+    "bert-fused": (ModelSpec("bert-4x256", "bert", 4, 256, 4, 512, 1024, 1000), 1, True, None),
+    "bert-fused-boundaries": (ModelSpec("bert-4x256", "bert", 4, 256, 4, 512, 1024, 1000), 1, True, "boundaries"),
+    "llama-tiny-plain": (CONFIGS["llama-tiny"][0], 2, False, None),  # the tests' smoke run
+}
+
+
+def peak_sweep(cases, points: int, device) -> List[dict]:
+    """Per case: one measuring step, then plans at `points` budgets from the least achievable to keeping every layer
+    (StackPlanner.replan, one set of measured costs), each distinct plan installed by a step and its step measured
+    (step_peak: the layer stack's activation peak from the allocator's events; bytes only, no timing)."""
+    rows = []
+    for case in cases:
+        spec, batch, fused, keep = PEAK_CASES[case]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            work = Workload(spec, "fp32", device)
+            plain = Variant()
+            model = work.fresh()
+            if fused:
+                model = ckpt_ext.fuse(model)
+            layers = model.layers if hasattr(model, "layers") else model.encoder.layer
+            options = {} if keep is None else {"keep": keep}
+            ckpt_ext.enable_checkpointing(model, budget="1TiB", **options)
+            work.step(plain, model, batch)  # measures
+            p = planner_of(model)
+            shared = sum(p.shared.values())
+            least = plan_chain(p.costs, None, p.chained, keep=keep or "auto", shared_bytes=shared).need_bytes
+            top = plan_chain(p.costs, 1 << 50, p.chained, keep=keep or "auto", shared_bytes=shared).need_bytes
+            seen = set()
+            for k in range(points):
+                budget = least + (top - least) * k // max(1, points - 1)
+                plan = p.replan(budget)
+                key = (tuple(plan.segments), plan.boundaries)
+                if key in seen:
+                    continue
+                seen.add(key)
+                work.step(plain, model, batch)  # installs the plan
+                held = stack_held(model, lambda: work.forward(plain, model, batch), layers)
+                r = step_peak(model, layers, lambda m: work.forward(plain, m, batch), lambda loss: loss.backward())
+                rows.append({"case": case, "model": spec.describe(), "fused": fused, "keep": keep, "batch": batch,
+                             "budget": budget, "segments": plan.segments, "boundaries": sorted(plan.boundaries),
+                             "predicted_held": plan.held_bytes, "held": held, "replay_peak": plan.replay_bytes,
+                             "working": plan.working_bytes, "predicted_peak": plan.need_bytes,
+                             "peak": r["peak"], "forward_peak": r["forward"], "backward_peak": r["backward"],
+                             "ratio": plan.need_bytes / r["peak"]})
+            ckpt_ext.disable_checkpointing(model)
+    return rows
+
+
+def peaks_markdown(info: dict, rows: List[dict], cfg: dict) -> str:
+    lines = [f"# budget= planner: predicted peak vs measured ({info['device_name']}, {info['device']})", "",
+             env_line(info), "",
+             "Predicted peak = held from forward to backward + the replay at the peak (a segment's replay beside the "
+             "bytes held by it and the segments before it, less the bytes held) + the largest layer's working set "
+             "(Plan.need_bytes, what explain() prints). Measured: the layer stack's activation peak over one training "
+             "step from the CPU allocator's events (bench_budget.step_peak: allocations alive during the stack's "
+             "forward or backward, parameters' gradients and the embeddings' own tensors apart; gradients set to None "
+             "before the step). fp32; plans from one measuring step per case at "
+             f"{cfg['points']} budgets from the least to keeping every layer (distinct plans only).", "",
+             "| case | budget | plan (layer: choice) | pre-norm boundary at | held pred / meas | replay at peak | "
+             "working set | predicted peak | measured peak (fwd; bwd) | pred / meas |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {fmt_bytes(r['budget'])} | {_segments(r['segments'])} | "
+                     f"{','.join(map(str, r['boundaries'])) or '-'} | {fmt_bytes(r['predicted_held'])} / "
+                     f"{fmt_bytes(r['held'])} | {fmt_bytes(r['replay_peak'])} | {fmt_bytes(r['working'])} | "
+                     f"{fmt_bytes(r['predicted_peak'])} | {fmt_bytes(r['peak'])} ({fmt_bytes(r['forward_peak'])}; "
+                     f"{fmt_bytes(r['backward_peak'])}) | **{r['ratio']:.3f}** |")
+    ratios = [r["ratio"] for r in rows]
+    if ratios:
+        lines += ["", f"{len(rows)} plans; predicted / measured peak {min(ratios):.3f} - {max(ratios):.3f}."]
+    return "\n".join(lines + [""])
 
 
 def _segments(segments) -> str:
@@ -227,17 +421,18 @@ def to_markdown(info: dict, res: dict, cfg: dict) -> str:
              "", f"{res['model']}, batch {res['batch']}, fp32; budget {fmt_bytes(res['budget'])} ({res['budget']} "
              f"bytes); {cfg['rounds']} interleaved rounds after {cfg['warmup']} warm-up round(s).", "",
              "| variant | plan (layer: choice) | step ms median (p20-p80) | CPU ms | held fwd→bwd, measured | predicted "
-             "held (pred/meas) | predicted peak | predicted recompute ms (wall; CPU) | measured overhead ms (wall; CPU) | "
-             "predicted step / measured (wall; CPU) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "held (pred/meas) | peak, measured | predicted peak (pred/meas) | predicted recompute ms (wall; CPU) | "
+             "measured overhead ms (wall; CPU) | predicted step / measured (wall; CPU) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         s = r["step_s"]
         head = (f"| {r['variant']} | {_segments(r['segments']) if 'segments' in r else '-'} | {ms(s['median'])} "
                 f"({ms(s['p20'])}-{ms(s['p80'])}) | {ms(r['cpu_s']['median'])} | {fmt_bytes(r['held_bytes'])} |")
         if "segments" not in r:
-            lines.append(head + " - | - | - | - | - |")
+            lines.append(head + f" - | {fmt_bytes(r['peak_bytes'])} | - | - | - | - |")
             continue
-        lines.append(head + f" {fmt_bytes(r['predicted_held'])} ({r['held_ratio']:.3f}) | "
-                     f"{fmt_bytes(r['predicted_peak'])} | {ms(r['predicted_recompute_s'])}; "
+        lines.append(head + f" {fmt_bytes(r['predicted_held'])} ({r['held_ratio']:.3f}) | {fmt_bytes(r['peak_bytes'])} | "
+                     f"{fmt_bytes(r['predicted_peak'])} ({r['peak_ratio']:.3f}) | {ms(r['predicted_recompute_s'])}; "
                      f"{ms(r['predicted_recompute_cpu_s'])} | {ms(r['measured_overhead_s'])}; "
                      f"{ms(r['measured_cpu_overhead_s'])} | {r['step_ratio']:.3f}; {r['cpu_step_ratio']:.3f} |")
     for r in res["rows"]:
@@ -260,12 +455,29 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--peaks", default=None, metavar="CASES",
+                   help="instead of the timed run: predicted against measured step peaks over a sweep of budgets for "
+                        f"these cases (comma-separated: {', '.join(PEAK_CASES)}; 'all')")
+    p.add_argument("--points", type=int, default=8, help="--peaks: budgets per case")
     add_output_args(p)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     info = env_info(device)
+    if args.peaks:
+        cases = list(PEAK_CASES) if args.peaks == "all" else args.peaks.split(",")
+        bad = [c for c in cases if c not in PEAK_CASES]
+        if bad:
+            p.error(f"unknown --peaks case(s) {bad}: choose from {', '.join(PEAK_CASES)}")
+        rows = peak_sweep(cases, args.points, device)
+        cfg = {"points": args.points, "argv": list(sys.argv[1:] if argv is None else argv)}
+        md = peaks_markdown(finish_env(info), rows, cfg)
+        print(md)
+        result = {"env": info, "config": cfg, "rows": rows}
+        result["files"] = write_results(output_dir(args, info), "budget_peaks", result, md)
+        print("wrote " + ", ".join(result["files"]), file=sys.stderr)
+        return result
     budget = parse_bytes(args.budget) if args.budget else None
     res = run(args.config, budget, args.rounds, args.warmup, device)
     cfg = {"rounds": args.rounds, "warmup": args.warmup, "argv": list(sys.argv[1:] if argv is None else argv)}

@@ -135,7 +135,7 @@ def _planner_of(model):
 
 
 def _budget_range(workload: Workload, cls, batch: int):
-    """The planner's own range for this model and input (budgets bound a plan's need: held + the largest replay):
+    """The planner's own range for this model and input (budgets bound a plan's need, its predicted peak):
     the least achievable budget and the need of keeping everything, from one measuring step with an unbounded
     budget."""
     variant = cls(budget=2**62)

@@ -55,7 +55,7 @@ def main():
     costs, chained, shared = p.costs, p.chained, sum(p.shared.values())
     plain = [dataclasses.replace(c, pre_norm=None) for c in costs]
     least = plan_chain(plain, None, chained, shared_bytes=shared).need_bytes
-    top = sum(c.act_bytes for c in costs) + shared
+    top = plan_chain(plain, 1 << 50, chained, shared_bytes=shared).need_bytes  # keeping every layer (+ working set)
     rows = []
     for frac in [float(f) for f in args.fracs.split(",")]:
         budget = int(least + frac * (top - least))

@@ -55,7 +55,7 @@ The budget planner's plans at these rates (`--variants fused+budget=2.0`, BUDGET
 step runs traced, its probe timed by a PredictedClock (ckpt_ext.stack_plan.probe_clock: each layer's forward and
 backward, SDPA and GEMM calls cost the predicted H200 seconds of the ops they ran; bytes measured as always); the
 plan for the budget (a number: that many times the planner's need of the full checkpoint, every layer checkpointed
-alone keeping only its input -- activation bytes held from forward to backward plus the largest replay, the units of
+alone keeping only its input -- its predicted activation peak (docs/planner.md), the units of
 budget=; a size: the budget itself) is made from those costs (StackPlanner.replan), and the planned step is traced
 at the config's own layers and batch (no extrapolation: the plan depends on both) and predicted as the others. The
 plan is printed (explain()), with the bytes the layer stack held from forward to backward in the traced step next to
@@ -442,8 +442,8 @@ def _setup(m, variant: str):
 # from costs at the work model's H200 rates. A number B = that many times the full-checkpoint need: the planner's own
 # measure of what checkpointing every layer alone, boundary only (enable_checkpointing(model), what fused+ckpt runs)
 # needs -- its activation bytes held from forward to backward (the boundaries, the tensors every layer receives) plus
-# its largest replay (one layer's saved tensors), as the planner counts them for budget= (not parameters, gradients
-# or optimizer state). A size ("fused+budget=5291MiB") is the budget itself.
+# the last layer's replay beside them and a layer's working set, as the planner counts them for budget= (not
+# parameters, gradients or optimizer state). A size ("fused+budget=5291MiB") is the budget itself.
 BUDGET_VARIANTS = ("fused+budget=", "ckpt_ext+budget=")
 _UNPLANNED = 1 << 60  # the measuring step's budget (the plan it makes is replaced by _plan_predicted's)
 
@@ -457,11 +457,11 @@ def budget_of(variant: str) -> Optional[str]:
 
 
 def full_checkpoint_need(planner) -> int:
-    """The planner's need (held + largest replay, shared tensors included) of every layer checkpointed alone,
-    boundary only, from the costs `planner` (a StackPlanner) measured."""
-    from ckpt_ext.planner import segment_costs
-    per = segment_costs(planner.costs, [(i, i + 1, True) for i in range(len(planner.costs))])
-    return sum(p[0] for p in per) + max(p[1] for p in per) + sum(planner.shared.values())
+    """The planner's need (its predicted peak: docs/planner.md; shared tensors included) of every layer checkpointed
+    alone, boundary only, from the costs `planner` (a StackPlanner) measured."""
+    from ckpt_ext.planner import _finish
+    plan = _finish(planner.costs, [(i, i + 1, True) for i in range(len(planner.costs))], None)
+    return plan.need_bytes + sum(planner.shared.values())
 
 
 def _plan_predicted(m, ids, mode: str, value: str, rates: Dict[str, float], info: Optional[dict]):

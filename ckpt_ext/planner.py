@@ -16,18 +16,20 @@ attention* (its input boundary and its layers' attention outputs and LSEs are ke
 without the attention forwards), or checkpointed at another keep level (keeping what that level keeps, the replay
 skipping what computed it). Its memory is
 
-  need = held + largest replay
+  need = max(held, the largest of a segment's replay + the bytes held by it and the segments before it) + working set
   held    = sum of act_bytes over kept layers + boundary_bytes of each checkpointed segment's first layer
             (+ the bytes its layers keep at its level: attn_bytes when it keeps attention)
   replay  = act_bytes of a checkpointed segment, rebuilt while that segment's backward runs (less the kept
             bytes among them: the replay is handed the kept tensors, already counted),
+  working = the largest work_bytes of any layer: what a layer has alive on top of those in its forward or backward
+            (temporaries, its output's and input's gradients), the same for every plan,
 
 and its cost is the recompute: the compute of every checkpointed layer (less its attn_compute in a
 segment keeping attention, less what its level skips at another level). A plan's segments are (start, end, how):
 how is False (kept), True (checkpointed, boundary only) or a level name ("attention": checkpointed keeping
 attention; "attention_inputs", "gemms", "gemms_attention"). `plan_chain` finds the plan
 of least recompute whose need fits the budget (within 1%, certified; exact on small integer computes:
-a dynamic program over (layers, recompute units) inside a branch and bound over the largest replay,
+a dynamic program over (layers, recompute units) whose value is the least bytes held by a prefix,
 explained below), in well under a second for 128 layers (seconds with every keep level: one option per level per segment); `sqrt_plan` is Chen et al.'s sqrt(n)
 schedule. Both are pure functions of the costs, tested against brute force.
 
@@ -86,6 +88,9 @@ class PreNorm:
     skipped: float
     input_compute: float
     keeps: bool = True
+    # of the segment's replay bytes, what a segment ending at the layer with the boundary does not rebuild: its
+    # output linear's input (the activation's output, written in place by the activation's backward)
+    replay_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,16 @@ class LayerCost:
     # last linear and the activation computing its input (the segment's replay stops before both, the activation's
     # backward writing that input: _C.tail_activation_in_backward, issue 33; tail_time)
     tail_compute: float = 0.0
+    # the layer's working set: the most bytes it has alive on top of what it keeps for backward -- in its forward
+    # (temporaries and its output, beyond act_bytes) or in its backward (its output's gradient, the gradients and
+    # temporaries of its backward, its input's gradient; less the saved tensors it frees on the way) --, measured
+    # (stack_plan._working_set). Every layer runs forward and backward in every plan, so a plan's peak counts the
+    # largest of them once (Plan.working_bytes).
+    work_bytes: int = 0
+    # of act_bytes, what the replay does not rebuild when the layer is the last of its segment: a fused GPT-2/Llama
+    # layer's last linear's input (the activation's output, which the activation's backward writes in place:
+    # _C.tail_activation_in_backward; tail_replay)
+    tail_replay_bytes: int = 0
 
     @property
     def keeps_attention(self) -> bool:
@@ -141,6 +156,13 @@ class LayerCost:
             return 0.0
         return min(self.tail_compute, self.recompute(how))
 
+    def tail_replay(self, how) -> int:
+        """Of level(how)'s replay bytes, those the layer's replay does not rebuild as the last layer of its segment
+        (tail_replay_bytes): none at the levels keeping GEMM outputs (their replay runs the activation forward)."""
+        if how in ("gemms", "gemms_attention"):
+            return 0
+        return min(self.tail_replay_bytes, self.level(how, strict=False)[1])
+
     def recompute(self, how) -> float:
         """What replaying the layer costs in a segment checkpointed `how` (True or a level)."""
         return self.level(how, strict=False)[2]
@@ -150,7 +172,7 @@ def segment_bytes(costs: Sequence[LayerCost], s: int, e: int, how) -> Tuple[int,
     """(held, replay) bytes of segment [s, e) checkpointed `how` (True or a level)."""
     parts = [c.level(how, strict=False) for c in costs[s:e]]
     return (costs[s].boundary_bytes + sum(p[0] for p in parts) - costs[e - 1].tail(how, strict=False),
-            sum(p[1] for p in parts))
+            sum(p[1] for p in parts) - costs[e - 1].tail_replay(how))
 
 
 def segment_costs(costs: Sequence[LayerCost], segments, boundaries=frozenset(),
@@ -176,6 +198,7 @@ def segment_costs(costs: Sequence[LayerCost], segments, boundaries=frozenset(),
             takes = before and s > 0 and (chained is None or chained[s])
             if keeps:
                 held += last.kept_bytes
+                replay = max(0, replay - last.replay_bytes)
                 rc = max(0.0, rc - last.skipped)
             if takes:
                 held -= costs[s].boundary_bytes
@@ -189,6 +212,8 @@ def segment_costs(costs: Sequence[LayerCost], segments, boundaries=frozenset(),
 class Plan:
     segments: List[Tuple[int, int, Union[bool, str]]]  # (start, end exclusive, False | True | a level name)
     held_bytes: int
+    # what the replays add to held_bytes at the peak: the largest of a segment's replay + the bytes held by it and
+    # the segments before it (those after it have freed theirs when it replays), less held_bytes; 0 if none exceeds
     replay_bytes: int
     recompute: float
     total_compute: float = 0.0
@@ -200,10 +225,12 @@ class Plan:
     # the starts of the segments run with BERT's pre-norm boundary (LayerCost.pre_norm), and the chain's `chained`
     boundaries: frozenset = frozenset()
     chained: Optional[List[bool]] = field(default=None, repr=False)
+    # the layers' working set (the largest LayerCost.work_bytes): alive on top of held + replay at the peak
+    working_bytes: int = 0
 
     @property
     def need_bytes(self) -> int:
-        return self.held_bytes + self.replay_bytes
+        return self.held_bytes + self.replay_bytes + self.working_bytes
 
     def checkpointed_layers(self) -> List[int]:
         return [i for s, e, c in self.segments if c for i in range(s, e)]
@@ -216,8 +243,11 @@ class Plan:
             lines.append(f"budget {fmt_bytes(self.budget)}")
         shared = (f" (of which {fmt_bytes(self.shared_bytes)} the tensors every layer receives)"
                   if self.shared_bytes else "")
+        working = (f" + {fmt_bytes(self.working_bytes)} for a layer's forward or backward working set"
+                   if self.working_bytes else "")
         lines.append(f"predicted peak: {fmt_bytes(self.held_bytes)} held from forward to backward{shared} + "
-                     f"{fmt_bytes(self.replay_bytes)} for the largest replay = {fmt_bytes(self.need_bytes)}")
+                     f"{fmt_bytes(self.replay_bytes)} for the replay at the peak (the segments after it freed)"
+                     f"{working} = {fmt_bytes(self.need_bytes)}")
         share = self.recompute / self.total_compute if self.total_compute else 0.0
         n = sum(e - s for s, e, _ in self.segments)
         replayed = len(self.checkpointed_layers())
@@ -324,28 +354,43 @@ def _check_costs(costs: Sequence[LayerCost]):
                 any(lv.kept_bytes < 0 or lv.saved_kept_bytes < 0 or lv.skipped < 0 or lv.name not in LEVELS[1:] or
                     not 0 <= lv.tail_bytes <= lv.kept_bytes
                     for lv in c.levels) or \
-                (c.pre_norm is not None and (c.pre_norm.kept_bytes < 0 or c.pre_norm.skipped < 0 or
+                c.work_bytes < 0 or c.tail_replay_bytes < 0 or (c.pre_norm is not None and c.pre_norm.replay_bytes < 0) or (c.pre_norm is not None and (c.pre_norm.kept_bytes < 0 or c.pre_norm.skipped < 0 or
                                              c.pre_norm.input_compute < 0)):
             raise ValueError(f"layer costs must be non-negative, got {c}")
 
 
 def _finish(costs, segments, budget, boundaries=frozenset(), chained=None) -> Plan:
     per = segment_costs(costs, segments, boundaries, chained)
-    return Plan(list(segments), sum(p[0] for p in per), max((p[1] for p in per), default=0), sum(p[2] for p in per),
+    held = sum(p[0] for p in per)
+    # the backward runs the segments last first, each freeing what it held: a segment replays beside the bytes held
+    # by it and the segments before it
+    prefix, top = 0, 0
+    for (_, _, how), p in zip(segments, per):
+        prefix += p[0]
+        if how:
+            top = max(top, prefix + p[1])
+    return Plan(list(segments), held, max(0, top - held), sum(p[2] for p in per),
                 sum(c.compute for c in costs), budget, list(costs), boundaries=frozenset(boundaries),
-                chained=None if chained is None else list(chained))
+                chained=None if chained is None else list(chained), working_bytes=working_bytes(costs))
+
+
+def working_bytes(costs: Sequence[LayerCost]) -> int:
+    """The working set every plan adds to its held bytes and largest replay: the largest layer's (LayerCost.work_bytes;
+    a layer runs forward and backward whatever the plan)."""
+    return max((c.work_bytes for c in costs), default=0)
 
 
 # ------------------------------------------------------------------------------------------------
-# The search. A plan's need is held + largest replay; for a bound b on the largest replay,
-#   g(b, H) = least recompute of a plan whose segments each replay <= b and whose held is <= H,
-# and the answer is min over b of g(b, budget - b), b running over the distinct segment sizes
-# (O(n^2) values). g falls as b or H grows, so for every b strictly between two bounds lo < hi,
-# g(b, budget - b) >= g(hi, budget - next(lo)): one evaluation at hi bounds a whole interval, and a
-# branch and bound over the sorted bounds evaluates only the few intervals that can still win.
+# The search. A plan fits a budget (less the working set and the shared tensors, the same for every plan) when the
+# bytes it holds fit and each checkpointed segment's replay fits beside the bytes held by it and the segments before
+# it (the backward runs the segments last first, each freeing what it held). Both constraints grow with the bytes
+# held by a prefix of the plan, so of two prefixes with the same recompute the one holding less is never worse:
+# a DP over (layers, recompute units) whose value is the least held bytes of the prefixes fitting so far, a
+# segment taken only where it fits beside them, is exact in bytes. The least need (budget=None, and the
+# minimum a budget must reach) is the least budget some plan fits, by bisection over the bytes.
 #
-# g itself is a knapsack over segments (NP-hard with arbitrary costs), so recompute is counted in
-# units of delta: a DP over (layers, units) whose value is the least held bytes, exact in bytes.
+# The least recompute is a knapsack over segments (NP-hard with arbitrary costs), so recompute is counted in
+# units of delta: the DP above, exact in bytes.
 # Rounding each checkpointed segment's compute down, a plan P with segments S has
 #   delta*U(P) <= true(P) < delta*(U(P) + |S|).
 # The DP's plan P^ has the fewest units of all plans that fit, so OPT >= delta*U(P*) >= delta*U(P^):
@@ -396,6 +441,8 @@ class _Chain:
         # per how, per layer: its recompute, and what its replay skips as the last layer of a segment (tail_time)
         self.rc = {how: [c.recompute(how) for c in costs] for how in self.hows}
         self.tailc = {how: [c.tail_time(how) for c in costs] for how in self.hows}
+        # per how, per layer: the replay bytes it does not rebuild as the last layer of a segment (tail_replay)
+        self.tailr = {how: [c.tail_replay(how) for c in costs] for how in self.hows}
         for how in self.hows:
             pw, pk, pc, paid, bad = [0], [0], [0.0], [0], [0]
             for c in costs:
@@ -427,8 +474,9 @@ class _Chain:
         """options(j, how) run with the pre-norm boundary (every layer has one), not taking the sum before as the
         input (source state 0 where the segment would take it, else _ANY) or, with `takes`, taking it (source 1)."""
         last = self.pre_norm[j - 1]
-        kept, skipped = (last.kept_bytes, last.skipped) if last.keeps else (0, 0.0)
+        kept, skipped, fewer = (last.kept_bytes, last.skipped, last.replay_bytes) if last.keeps else (0, 0.0, 0)
         for i, work, held, rc, free in self.options(j, how):
+            work = max(0, work - fewer)
             if self.pre_norm[i] is None:
                 return
             before = self.pre_norm[i - 1] if i > 0 and (self.chained is None or self.chained[i]) else None
@@ -444,57 +492,49 @@ class _Chain:
         """The segments [i, j) checkpointed `how`, nearest start first: (i, replay bytes, held bytes, recompute,
         free). Their replay and recompute grow as i falls."""
         pw, pk, pc, paid, bad = self.pw[how], self.pk[how], self.pc[how], self.paid[how], self.bad[how]
-        tail, tailc = self.tail[how][j - 1], self.tailc[how][j - 1]
+        tail, tailc, tailr = self.tail[how][j - 1], self.tailc[how][j - 1], self.tailr[how][j - 1]
         last_free = self.rc[how][j - 1] - tailc <= 0  # the last layer recomputes nothing but what it skips there
         for i in range(j - 1, self.first[j] - 1, -1):
             if bad[j] != bad[i]:
                 return
-            yield (i, pw[j] - pw[i], self.bnd[i] + pk[j] - pk[i] - tail, max(0.0, pc[j] - pc[i] - tailc),
+            yield (i, pw[j] - pw[i] - tailr, self.bnd[i] + pk[j] - pk[i] - tail, max(0.0, pc[j] - pc[i] - tailc),
                    paid[j - 1] == paid[i] and last_free)
 
-    def bounds(self, limit: Optional[int]) -> List[int]:
-        sizes = {0}
-        for j in range(1, self.n + 1):
-            for how in self.hows:
-                sizes.update(w for _, w, *_ in self.options(j, how))
-        return sorted(w for w in sizes if limit is None or w <= limit)
-
-    def least_held(self, b: int, free_only: bool) -> int:
-        """Least bytes held by a plan whose segments each replay <= b (and, with free_only, have no
-        compute), recompute unlimited."""
+    def least_held(self, cap: int, free_only: bool) -> int:
+        """Least bytes held by a plan that fits `cap` (each checkpointed segment's replay on top of the bytes held
+        by it and the segments before it <= cap, and the bytes held <= cap; with free_only, segments of no
+        compute only), recompute unlimited; _INF where none does."""
         act = self.act
         h = [(0, _INF)] + [None] * self.n  # per state: the plan so far ends without / with a kept sum
         for j in range(1, self.n + 1):
-            v = [min(h[j - 1]) + act[j - 1], _INF]
+            kept = min(h[j - 1]) + act[j - 1]
+            v = [kept if kept <= cap else _INF, _INF]
             for _, _, dst, _, opts in self.variants(j):
                 for i, work, held, _, free, src in opts:
-                    if work > b or (free_only and not free):
+                    if free_only and not free:
                         break
-                    v[dst] = min(v[dst], (min(h[i]) if src == _ANY else h[i][src]) + held)
+                    total = (min(h[i]) if src == _ANY else h[i][src]) + held
+                    if total + work <= cap:
+                        v[dst] = min(v[dst], total)
             h[j] = tuple(v)
         return min(h[-1])
 
     def least_need(self, free_only: bool = False) -> int:
-        """The least need of any plan (with free_only: of any plan without recompute): min over b of
-        least_held(b) + b, exact, by branch and bound (least_held(b) + b >= least_held(hi) + next(lo)
-        between evaluated bounds lo < hi)."""
-        bounds = self.bounds(None)
-        held = {k: self.least_held(bounds[k], free_only) for k in {0, len(bounds) - 1}}
-        best = min(held[k] + bounds[k] for k in held)
-        stack = [(0, len(bounds) - 1)]
-        while stack:
-            lo, hi = stack.pop()
-            if hi - lo <= 1 or held[hi] + bounds[lo + 1] >= best:
-                continue
+        """The least need of any plan (with free_only: of any plan without recompute), exact: the least cap
+        that some plan fits (least_held(cap) <= cap; a plan fitting a cap fits any larger one), by bisection
+        between 0 and keeping every layer."""
+        lo, hi = -1, sum(self.act)  # (keeping every layer fits its own held bytes)
+        while hi - lo > 1:
             mid = (lo + hi) // 2
-            held[mid] = self.least_held(bounds[mid], free_only)
-            best = min(best, held[mid] + bounds[mid])
-            stack += [(lo, mid), (mid, hi)]
-        return best
+            if self.least_held(mid, free_only) <= mid:
+                hi = mid
+            else:
+                lo = mid
+        return hi
 
 
 class _UnitsDP:
-    """Least held bytes per recompute units for prefixes of the chain, segments replaying <= b; a
+    """Least held bytes per recompute units for prefixes of the chain, plans fitting a cap (_Chain.least_held); a
     segment's compute counts floor(compute / delta) units (None: segments of zero compute only)."""
 
     def __init__(self, chain: _Chain, delta: Optional[float], length: int):
@@ -516,27 +556,30 @@ class _UnitsDP:
                 per_how.append((how, boundary, dst, monotone, segs))
             self.segments.append(per_how)
 
-    def run(self, b: int, length: int, keep: bool = False):
-        """rows[j][u]: least held of the first j layers with at most u units (u < length); states[j][s][u] the same
-        for plans ending in state s (1: with a segment keeping a pre-norm sum; rows = their minimum). Returns the
-        last row, or (rows, states) when `keep` (to trace the plan back)."""
+    def run(self, cap: int, length: int, keep: bool = False):
+        """rows[j][u]: least held of the first j layers with at most u units (u < length), of the plans fitting
+        `cap` so far (_Chain.least_held; _INF where none); states[j][s][u] the same for plans ending in state s (1:
+        with a segment keeping a pre-norm sum; rows = their minimum). Returns the last row, or (rows, states) when
+        `keep` (to trace the plan back)."""
         import numpy as np
         act = self.chain.act
         rows = [np.zeros(length, dtype=np.int64)]
         none = np.full(length, _INF, dtype=np.int64)
         states = [(rows[0], none)]
         for j in range(1, self.chain.n + 1):
-            row = [rows[j - 1] + act[j - 1], None]
+            kept = rows[j - 1] + act[j - 1]
+            row = [np.where(kept <= cap, kept, _INF), None]
             for _, _, dst, monotone, segs in self.segments[j]:
                 for i, w, work, held, src in segs:
-                    if work > b or (w >= length and monotone):
-                        break
                     if w >= length:
+                        if monotone:
+                            break
                         continue
                     if row[dst] is None:
                         row[dst] = none.copy()
                     source = rows[i] if src == _ANY else states[i][src]
-                    np.minimum(row[dst][w:], source[:length - w] + held, out=row[dst][w:])
+                    total = source[:length - w] + held
+                    np.minimum(row[dst][w:], np.where(total + work <= cap, total, _INF), out=row[dst][w:])
             for r in row:
                 if r is not None:
                     np.minimum(r, _INF, out=r)
@@ -548,10 +591,10 @@ class _UnitsDP:
             states.append(tuple(row))
         return (rows, states) if keep else rows[-1]
 
-    def trace(self, b: int, u: int):
+    def trace(self, cap: int, u: int):
         """The plan the last run took: (segments, the starts of those run with the pre-norm boundary)."""
         act = self.chain.act
-        rows, states = self.run(b, u + 1, keep=True)
+        rows, states = self.run(cap, u + 1, keep=True)
         segs: List[Tuple[int, int, Union[bool, str]]] = []
         boundaries = set()
         j, state = self.chain.n, _ANY
@@ -564,7 +607,7 @@ class _UnitsDP:
             # the DP took v from one of these segments
             how, boundary, i, w, src = next(
                 (how, boundary, i, w, src) for how, boundary, dst, _, per in self.segments[j] for i, w, work, held, src in per
-                if work <= b and w <= u and (state == _ANY or dst == state) and int(states[j][dst][u]) == v and
+                if w <= u and v + work <= cap and (state == _ANY or dst == state) and int(states[j][dst][u]) == v and
                 int(rows[i][u - w] if src == _ANY else states[i][src][u - w]) + held == v)
             segs.append((i, j, how))
             if boundary:
@@ -573,70 +616,35 @@ class _UnitsDP:
         return segs[::-1], boundaries
 
 
-def _least_units(dp: _UnitsDP, bounds: List[int], budget: int, length: int):
-    """Branch and bound over the bounds: the plan of fewest units (ties: least need) whose need fits,
-    as (units, need, bound), or None."""
+def _plan_with(chain: _Chain, budget: int, delta: Optional[float], length: int):
+    """The plan of fewest units (ties: least held) that fits `budget`, and its units; (None, 0) where none does."""
     import numpy as np
-    rows = {}
-    best = None
-
-    def fit(k, limit):  # least u with rows[k][u] <= limit, or None
-        ok = rows[k] <= limit
-        return int(np.argmax(ok)) if ok.any() else None
-
-    def evaluate(k):
-        nonlocal best, length
-        rows[k] = dp.run(bounds[k], length)
-        u = fit(k, budget - bounds[k])
-        if u is not None:
-            key = (u, int(rows[k][u]) + bounds[k], bounds[k])
-            if best is None or key < best:
-                best = key
-                length = min(length, u + 1)  # more units than the best can never win
-
-    for k in sorted({0, len(bounds) - 1}):
-        evaluate(k)
-    stack = [(0, len(bounds) - 1)]
-    while stack:
-        lo, hi = stack.pop()
-        if hi - lo <= 1:
-            continue
-        u = fit(hi, budget - bounds[lo + 1])
-        if u is None or (best is not None and (u, int(rows[hi][u]) + bounds[lo + 1]) >= best[:2]):
-            continue
-        mid = (lo + hi) // 2
-        evaluate(mid)
-        stack += [(lo, mid), (mid, hi)]
-    return best
-
-
-def _plan_with(chain: _Chain, bounds: List[int], budget: int, delta: Optional[float], length: int):
     dp = _UnitsDP(chain, delta, length)
-    found = _least_units(dp, bounds, budget, length)
-    if found is None:
+    last = dp.run(budget, length)
+    ok = last <= budget
+    if not ok.any():
         return None, 0
-    units, _, b = found
-    segs, boundaries = dp.trace(b, units)
+    units = int(np.argmax(ok))
+    segs, boundaries = dp.trace(budget, units)
     return _finish(chain.costs, _merge_kept(segs), budget, boundaries, chain.chained), units
 
 
 def _plan_within(chain: _Chain, budget: int) -> Plan:
     """The plan of least recompute (certified within 1%; exact on small integer computes) whose need is
     <= budget, which must be at least the least need."""
-    bounds = chain.bounds(budget)
     if chain.least_need(free_only=True) <= budget:  # no recompute needed: the least need of those plans
-        return _plan_with(chain, bounds, budget, None, 1)[0]
+        return _plan_with(chain, budget, None, 1)[0]
     # (a segment taking a pre-norm sum as its input recomputes the input: more than the layers' compute)
     extra = [(p.skipped, p.input_compute) for p in chain.pre_norm if p is not None] if chain.boundary_hows else []
     n, total = chain.n, max(pc[-1] for pc in chain.pc.values()) + sum(x[1] for x in extra)
     if all(float(c).is_integer() for pc in chain.pc.values() for c in pc) and \
             all(float(t).is_integer() for tl in chain.tailc.values() for t in tl) and \
             all(float(x).is_integer() for pair in extra for x in pair) and total <= 100 * n:
-        return _plan_with(chain, bounds, budget, 1.0, int(total) + 1)[0]  # exact
+        return _plan_with(chain, budget, 1.0, int(total) + 1)[0]  # exact
     floor = max(_RESOLUTION * total, sys.float_info.min)  # no unit finer (and none subnormal: 1 / it overflows)
     scale, delta = total, max(total / (_COARSE_UNITS * n), floor)
     while True:
-        plan, units = _plan_with(chain, bounds, budget, delta, int(scale // delta) + 1)
+        plan, units = _plan_with(chain, budget, delta, int(scale // delta) + 1)
         if plan.recompute <= _CERTIFIED * delta * units:
             return plan
         if delta <= floor:
@@ -671,11 +679,12 @@ def plan_chain(costs: Sequence[LayerCost], budget: Optional[int], chained: Optio
     if shared_bytes < 0:
         raise ValueError(f"shared_bytes must be non-negative, got {shared_bytes}")
     chain = _Chain(costs, chained, KEEPS[keep])
-    least = chain.least_need() + shared_bytes
+    fixed = shared_bytes + working_bytes(costs)  # held or alive whatever the plan
+    least = chain.least_need() + fixed
     if budget is not None and least > budget:
         raise ValueError(f"the memory budget {fmt_bytes(budget)} is below the least achievable for this model "
                          f"and input: {fmt_bytes(least)} ({least} bytes) of activations")
-    plan = _plan_within(chain, (least if budget is None else budget) - shared_bytes)
+    plan = _plan_within(chain, (least if budget is None else budget) - fixed)
     plan.budget = budget
     plan.held_bytes += shared_bytes
     plan.shared_bytes = shared_bytes

@@ -67,6 +67,8 @@ class StackPlanner:
         self.backward: List[Optional[float]] = [None] * len(layers)  # measuring: each layer's replay + backward
         self.chained: List[bool] = [True] * len(layers)  # layer i is called on layer i-1's output
         self.outputs: List[Optional[weakref.ref]] = [None] * len(layers)  # while measuring: what each passed on
+        # per layer measured: what its working set was measured for (the same kind of layer and input: measured once)
+        self.work_keys: List[Optional[tuple]] = [None] * len(layers)
         self.plan: Optional[Plan] = None
         self.installed = False
         self.shape = None  # input shape the plan was made for
@@ -86,6 +88,7 @@ class StackPlanner:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("work_keys", [None] * len(self.layers))  # (pickled before it existed)
         self.index = {id(m): i for i, m in enumerate(self.layers)}
 
     def replan(self, budget: int) -> Plan:
@@ -192,6 +195,7 @@ class StackPlanner:
         # saw until then); each level's skipped time is the fastest run's.
         saved, elapsed, probe, cpu, levels = None, None, None, 0.0, {}
         tail = (0.0, 0.0)  # (seconds, CPU seconds) of a fused layer's last linear (LayerCost.tail_compute)
+        tail_replay = 0  # the bytes of its input (LayerCost.tail_replay_bytes)
         for _ in range(_PROBE_RUNS):
             spy = LevelProbe(sync, gemms=gemms) if attention and not fused else None
             storages, seconds, cpu_seconds = _measure(layer, args, kwargs, device, sync, spy)
@@ -220,8 +224,11 @@ class StackPlanner:
                         spy.clear()
                 levels = _fused_levels(layer, args, kwargs, device, sync, probe, shared) if gemms else {}
                 tail = levels.pop(_TAIL, (0.0, 0.0))
+                tail_replay = levels.pop(_TAIL_BYTES, 0)
             # a fused segment keeps them in pool slots (whole multiples of the pool's alignment)
             attn_bytes, attn_seconds, self.why[i] = probe.result(_POOL_ALIGNMENT if fused else 1)
+        if fused and not (attention and gemms):  # (else _fused_levels measured it)
+            tail_replay = _tail_input(layer, args, kwargs, device, sync, shared)
         boundary = hidden.untyped_storage().nbytes() if hidden is not None else 0
         if hidden is not None and is_pooled(hidden):  # the output of a fused segment before: a pool slot
             boundary = -(-boundary // _POOL_ALIGNMENT) * _POOL_ALIGNMENT
@@ -230,8 +237,15 @@ class StackPlanner:
         # (the levels keeping GEMM outputs run without BERT's pre-norm boundary: planner.BOUNDARY_HOWS)
         pre_norm, self.cpu_pre_norm[i] = _pre_norm(layer, args, kwargs, hidden, device, sync) \
             if fused and self.keep in ("auto", "boundaries", "attention") else (None, (0.0, 0.0))
+        # the working set, measured once per kind of layer and input (identical layers have the same)
+        key = (type(layer).__name__, tuple((tuple(q.shape), q.dtype, q.requires_grad) for q in layer.parameters()),
+               None if hidden is None else (tuple(hidden.shape), hidden.dtype, hidden.requires_grad), saved)
+        work = next((c.work_bytes for c, k in zip(self.costs, self.work_keys) if c is not None and k == key), None)
+        if work is None:
+            work = _working_set(layer, args, kwargs, hidden, device, saved, max(0, saved - tail_replay))
+        self.work_keys[i] = key
         self.costs[i] = LayerCost(saved, boundary, elapsed, attn_bytes, attn_seconds if attn_bytes is not None else 0.0,
-                                  extra, pre_norm, tail[0])
+                                  extra, pre_norm, tail[0], work, tail_replay)
         # the same runs' process CPU time (the benchmarks compare it on a shared machine)
         skipped = {name: v[3] for name, v in levels.items()}
         skipped["attention"] = probe.cpu_seconds if attn_bytes is not None else 0.0
@@ -283,6 +297,7 @@ def _probe_seconds(probe: LevelProbe) -> float:
 
 
 _TAIL = "tail"  # in _fused_levels' answer: (seconds, CPU seconds) of the layer's last linear (LayerCost.tail_compute)
+_TAIL_BYTES = "tail_bytes"  # ... and the bytes of its input a segment's replay does not rebuild (tail_replay_bytes)
 
 # The GEMMs of one fused layer call that the recompute levels keep (layers::KeptGemms sites), per family: their
 # number, and whether the last is the layer's last linear (its output is not kept in a segment's last layer).
@@ -306,6 +321,7 @@ class _FusedGemms(TorchDispatchMode):
         self.sync = sync or (lambda: None)
         self.calls: List[Tuple[torch.UntypedStorage, float, float]] = []
         self.numels: List[int] = []  # per call, its output's elements
+        self.inputs: List[Tuple[int, int]] = []  # per call, its input operand's storage (address, bytes)
         self.act = (0.0, 0.0)  # (seconds, CPU seconds) of the last activation op of the run
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -324,6 +340,8 @@ class _FusedGemms(TorchDispatchMode):
         self.sync()
         self.calls.append((out.untyped_storage(), probe_time() - start, time.process_time() - cpu))
         self.numels.append(out.numel())
+        x = (args[0] if func is self._OPS[0] else args[1]).untyped_storage()
+        self.inputs.append((x.data_ptr(), x.nbytes()))
         return out
 
 
@@ -348,8 +366,12 @@ def _pre_norm(layer: FusedTransformerLayer, args: Tuple, kwargs: Dict, hidden: O
     gemm = None
     for _ in range(_PROBE_RUNS):
         spy = _FusedGemms(sync)
-        _measure(layer, args, kwargs, device, sync, spy)
+        saved, _, _ = _measure(layer, args, kwargs, device, sync, spy)
         found = [(sec, cpu) for (_, sec, cpu), n in zip(spy.calls, spy.numels) if n == hidden.numel()]
+        # the output GEMM's input (the activation's output): not rebuilt by a replay ending with the boundary where
+        # the activation's backward writes it (saved by the layer: else its bytes are in no replay)
+        inp = [x for x, n in zip(spy.inputs, spy.numels) if n == hidden.numel()]
+        replay = inp[-1][1] if inp and inp[-1][0] in saved and _C.tail_activation_in_backward() else 0
         spy.calls.clear()
         if found and _C.tail_activation_in_backward():  # the replay skips the activation before that GEMM too
             found[-1] = (found[-1][0] + spy.act[0], found[-1][1] + spy.act[1])
@@ -373,8 +395,27 @@ def _pre_norm(layer: FusedTransformerLayer, args: Tuple, kwargs: Dict, hidden: O
             del r
             if norm is None or seconds[0] < norm[0]:
                 norm = seconds
-    pre_norm = PreNorm(kept if keeps else 0, gemm[0] + norm[0] if keeps else 0.0, norm[0], keeps)
+    pre_norm = PreNorm(kept if keeps else 0, gemm[0] + norm[0] if keeps else 0.0, norm[0], keeps,
+                       replay if keeps else 0)
     return pre_norm, ((gemm[1] + norm[1]) if keeps else 0.0, norm[1])
+
+
+def _tail_input(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, shared: Dict[int, int]) -> int:
+    """LayerCost.tail_replay_bytes of fused layer `layer` where _fused_levels does not run (keep="boundaries" or
+    "attention"): the bytes of its last linear's input, which a segment's replay of it as its last layer does not
+    rebuild (the activation's backward writes it: _C.tail_activation_in_backward), as _fused_levels finds them; 0
+    for a family without a last linear, a call with LoRA adapters (it runs as before) or the switch off."""
+    from ._layout import FAMILY_NAMES
+    count, last_linear = _FUSED_SITES.get(FAMILY_NAMES[layer.family], (5, True))
+    if not last_linear or layer._adapter_terms()[0] is not None or not _C.tail_activation_in_backward():
+        return 0
+    gemms = _FusedGemms(sync)
+    saved, _, _ = _measure(layer, args, kwargs, device, sync, gemms)
+    gemms.calls.clear()
+    if len(gemms.inputs) != count:
+        return 0
+    ptr = gemms.inputs[-1][0]
+    return saved.get(ptr, 0) if ptr not in shared else 0
 
 
 def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, probe: LevelProbe,
@@ -400,10 +441,12 @@ def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.dev
         sites = [(st.data_ptr(), st.nbytes(), sec, cpu) for st, sec, cpu in gemms.calls]
         saved = {p: n for p, n in saved.items() if p not in shared}
         overlaps = [saved.get(ptr, 0) for ptr, *_ in sites]
+        # the last linear's input, where the layer saves it (LayerCost.tail_replay_bytes)
+        tail_input = saved.get(gemms.inputs[-1][0], 0)
         gemms.calls.clear()
         if best is None or sum(x[2] for x in sites) < sum(x[2] for x in best[0]):
-            best = (sites, overlaps, gemms.act)
-    sites, overlaps, act = best
+            best = (sites, overlaps, gemms.act, tail_input)
+    sites, overlaps, act, tail_input = best
     attn_kept, attn_seconds, _ = probe.result(_POOL_ALIGNMENT)
     attn_cpu = probe.cpu_seconds if attn_kept is not None else 0.0
     out = {}
@@ -425,9 +468,105 @@ def _fused_levels(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.dev
         out[level] = (kept, overlap, seconds, cpu, whole, tail)
     if last_linear:  # the segment's replay stops before its last layer's last linear (LayerCost.tail_compute), and
         # before the activation computing its input where _C.tail_activation_in_backward is on (issue 33)
-        act = act if _C.tail_activation_in_backward() else (0.0, 0.0)
+        on = _C.tail_activation_in_backward()
+        act = act if on else (0.0, 0.0)
         out[_TAIL] = (sites[-1][2] + act[0], sites[-1][3] + act[1])
+        # nor does it rebuild that linear's input, which the activation's backward writes in place (switch on)
+        out[_TAIL_BYTES] = tail_input if on else 0
     return out
+
+
+_MARKS = (1000003, 1000033, 1000037)  # byte sizes of _working_set's markers (primes: no tensor of its run has them)
+
+
+def _working_set(layer: nn.Module, args: Tuple, kwargs: Dict, hidden: torch.Tensor, device: torch.device,
+                 saved: int, replay: int) -> int:
+    """LayerCost.work_bytes of `layer`: throw-away forwards and backwards (RNG forked; the parameters' gradients
+    returned, not accumulated), their allocations read from the allocator's events (torch.profiler,
+    profile_memory=True: exact, C++ temporaries included). The largest of: the forward's peak of live bytes above
+    what was live before it (its saved tensors, temporaries, output) less `saved` (its act_bytes, counted by the
+    plan); its backward's peak above what was live before it (its saved tensors freed on the way count negative)
+    plus its output's gradient, the parameters' gradients not counted (a plan's budget is of activations); and, for
+    a fused layer, the same for its backward as a checkpointed one-layer segment (a C++ replay, then the replayed
+    graph's backward: other kernels, other temporaries) less `replay` (its replay bytes there, counted by the plan).
+    0 where it cannot be measured: no floating-point hidden state, an output that needs no gradient, a profiler
+    already running (profilers do not nest), under torch.compile."""
+    if hidden is None or not hidden.is_floating_point() or torch.autograd._profiler_enabled() or \
+            torch.compiler.is_compiling():
+        return 0
+    x = hidden.detach().requires_grad_(hidden.requires_grad)
+    forward, backward = _alloc_peaks(layer, lambda: type(layer).forward(layer, x, *args[1:], **kwargs), x, device)
+    work = max(forward - saved, backward, 0)
+    if isinstance(layer, FusedTransformerLayer):
+        from .fused import run_segment
+
+        def segment():
+            out = run_segment([layer], (x,) + tuple(args[1:]), kwargs, pre_norm_boundary=False)
+            return None if out is NotImplemented else out
+        _, backward = _alloc_peaks(layer, segment, x, device)
+        work = max(work, backward - replay)
+    return work
+
+
+def _alloc_peaks(layer: nn.Module, forward: Callable, x: torch.Tensor, device: torch.device) -> Tuple[int, int]:
+    """(peak of live bytes during forward() above those live before it; peak during the backward of its first output
+    from a gradient of ones above those live before it, plus that gradient's bytes, the parameters' gradients not
+    counted), from the allocator's events; (0, 0) where forward() returns None."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch._C._profiler import _EventType
+    params = [q for q in layer.parameters() if q.requires_grad]
+    leaves = [t for t in [x] + params if t.requires_grad]
+    grads: List[int] = []
+    found = [0]  # its output gradient's bytes
+
+    def run():
+        torch.empty(_MARKS[0], dtype=torch.uint8)
+        out = forward()
+        first = next((t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)
+        torch.empty(_MARKS[1], dtype=torch.uint8)
+        if first is None or not first.requires_grad or not leaves:
+            return
+        g = torch.ones_like(first)
+        found[0] = g.untyped_storage().nbytes()
+        torch.empty(_MARKS[2], dtype=torch.uint8)
+        got = torch.autograd.grad(first, leaves, g, allow_unused=True)
+        grads.extend(t.untyped_storage().data_ptr() for t in got[1 if x.requires_grad else 0:] if t is not None)
+        torch.empty(_MARKS[0], dtype=torch.uint8)
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            profile(activities=acts, profile_memory=True) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == device.type:
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+    events.sort(key=lambda ev: ev[0])
+    last = {ptr: k for k, (_, ptr, size) in enumerate(events) if size > 0}
+    skip = {last[p] for p in grads if p in last}  # the allocations that end as a parameter's gradient
+    counted, live, phase, peaks = 0, {}, None, {1: 0, 3: 0}
+    for k, (_, ptr, size) in enumerate(events):
+        if abs(size) in _MARKS:
+            if size < 0:  # a marker is freed at once: its free marks the moment
+                phase = {0: 1 if phase is None else None, 1: 2, 2: 3}[_MARKS.index(-size)]
+                if phase in peaks:
+                    counted = 0  # bytes above those live when the forward / the backward starts
+            continue
+        if size > 0:
+            if k not in skip:
+                live[ptr] = size
+                counted += size
+        elif ptr in live:
+            counted -= live.pop(ptr)
+        elif phase == 3:  # freed in the backward, allocated before the run (none) or uncounted: a release
+            counted += size
+        if phase in peaks:
+            peaks[phase] = max(peaks[phase], counted)
+    return peaks[1], (peaks[3] + found[0] if found[0] else 0)
 
 
 def _measure(layer: nn.Module, args: Tuple, kwargs: Dict, device: torch.device, sync, spy, hf: bool = False):

@@ -406,7 +406,7 @@ def test_explain_says_what_is_kept_and_budget_plans_use_it_where_planned():
         # same budget may differ when the times do (a loaded machine): found again from the new costs, up to 3 times.
         for _ in range(3):
             shared = sum(p.shared.values())
-            top = sum(c.act_bytes for c in p.costs) + shared
+            top = plan_chain(p.costs, 1 << 50, p.chained, "boundaries", shared).need_bytes  # keeping every layer
             budget = next(b for b in range(least, top, max(1, (top - least) // 100))
                           if any(x[4] for x in segment_costs(p.costs, *(lambda q: (q.segments, q.boundaries, q.chained))(
                               plan_chain(p.costs, b, p.chained, "boundaries", shared)))))

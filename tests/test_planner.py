@@ -66,30 +66,26 @@ def test_recompute_within_one_percent_on_any_computes(costs, frac):
 
 
 def pareto_reference(costs, budget):
-    """The least recompute of a plan fitting `budget`, exactly: for every bound on the largest replay, a
-    DP over segment ends keeping Pareto fronts of (held, recompute) -- the planner's former algorithm,
-    exponential in the worst case, fine for a dozen layers."""
+    """The least recompute of a plan fitting `budget`, exactly: a DP over segment ends keeping Pareto fronts of
+    (bytes held by the prefix, recompute), a checkpointed segment taken only where its replay fits beside the bytes
+    held by it and the prefix before it (the need: planner.py's docstring) -- exponential in the worst case, fine
+    for a dozen layers."""
     n = len(costs)
     pa = [0]
     for c in costs:
         pa.append(pa[-1] + c.act_bytes)
-    best = None
-    for bound in sorted({pa[j] - pa[i] for i in range(n) for j in range(i + 1, n + 1)} | {0}):
-        if bound > budget:
-            break
-        fronts = [[(0, 0.0)]]
-        for j in range(1, n + 1):
-            cand = [(h + costs[j - 1].act_bytes, rc) for h, rc in fronts[j - 1]]
-            cand += [(h + costs[i].boundary_bytes, rc + sum(c.compute for c in costs[i:j]))
-                     for i in range(j) if pa[j] - pa[i] <= bound for h, rc in fronts[i]]
-            front = []
-            for h, rc in sorted(cand):
-                if h + bound <= budget and (not front or rc < front[-1][1]):
-                    front.append((h, rc))
-            fronts.append(front)
-        if fronts[n]:
-            best = min(best if best is not None else float("inf"), fronts[n][-1][1])
-    return best
+    fronts = [[(0, 0.0)]]
+    for j in range(1, n + 1):
+        cand = [(h + costs[j - 1].act_bytes, rc) for h, rc in fronts[j - 1]]
+        cand += [(h + costs[i].boundary_bytes, rc + sum(c.compute for c in costs[i:j]))
+                 for i in range(j) for h, rc in fronts[i]
+                 if h + costs[i].boundary_bytes + pa[j] - pa[i] <= budget]
+        front = []
+        for h, rc in sorted(cand):
+            if h <= budget and (not front or rc < front[-1][1]):
+                front.append((h, rc))
+        fronts.append(front)
+    return fronts[n][-1][1] if fronts[n] else None
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -155,8 +151,13 @@ def test_larger_budget_never_recomputes_more():
 def test_uniform_chain_minimum_is_sqrt_like():
     costs = [LayerCost(100, 10, 1.0)] * 16
     least = plan_chain(costs, None)
-    # groups of g layers: 16/g boundaries of 10 bytes + one replay of 100*g bytes; best near g = 1..2
-    assert least.need_bytes == min(10 * -(-16 // g) + 100 * g for g in range(1, 17))
+    # the k-th checkpointed segment replays beside k boundaries of 10 bytes (those after it are freed by then): a
+    # plan fits a cap C with segments of (C - 10k) // 100 layers, shrinking along the chain; the least C that covers
+    # the 16 layers -- below groups of a fixed g (16/g boundaries + one replay of 100*g bytes: 260)
+    def covers(cap):
+        return sum(max(0, (cap - 10 * k) // 100) for k in range(1, 17)) >= 16
+    assert least.need_bytes == next(c for c in range(1, 2000) if covers(c)) == 230
+    assert least.need_bytes < min(10 * -(-16 // g) + 100 * g for g in range(1, 17))
     sq = sqrt_plan(costs)
     assert [e - s for s, e, _ in sq.segments] == [4, 4, 4, 4] and all(c for *_, c in sq.segments)
     assert sq.recompute == 16.0
@@ -240,7 +241,8 @@ def test_budget_plans_fit_and_give_identical_gradients():
     ref_out, ref_grads, full = _grads(model, x, seed=1)
     plans = []
     least = None
-    for frac in (1.0, 0.75, 0.5, 0.1):
+    # (a plan's need counts the widest layer's working set on top of the bytes held: about half of `full` here)
+    for frac in (1.6, 1.2, 1.0, 0.1):
         budget = int(full * frac)
         ckpt_ext.enable_checkpointing(model, budget=budget)
         assert "pending" in ckpt_ext.explain(model)
@@ -526,10 +528,9 @@ def _step(model, call, seed):
     ("llama", False, True), ("llama", True, True)],
     ids=["llama-plain", "llama-fused", "gpt2-plain", "gpt2-fused", "llama-plain-autocast", "llama-fused-autocast"])
 def test_hugging_face_budget_keeps_attention_where_it_pays(family, fused, autocast):
-    """A budget with room for every layer checkpointed alone keeping its attention, but not for a layer kept
-    whole: the planner keeps attention (it replays less), the bytes held fit the budget and equal the predicted
-    ones, and every gradient is bitwise that of training without checkpointing (GPT-2 with residual dropout;
-    fp32, and CPU autocast bfloat16)."""
+    """A budget with room for every layer checkpointed alone keeping its attention, keep="attention": the plan keeps
+    attention in some group, the bytes held fit the budget and equal the predicted ones, and every gradient is bitwise
+    that of training without checkpointing (GPT-2 with residual dropout; fp32, and CPU autocast bfloat16)."""
     hf = _hf()
     over = {"attn_pdrop": 0.0, "resid_pdrop": 0.1, "embd_pdrop": 0.1} if family == "gpt2" else {}
     model = hf.make_model(family, layers=4, **over).train()
@@ -551,10 +552,11 @@ def test_hugging_face_budget_keeps_attention_where_it_pays(family, fused, autoca
         costs, shared = p.costs, sum(p.shared.values())
         assert all(c.keeps_attention and c.attn_compute > 0 for c in costs), costs
         alone = _finish(costs, [(i, i + 1, ATTENTION) for i in range(4)], None).need_bytes + shared
-        whole = min(plan_chain(costs, None, keep="auto").need_bytes + c.act_bytes for c in costs)
-        assert alone < whole
         budget = alone
-        ckpt_ext.enable_checkpointing(model, budget=budget)
+        # keep="attention": each group kept whole or keeping attention (with keep=None the plan may keep the last
+        # layer whole and replay the others in full -- its bytes are freed before they replay --: which one, the
+        # measured times decide; the choice among levels is brute-force tested above)
+        ckpt_ext.enable_checkpointing(model, budget=budget, keep="attention")
         assert "pending" in ckpt_ext.explain(model)
         steps = [_step(model, call, seed=1) for _ in range(2)]  # measure and plan; run the plan
     plan = _planner_of(model).plan
