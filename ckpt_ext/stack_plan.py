@@ -533,9 +533,10 @@ def _alloc_peaks(layer: nn.Module, forward: Callable, x: torch.Tensor, device: t
         grads.extend(t.untyped_storage().data_ptr() for t in got[1 if x.requires_grad else 0:] if t is not None)
         torch.empty(_MARKS[0], dtype=torch.uint8)
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    # CPU activity only: the allocators (CPU and CUDA's caching allocator) report their events to the profiler
+    # whatever activities it traces, and tracing CUDA kernels would initialise CUPTI in the user's first step
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            profile(activities=acts, profile_memory=True) as prof:
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
