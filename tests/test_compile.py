@@ -26,7 +26,6 @@ import pytest
 import torch
 import torch._dynamo
 from torch import nn
-from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
 import ckpt_ext
@@ -38,6 +37,7 @@ from ckpt_ext.stack import _ATTR
 from reference import assert_grads_close, leaf_inputs, make_block, make_stack, run_step
 from helpers.hf_models import inputs_for, layers_of, make_model  # noqa: E402  (tiny Hugging Face models)
 
+from helpers.compiling import Recorder  # noqa: E402
 from helpers.devices import requires_cuda  # noqa: E402
 
 CHECKPOINT_OP = "tag_activation_checkpoint"  # torch's activation-checkpoint higher-order op
@@ -51,22 +51,6 @@ def _fresh_dynamo():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
-
-
-class Recorder:
-    """A torch.compile backend: aot_eager, keeping the graphs Dynamo hands it."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return aot_eager(gm, example_inputs)
-
-    def count(self, name: str) -> int:
-        """Calls of the function or operator `name` in the recorded graphs."""
-        return sum(getattr(n.target, "__name__", None) == name or str(n.target) in (name, name + ".default")
-                   for g in self.graphs for n in g.graph.nodes if n.op == "call_function")
 
 
 NOT_CHECKPOINTED_NOTICE = "that is not checkpointed runs as"  # fused._compiled_not_checkpointed's warning

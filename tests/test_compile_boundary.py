@@ -31,6 +31,7 @@ import ckpt_ext.compiled
 import ckpt_ext.fused
 from reference import assert_grads_close, loss_of, run_step
 from helpers.hf_models import H, inputs_for, make_model
+from helpers.compiling import Recorder
 from helpers.pool import allocator_events
 
 pytest.importorskip("transformers")
@@ -48,22 +49,6 @@ def _fresh_dynamo():
     yield
     torch._dynamo.reset()
     ckpt_ext.compiled.USE_OPS_EAGERLY = False
-
-
-class Recorder:
-    """aot_eager, keeping the graphs Dynamo hands it."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.debugging import aot_eager
-        self.graphs.append(gm)
-        return aot_eager(gm, example_inputs)
-
-    def count(self, name):
-        return sum(str(n.target) in (name, name + ".default") for g in self.graphs for n in g.graph.nodes
-                   if n.op == "call_function")
 
 
 def _model(family, dropout, layers=4, every=2, lora=None, dtype=None):
@@ -95,6 +80,16 @@ def _forward(target, kw, autocast):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return target(**kw).last_hidden_state.float()
     return target(**kw).last_hidden_state.float()
+
+
+def _reference(model, kw, dropout):
+    """One eager step of a copy of `model` at seed 4: the eager fused model without dropout; with dropout the
+    operators run eagerly (the compiled path's seeds, drawn in the same order)."""
+    ckpt_ext.compiled.USE_OPS_EAGERLY = bool(dropout)
+    try:
+        return _step(copy.deepcopy(model), kw, seed=4)
+    finally:
+        ckpt_ext.compiled.USE_OPS_EAGERLY = False
 
 
 def _step(model, kw, seed, target=None, autocast=False):
@@ -156,14 +151,7 @@ def test_compiled_boundary_gradients_are_bit_identical(family, every, dropout):
     compiled path without it (bit for bit); without dropout the eager fused model's, with dropout the same
     operators run eagerly (the same seeds drawn in the same order)."""
     model, kw = _model(family, dropout, layers=4, every=every)
-    if dropout:
-        ckpt_ext.compiled.USE_OPS_EAGERLY = True
-        try:
-            reference = _step(copy.deepcopy(model), kw, seed=4)
-        finally:
-            ckpt_ext.compiled.USE_OPS_EAGERLY = False
-    else:
-        reference = _step(copy.deepcopy(model), kw, seed=4)
+    reference = _reference(model, kw, dropout)
     compiled, backend = _compiled(model)
     got = _step(model, kw, 4, compiled)
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -203,14 +191,7 @@ def test_compiled_boundary_with_lora(targets, keeps, dropout):
     adapters elsewhere keep it. The gradients of the compiled path without the boundary, bit for bit, and of the
     eager reference (the eager fused model without dropout; the operators run eagerly with dropout)."""
     model, kw = _model("bert", dropout, layers=4, every=2, lora=targets)
-    if dropout:
-        ckpt_ext.compiled.USE_OPS_EAGERLY = True
-        try:
-            reference = _step(copy.deepcopy(model), kw, seed=4)
-        finally:
-            ckpt_ext.compiled.USE_OPS_EAGERLY = False
-    else:
-        reference = _step(copy.deepcopy(model), kw, seed=4)
+    reference = _reference(model, kw, dropout)
     compiled, backend = _compiled(model)
     got = _step(model, kw, 4, compiled)
     assert backend.count(BOUNDARY_OP) == (2 if keeps else 0)
